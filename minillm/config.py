@@ -1,0 +1,129 @@
+"""Engine configuration: one frozen dataclass per section, validated with messages that name the key.
+
+The YAML layer (configs/*.yaml, --set overrides) lives in minillm/config_loader.py and produces these.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message names the key, the value and what is allowed."""
+
+
+def _check(cond: bool, key: str, value, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None          # HF directory, preset name (e.g. "qwen3-0.6b") or None = demo model
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"         # auto | safetensors | dummy
+    max_model_len: int | None = None  # None = from the model's config (capped by max_position_embeddings)
+
+    def validate(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+               "one of auto, float32, bfloat16, float16")
+        _check(self.load_format in ("auto", "safetensors", "dummy"), "model.load_format", self.load_format,
+               "one of auto, safetensors, dummy")
+        _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+               "model.max_model_len", self.max_model_len, "an integer >= 2 or null")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None      # None = size from gpu_memory_utilization (GPU) or a CPU default
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        _check(self.block_size in (8, 16, 32, 64), "cache.block_size", self.block_size, "one of 8, 16, 32, 64")
+        _check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
+               "cache.num_kv_blocks", self.num_kv_blocks, "an integer >= 1 or null")
+        _check(isinstance(self.gpu_memory_utilization, (int, float)) and 0.05 <= self.gpu_memory_utilization <= 0.99,
+               "cache.gpu_memory_utilization", self.gpu_memory_utilization, "a number in [0.05, 0.99]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0   # 0 = no per-request chunk cap
+    policy: str = "fcfs"                    # fcfs | priority | static
+
+    def validate(self) -> None:
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "scheduler.max_num_seqs",
+               self.max_num_seqs, "an integer >= 1")
+        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+               "scheduler.max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
+        _check(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
+               "scheduler.long_prefill_token_threshold", self.long_prefill_token_threshold, "an integer >= 0")
+        _check(self.policy in ("fcfs", "priority", "static"), "scheduler.policy", self.policy,
+               "one of fcfs, priority, static")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    attention: str = "auto"           # auto (cuda kernels on a GPU, torch elsewhere) | cuda | torch
+    attention_mode: str = "split"     # split (decode rows -> decode kernel) | unified (all -> prefill kernel)
+    enforce_eager: bool = False       # True = no CUDA graphs
+    seed: int = 0
+    check_integrity: bool = False     # run KV-cache invariant checks after every step (tests / debugging)
+
+    def validate(self) -> None:
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "runtime.device",
+               self.device, "auto, cpu, cuda or cuda:N")
+        _check(self.attention in ("auto", "cuda", "torch"), "runtime.attention", self.attention,
+               "one of auto, cuda, torch")
+        _check(self.attention_mode in ("split", "unified"), "runtime.attention_mode", self.attention_mode,
+               "one of split, unified")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def validate(self) -> "EngineConfig":
+        for section in (self.model, self.cache, self.scheduler, self.runtime):
+            section.validate()
+        return self
+
+    # LLM(...) keyword -> (section, field). Keeps the Python API flat like vLLM's while configs stay sectioned.
+    KWARGS = {
+        "dtype": ("model", "dtype"), "load_format": ("model", "load_format"),
+        "max_model_len": ("model", "max_model_len"),
+        "block_size": ("cache", "block_size"), "num_kv_blocks": ("cache", "num_kv_blocks"),
+        "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+        "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+        "max_num_seqs": ("scheduler", "max_num_seqs"),
+        "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+        "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+        "long_prefill_token_threshold": ("scheduler", "long_prefill_token_threshold"),
+        "scheduling_policy": ("scheduler", "policy"),
+        "device": ("runtime", "device"), "attention": ("runtime", "attention"),
+        "attention_mode": ("runtime", "attention_mode"), "enforce_eager": ("runtime", "enforce_eager"),
+        "seed": ("runtime", "seed"), "check_integrity": ("runtime", "check_integrity"),
+    }
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, base: "EngineConfig | None" = None, **kwargs) -> "EngineConfig":
+        base = base or cls()
+        sections = {f.name: {} for f in dataclasses.fields(cls)}
+        for key, value in kwargs.items():
+            if key not in cls.KWARGS:
+                raise ConfigError(f"unknown engine argument {key!r}; known: {', '.join(sorted(cls.KWARGS))}")
+            section, name = cls.KWARGS[key]
+            sections[section][name] = value
+        if model is not None:
+            sections["model"]["model"] = model
+        cfg = cls(**{name: dataclasses.replace(getattr(base, name), **vals) for name, vals in sections.items()})
+        return cfg.validate()

@@ -1,0 +1,65 @@
+"""A request's state as the scheduler sees it. The runner reads it; only the scheduler/engine mutate it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minillm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"          # never scheduled, or preempted (then num_computed_tokens was reset to 0)
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"    # EOS, stop token id or stop string
+    FINISHED_LENGTH = "length"   # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    # NOTE: the one counter the scheduler closes against the target (prompt + generated tokens).
+    # Chunked prefill, prefix-cache hits and recompute after preemption all move only this counter.
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)   # owned by KVCacheManager; runner reads it
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """The target: every token whose KV must exist before the next token can be sampled."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,86 @@
+"""Per-request sampling parameters, validated at construction so bad values never reach the engine."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled one)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0")
+        if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "in [0, 1]")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "true or false")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "an integer or null")
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not math.isfinite(v) or not (-2.0 <= v <= 2.0):
+                raise bad(name, "in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a finite number > 0")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= 20)):
+            raise bad("logprobs", "an integer in [0, 20] or null")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
