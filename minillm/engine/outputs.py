@@ -57,3 +57,75 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (a prompt with n > 1 has several)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None           # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float                 # time.perf_counter() when add_request was called
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)   # when each output token became visible
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class RequestOutput:
+    """Final result for one prompt, returned by LLM.generate (in prompt order)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics | None = None
+
+    # Convenience accessors for the first (usually only) completion.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
+
+    def __getitem__(self, key: str):
+        """out["text"]-style access, as in seed 000's API."""
+        if key in ("request_id", "prompt_token_ids", "outputs", "metrics", "text", "token_ids",
+                   "finish_reason", "logprobs"):
+            return getattr(self, key)
+        raise KeyError(key)
+
+
+@dataclass
+class StepOutput:
+    """What LLM.step() returns for each request that advanced in this step (streaming deltas)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str                       # safe delta: never a split UTF-8 character or part of a stop string
+    finished: bool
+    finish_reason: str | None
+    time: float                         # time.perf_counter() when these tokens became visible
+    output: RequestOutput | None = None  # set when finished
