@@ -1,0 +1,104 @@
+"""Fused elementwise ops of the decoder layer: one entry point each, CUDA kernel or plain torch.
+
+The model calls only these functions. On a CUDA tensor, when the extension is built and enabled, each call
+goes to one fused kernel (torch.ops.minillm.*); everywhere else the torch code below runs. The torch code
+is also the reference the kernels are tested against, so it stays simple and computes in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_USE_CUDA: bool | None = None
+
+
+def _cuda_ok(x: torch.Tensor) -> bool:
+    global _USE_CUDA
+    if not x.is_cuda:
+        return False
+    if _USE_CUDA is None:
+        from minillm.ops.build import cuda_ops_available
+        _USE_CUDA = cuda_ops_available() and hasattr(torch.ops.minillm, "rms_norm")
+    return _USE_CUDA
+
+
+def set_cuda_fused_ops(enabled: bool | None) -> None:
+    """Force the CUDA kernels on/off (None = decide on first use). For tests and A/B timings."""
+    global _USE_CUDA
+    _USE_CUDA = enabled
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * weight over the last dim."""
+    if _cuda_ok(x):
+        return torch.ops.minillm.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); residual None means the first layer (residual = x).
+
+    The sum is rounded to the activation dtype before the norm, as HF's decoder layer does, so the fused
+    kernel and this path agree with transformers token for token.
+    """
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    if _cuda_ok(x):
+        return torch.ops.minillm.fused_add_rms_norm(x, residual, weight, eps)
+    s = x + residual
+    return rms_norm_ref(s, weight, eps), s
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    if _cuda_ok(gate_up):
+        return torch.ops.minillm.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
+    """fp32 [max_positions, head_dim]: cos in the first half of each row, sin in the second (neox style)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    t = torch.arange(max_positions, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D]; rotate-half (neox) form used by Qwen2/Qwen3; computed in fp32 like HF.
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int, q_norm_weight: torch.Tensor | None,
+                 k_norm_weight: torch.Tensor | None, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split packed qkv [T, (Hq + 2 Hkv) D] into q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]; apply the per-head
+    RMSNorm to q and k when weights are given (Qwen3; Qwen2 has none), then RoPE at `positions`."""
+    if _cuda_ok(qkv):
+        return torch.ops.minillm.qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+                                              q_norm_weight, k_norm_weight, eps)
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(t, num_heads, head_dim)
+    k = k.reshape(t, num_kv_heads, head_dim)
+    v = v.reshape(t, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = rms_norm_ref(q, q_norm_weight, eps)
+        k = rms_norm_ref(k, k_norm_weight, eps)
+    cs = cos_sin_cache[positions]
+    cos, sin = cs.chunk(2, dim=-1)
+    return _rope_ref(q, cos, sin), _rope_ref(k, cos, sin), v
