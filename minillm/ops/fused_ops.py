@@ -66,10 +66,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
     """fp32 [max_positions, head_dim]: cos in the first half of each row, sin in the second (neox style)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-    t = torch.arange(max_positions, dtype=torch.float64, device=device)
+    # fp32 throughout, the way transformers computes it, so positions map to bit-identical angles.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    t = torch.arange(max_positions, dtype=torch.float32, device=device)
     freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
