@@ -1,0 +1,70 @@
+"""Reference workloads reproduce DESIGN section 6 exactly and deterministically; YAML files are validated."""
+import pytest
+
+from minillm.bench.workloads import (REFERENCE_INPUT_TOKENS, REFERENCE_OUTPUT_TOKENS, check_reference_totals,
+                                     load_workload, offline_workload, online_workload, reference_offline)
+
+
+def test_offline_reference_totals():
+    w = reference_offline()
+    assert w.num_requests == 256
+    assert (w.input_tokens, w.output_tokens) == (REFERENCE_INPUT_TOKENS, REFERENCE_OUTPUT_TOKENS) == (142_827, 133_966)
+    assert all(100 <= len(p) <= 1024 and 100 <= m <= 1024 for p, m in zip(w.prompts, w.max_tokens))
+    assert all(0 <= t <= 10000 for p in w.prompts for t in p)
+    assert w.temperature == 0.6 and w.max_model_len == 2048
+    check_reference_totals(w)
+
+
+def test_offline_is_deterministic_and_head_is_a_prefix():
+    a, b = reference_offline(), reference_offline()
+    assert a.prompts == b.prompts and a.max_tokens == b.max_tokens
+    h = a.head(4)
+    assert h.prompts == a.prompts[:4] and h.max_tokens == a.max_tokens[:4]
+    with pytest.raises(RuntimeError, match="drifted"):
+        check_reference_totals(h)
+    with pytest.raises(ValueError, match="num_requests"):
+        a.head(0)
+    with pytest.raises(ValueError, match="num_requests"):
+        a.head(257)
+
+
+def test_offline_rejects_lengths_past_max_model_len():
+    with pytest.raises(ValueError, match="max_model_len"):
+        offline_workload(num_requests=2, prompt_len=(10, 100), output_len=(10, 100), max_model_len=150)
+    with pytest.raises(ValueError, match="prompt_len"):
+        offline_workload(num_requests=2, prompt_len=(50, 10))
+
+
+def test_online_reference_shape_and_determinism():
+    w = online_workload()
+    assert w.num_requests == 240 and w.max_model_len == 8192
+    lens = [len(p) for p in w.prompts]
+    long = [n for n in lens if n >= 4096]
+    assert len(long) == 24 and all(n <= 7680 for n in long)
+    assert all(128 <= n <= 512 for n in lens if n < 4096)
+    assert all(128 <= m <= 256 for m in w.max_tokens)
+    arr4, arr8 = w.arrivals(4.0), w.arrivals(8.0)
+    assert arr4 == sorted(arr4) and arr8[-1] == pytest.approx(arr4[-1] / 2)
+    # mean gap of a rate-4 Poisson process is 0.25 s; 240 draws land well within +-30%
+    assert 0.175 < arr4[-1] / 240 < 0.325
+    again = online_workload()
+    assert again.prompts == w.prompts and again.unit_arrivals == w.unit_arrivals
+    assert online_workload(seed=1).unit_arrivals != w.unit_arrivals
+    with pytest.raises(ValueError, match="rate"):
+        w.arrivals(0)
+
+
+def test_yaml_workload(tmp_path):
+    path = tmp_path / "small.yaml"
+    path.write_text("kind: offline\nnum_requests: 5\nprompt_len: [4, 8]\noutput_len: [2, 3]\nmax_model_len: 64\n")
+    w = load_workload(path)
+    assert w.name == "small" and w.num_requests == 5
+    assert all(4 <= len(p) <= 8 for p in w.prompts) and all(2 <= m <= 3 for m in w.max_tokens)
+    path.write_text("kind: online\nnum_requests: 3\nbogus: 1\n")
+    with pytest.raises(ValueError, match="bogus"):
+        load_workload(path)
+    path.write_text("kind: closed\n")
+    with pytest.raises(ValueError, match="kind"):
+        load_workload(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_workload(tmp_path / "missing.yaml")
