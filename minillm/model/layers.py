@@ -1,0 +1,99 @@
+"""Building blocks of the Qwen decoder: packed linear layers, RMSNorm, attention and SwiGLU MLP.
+
+Parameters are created with torch.empty (no init kernels): the loader fills them from safetensors or with
+dummy random values, so building even the 0.6B shape costs no extra pass over memory. All elementwise math
+goes through minillm.ops.fused_ops, where the CUDA kernels plug in.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.attention.metadata import AttentionMetadata
+from minillm.model.arch import ModelArchConfig
+from minillm.ops.fused_ops import qk_norm_rope, silu_and_mul
+
+
+def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` names the row ranges of a packed weight, e.g. {"q": (0, 2048), ...}, so the
+    loader can copy each checkpoint tensor straight into its slice."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device,
+                 shards: dict[str, tuple[int, int]] | None = None):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.shards = shards or {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight and eps; the computation is a fused_ops call made by the caller (with or without the
+    residual add), so the module has no forward of its own."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, device):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+
+def _row_shards(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    shards, start = {}, 0
+    for name, size in sizes.items():
+        shards[name] = (start, start + size)
+        start += size
+    return shards
+
+
+class Attention(nn.Module):
+    """QKV in one GEMM, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection."""
+
+    def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype, device):
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.eps = arch.rms_norm_eps
+        self.scale = arch.head_dim ** -0.5
+        self.attn_backend = attn_backend
+        shards = _row_shards({"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size})
+        self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias,
+                               dtype=dtype, device=device, shards=shards)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype, device=device)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qk_norm_rope(
+            qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None, self.eps)
+        k_cache, v_cache = kv_cache
+        out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up packed into one GEMM: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, arch: ModelArchConfig, *, dtype, device):
+        super().__init__()
+        i = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * i, bias=False, dtype=dtype, device=device,
+                                   shards=_row_shards({"gate": i, "up": i}))
+        self.down_proj = Linear(i, arch.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -1,0 +1,88 @@
+"""Qwen3 / Qwen2 causal LM over a flat token batch and a paged KV cache.
+
+One class serves both architectures: Qwen2 differs by a bias on q/k/v and no per-head q/k norm, both read
+from ModelArchConfig. Parameter names follow HF's with q/k/v packed into `qkv_proj` and gate/up into
+`gate_up_proj` (see minillm/model/loader.py for the mapping).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.attention.metadata import AttentionMetadata
+from minillm.model.arch import ModelArchConfig
+from minillm.model.layers import MLP, Attention, RMSNorm, _param
+from minillm.ops.fused_ops import fused_add_rms_norm, rope_cos_sin_cache
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype, device):
+        super().__init__()
+        self.self_attn = Attention(arch, attn_backend, dtype=dtype, device=device)
+        self.mlp = MLP(arch, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is deferred into the next norm (fused); residual None = first layer.
+        ln = self.input_layernorm
+        x, residual = fused_add_rms_norm(x, residual, ln.weight, ln.eps)
+        x = self.self_attn(x, positions, cos_sin_cache, kv_cache, meta)
+        ln = self.post_attention_layernorm
+        x, residual = fused_add_rms_norm(x, residual, ln.weight, ln.eps)
+        return self.mlp(x), residual
+
+
+class QwenModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype, device):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, attn_backend, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, input_ids, positions, cos_sin_cache, kv_caches, meta) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, meta)
+        # Final norm takes the last layer's pending residual add, fused like the others.
+        x, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
+
+
+class QwenForCausalLM(nn.Module):
+    """forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, H]; compute_logits(hidden[N]) ->
+    fp32 logits[N, vocab]. The runner picks the rows that need logits (last token of each sequence)."""
+
+    def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.arch = arch
+        self.model = QwenModel(arch, attn_backend, dtype=dtype, device=device)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        # Built once in fp32 for every position the model supports; not saved with the weights.
+        cache = rope_cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, device=device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != self.arch.num_hidden_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
+                             f"{self.arch.num_hidden_layers} layers")
+        return self.model(input_ids, positions, self.cos_sin_cache, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
