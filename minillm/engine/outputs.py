@@ -128,4 +128,5 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     time: float                         # time.perf_counter() when these tokens became visible
-    output: RequestOutput | None = None  # set when finished
+    output: RequestOutput | None = None  # set when the request (all n completions) has finished
+    index: int = 0                      # which of the request's n completions advanced

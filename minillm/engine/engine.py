@@ -1,0 +1,181 @@
+"""LLMEngine: one step = schedule -> execute -> update -> detokenize. Owns the request table.
+
+Data flow is explicit: the Scheduler produces a SchedulerOutput, the ModelRunner turns it into a
+ModelRunnerOutput, the Scheduler applies it. The engine alone talks to both and to the tokenizer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from minillm.config import EngineConfig
+from minillm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from minillm.engine.prompts import PromptPreparer
+from minillm.engine.scheduler import Scheduler
+from minillm.request import Request, RequestStatus
+from minillm.runner.model_runner import ModelRunner
+from minillm.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class _Completion:
+    request: Request
+    detok: object | None                 # IncrementalDetokenizer when text is streamed or stop strings exist
+    num_reported: int = 0
+    logprobs: list | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """A user request: n completions sharing one prompt (their full prompt blocks are shared via the
+    prefix cache) and one metrics record."""
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    metrics: RequestMetrics
+    stream: bool
+    outputs: list[CompletionOutput | None] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(o is not None for o in self.outputs)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg)
+        self.max_model_len = self.runner.max_model_len
+        self.prompts = PromptPreparer(self.runner.model_dir, self.runner.arch, self.max_model_len)
+        self.tokenizer = self.prompts.tokenizer
+        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, self.runner.num_blocks, self.max_model_len)
+        self._groups: dict[str, _Group] = {}
+        self._child: dict[str, tuple[_Group, int]] = {}
+        self._pending: list[StepOutput] = []
+        self._ids = itertools.count()
+
+    # ---- admission -------------------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, stream: bool = True) -> str:
+        """Validate, then admit. Raises ValueError naming the problem; a rejected request leaves no state."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self.prompts.prepare(prompt, params)
+        children = [self._make_request(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
+        for req in children:
+            # NOTE: the first add validates the fit and raises before any state changes; the others have the
+            # same prompt and params, so they cannot fail after it.
+            self.scheduler.add_request(req)
+        group = _Group(request_id, prompt_ids, [], RequestMetrics(arrival_time=time.perf_counter()), stream,
+                       [None] * params.n)
+        for i, req in enumerate(children):
+            detok = self.prompts.detokenizer(params) if (stream or params.stop) else None
+            group.completions.append(_Completion(req, detok, logprobs=[] if params.logprobs is not None else None))
+            self._child[req.request_id] = (group, i)
+        self._groups[request_id] = group
+        return request_id
+
+    def _make_request(self, rid: str, i: int, prompt_ids, params: SamplingParams, priority: int) -> Request:
+        if params.n > 1 and params.seed is not None:
+            params = _with_seed(params, params.seed + i)   # distinct but reproducible completions
+        child_id = rid if params.n == 1 else f"{rid}#{i}"
+        return Request(child_id, list(prompt_ids), params, eos_token_ids=self.prompts.eos_token_ids,
+                       priority=priority)
+
+    # ---- stepping --------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[StepOutput]:
+        outs, self._pending = self._pending, []
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return outs
+        runner_out = self.runner.execute(so)
+        advanced = self.scheduler.update(so, runner_out)
+        now = time.perf_counter()
+        lps = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
+        finished = []
+        for req in advanced:
+            out = self._advance(req, now, lps.get(req.request_id))
+            if out is not None:
+                outs.append(out)
+            if req.is_finished:
+                finished.append(req.request_id)
+        self.runner.release(finished)
+        if self.cfg.runtime.check_integrity:
+            self.scheduler.check_integrity()
+        return outs
+
+    def _advance(self, req: Request, now: float, logprob) -> StepOutput | None:
+        group, idx = self._child[req.request_id]
+        comp = group.completions[idx]
+        new_ids = req.output_token_ids[comp.num_reported:]
+        comp.num_reported = req.num_output_tokens
+        if new_ids:
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            if idx == 0:
+                group.metrics.token_times.extend([now] * len(new_ids))
+            if comp.logprobs is not None and logprob is not None:
+                comp.logprobs.append(logprob)
+        text = ""
+        if comp.detok is not None:
+            text = comp.detok.add(new_ids)
+            if comp.detok.stopped and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if not req.is_finished and not new_ids:
+            return None
+        return self._emit(group, idx, new_ids, text, now)
+
+    def _emit(self, group: _Group, idx: int, new_ids, text: str, now: float) -> StepOutput:
+        comp = group.completions[idx]
+        req = comp.request
+        if not req.is_finished:
+            return StepOutput(group.request_id, list(new_ids), text, False, None, now, index=idx)
+        if comp.detok is not None:
+            text += comp.detok.flush()
+            full = comp.detok.text
+        else:
+            full = self.prompts.decode(req.output_token_ids)
+        reason = req.status.value
+        group.outputs[idx] = CompletionOutput(idx, full, list(req.output_token_ids), reason, comp.logprobs)
+        del self._child[req.request_id]
+        final = None
+        if group.done:
+            group.metrics.finished_time = now
+            final = RequestOutput(group.request_id, group.prompt_token_ids, group.outputs, group.metrics)
+            del self._groups[group.request_id]
+        return StepOutput(group.request_id, list(new_ids), text if group.stream else "", True, reason, now,
+                          output=final, index=idx)
+
+    # ---- abort -----------------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its completions). Its final StepOutput comes with the next step(). Returns
+        False if the id is unknown or already finished."""
+        group = self._groups.get(str(request_id))
+        if group is None:
+            return False
+        now = time.perf_counter()
+        for idx, comp in enumerate(group.completions):
+            if group.outputs[idx] is None:
+                self.scheduler.finish_request(comp.request.request_id, RequestStatus.FINISHED_ABORTED)
+                self.runner.release([comp.request.request_id])
+                self._pending.append(self._emit(group, idx, [], "", now))
+        return True
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)

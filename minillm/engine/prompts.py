@@ -1,0 +1,65 @@
+"""Prompt preparation: text, token ids or chat messages -> validated prompt token ids; and the text side
+(tokenizer, detokenizers, EOS ids) of the engine. Validation raises ValueError and changes no state."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from minillm.sampling_params import SamplingParams
+
+
+class PromptPreparer:
+    def __init__(self, model_dir: Path | None, arch, max_model_len: int):
+        self.vocab_size = arch.vocab_size
+        self.max_model_len = max_model_len
+        self.tokenizer = None
+        if model_dir is not None and (Path(model_dir) / "tokenizer.json").exists():
+            from minillm.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_dir(model_dir)
+        eos = arch.eos_token_id
+        eos = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+
+    def prepare(self, prompt, params: SamplingParams) -> list[int]:
+        ids = self._to_ids(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model directory has no tokenizer.json")
+        return ids
+
+    def _to_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self._need_tokenizer("a text prompt").encode(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = self._need_tokenizer("chat messages").apply_chat_template(list(prompt), add_generation_prompt=True)
+            return self.tokenizer.encode(text)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, "
+                         f"got {type(prompt).__name__}")
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, and this model has no tokenizer.json; "
+                             "pass prompt token ids instead")
+        return self.tokenizer
+
+    def detokenizer(self, params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from minillm.detokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, list(params.stop))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""

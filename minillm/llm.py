@@ -1,0 +1,127 @@
+"""LLM: the Python API. A thin facade over LLMEngine: offline generate() plus the streaming primitives."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from minillm.config import EngineConfig
+from minillm.engine.engine import LLMEngine
+from minillm.engine.outputs import RequestOutput, StepOutput
+from minillm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self._init(EngineConfig.from_kwargs(model, **engine_kwargs))
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init(cfg.validate())
+        return llm
+
+    def _init(self, cfg: EngineConfig) -> None:
+        self.config = cfg
+        self.engine = LLMEngine(cfg)
+
+    # ---- facts about the loaded engine ----
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_arch(self):
+        return self.engine.runner.arch
+
+    @property
+    def dtype(self):
+        return self.engine.runner.dtype
+
+    @property
+    def device(self):
+        return self.engine.runner.device
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.engine.num_preemptions
+
+    # ---- streaming primitives ----
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        return self.engine.add_request(prompt, params, request_id, priority)
+
+    def step(self) -> list[StepOutput]:
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    # ---- offline ----
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priorities: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. All prompts are validated before any runs:
+        a bad one raises ValueError naming its index and nothing is admitted."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        prios = _per_prompt(priorities, len(prompts), "priorities", default=0)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                self.engine.prompts.prepare(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.engine.add_request(p, sp, priority=pr, stream=False) for p, sp, pr in zip(prompts, params, prios)]
+        results: dict[str, RequestOutput] = {}
+        with _progress(len(ids), use_tqdm) as advance:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.output is not None:
+                        results[out.request_id] = out.output
+                        advance(len(out.output.token_ids))
+        return [results[i] for i in ids]
+
+
+def _per_prompt(value, n: int, name: str, default=None) -> list:
+    if value is None:
+        return [SamplingParams() if default is None else default] * n
+    if isinstance(value, (SamplingParams, int)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+    return value
+
+
+class _progress:
+    """A rich progress bar (requests done, output tokens/s) on stderr, or nothing."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.tokens = total, enabled, 0
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self.bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.fields[tps]}"), console=Console(stderr=True), transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task("gen", total=self.total, tps="")
+
+        def advance(n_tokens: int) -> None:
+            self.tokens += n_tokens
+            elapsed = self.bar.tasks[0].elapsed or 1e-9
+            self.bar.update(task, advance=1, tps=f"{self.tokens / elapsed:,.0f} out tok/s")
+        return advance
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False

@@ -1,0 +1,134 @@
+"""Step inputs: SchedulerOutput -> flat token ids, positions, slot mapping and AttentionMetadata.
+
+Host work is numpy on persistent (pinned) buffers, one H2D copy per field, because at 256 running decodes
+this runs every ~4 ms step and per-request torch ops would cost more than the GPU step itself.
+Each live request owns one row of a persistent block table; new block ids are appended to that row as
+the KV manager grows request.block_ids, so a decode step copies no block ids at all on the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minillm.attention.metadata import AttentionMetadata
+from minillm.engine.outputs import SchedulerOutput
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor       # int64 [T]
+    positions: torch.Tensor       # int64 [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampled]: last row of each seq that samples
+    sample_seq_idx: list[int]     # index into scheduled of each sampled row
+
+
+class BlockTableRows:
+    """Persistent [max_num_seqs, max_blocks] block table; one row per live request."""
+
+    def __init__(self, max_num_seqs: int, max_blocks: int):
+        self.table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self.synced = np.zeros(max_num_seqs, dtype=np.int64)   # how many block ids of the row are valid
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def release(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.synced[row] = 0
+            self.free_rows.append(row)
+
+    def sync(self, req_id: str, block_ids: list[int]) -> int:
+        """Row of the request, with any block ids appended since the last step copied in."""
+        row = self.row_of.get(req_id)
+        if row is None:
+            row = self.free_rows.pop()
+            self.row_of[req_id] = row
+        n, done = len(block_ids), int(self.synced[row])
+        if n != done:
+            # NOTE: block lists only grow while a request lives; a preempted request is released first.
+            self.table[row, done:n] = block_ids[done:n]
+            self.synced[row] = n
+        return row
+
+
+class InputBuilder:
+    def __init__(self, max_num_seqs: int, max_num_tokens: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.max_blocks = cdiv(max_model_len, block_size)
+        self.device = device
+        self.rows = BlockTableRows(max_num_seqs, self.max_blocks)
+        pin = device.type == "cuda"
+        self._host = {
+            "input_ids": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
+            "positions": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
+            "slot_mapping": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
+            "query_start_loc": torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin),
+            "seq_lens": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
+            "logits_indices": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+        }
+        self._np = {k: v.numpy() for k, v in self._host.items()}
+        self._arange = np.arange(max_num_tokens, dtype=np.int64)
+
+    def release(self, req_ids) -> None:
+        for rid in req_ids:
+            self.rows.release(rid)
+
+    def build(self, so: SchedulerOutput) -> StepInputs:
+        self.release(so.preempted_ids)
+        seqs = so.scheduled
+        n = len(seqs)
+        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+        counts = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
+        rows = np.fromiter((self.rows.sync(s.request.request_id, s.request.block_ids) for s in seqs),
+                           dtype=np.int64, count=n)
+        total = int(counts.sum())
+
+        h = self._np
+        qsl = h["query_start_loc"][: n + 1]
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:])
+        ids = h["input_ids"][:total]
+        num_decodes = so.num_decodes
+        ids[:num_decodes] = [s.request.all_token_ids[s.start] for s in seqs[:num_decodes]]
+        for i in range(num_decodes, n):
+            s = seqs[i]
+            ids[qsl[i]:qsl[i + 1]] = s.request.all_token_ids[s.start:s.start + s.num_tokens]
+
+        # position of each token = its seq's start + offset inside the seq's chunk
+        pos = h["positions"][:total]
+        np.add(np.repeat(starts - qsl[:-1], counts), self._arange[:total], out=pos)
+        tok_rows = np.repeat(rows, counts)
+        bs = self.block_size
+        h["slot_mapping"][:total] = self.rows.table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        seq_lens = h["seq_lens"][:n]
+        np.add(starts, counts, out=seq_lens, casting="unsafe")
+        max_seq_len = int(seq_lens.max()) if n else 0
+        sample_idx = [i for i, s in enumerate(seqs) if s.sample]
+        h["logits_indices"][: len(sample_idx)] = qsl[1:][sample_idx] - 1
+        block_tables = self.rows.table[rows, : cdiv(max_seq_len, bs)]
+        return self._to_device(so, n, total, num_decodes, int(counts.max()) if n else 0, max_seq_len,
+                               block_tables, sample_idx)
+
+    def _to_device(self, so, n, total, num_decodes, max_query_len, max_seq_len, block_tables, sample_idx):
+        dev, host = self.device, self._host
+
+        def put(name: str, length: int) -> torch.Tensor:
+            return host[name][:length].to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            num_seqs=n, num_decodes=num_decodes, num_tokens=total, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, slot_mapping=put("slot_mapping", total),
+            query_start_loc=put("query_start_loc", n + 1), seq_lens=put("seq_lens", n),
+            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True), block_size=self.block_size,
+            query_start_loc_cpu=self._np["query_start_loc"][: n + 1].tolist(),
+            seq_lens_cpu=self._np["seq_lens"][:n].tolist())
+        return StepInputs(input_ids=put("input_ids", total), positions=put("positions", total), meta=meta,
+                          logits_indices=put("logits_indices", len(sample_idx)), sample_seq_idx=sample_idx)

@@ -1,0 +1,94 @@
+"""How many KV blocks the pool gets, and the pool itself.
+
+On a GPU the pool takes what is left of gpu_memory_utilization * total memory after the peak of the
+largest possible step (measured by running it once on a scratch cache). On the CPU it is sized to hold
+max_num_seqs full-length sequences, capped at CPU_KV_BYTES.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from minillm.attention.metadata import AttentionMetadata
+from minillm.config import CacheConfig, ConfigError
+
+log = logging.getLogger(__name__)
+CPU_KV_BYTES = 2 << 30
+
+
+def allocate_kv_cache(arch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; per layer (k_cache, v_cache) views.
+    Zero-filled so that a padded row reading a stale slot sees finite numbers, never NaN."""
+    kv = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim,
+                     dtype=dtype, device=device)
+    return [(kv[i, 0], kv[i, 1]) for i in range(arch.num_hidden_layers)]
+
+
+def choose_num_blocks(runner, cache: CacheConfig) -> int:
+    per_block = runner.kv_bytes_per_block()
+    needed_per_seq = runner.blocks_for(runner.max_model_len)
+    if cache.num_kv_blocks is not None:
+        num = cache.num_kv_blocks
+    elif runner.device.type == "cuda":
+        num = _gpu_blocks(runner, cache, per_block)
+    else:
+        want = runner.cfg.scheduler.max_num_seqs * needed_per_seq
+        num = max(min(want, CPU_KV_BYTES // per_block), needed_per_seq)
+    if num < needed_per_seq:
+        raise ConfigError(
+            f"the KV cache holds {num} blocks x {cache.block_size} tokens = {num * cache.block_size} tokens, less "
+            f"than one sequence of max_model_len={runner.max_model_len}: lower model.max_model_len or raise "
+            f"cache.gpu_memory_utilization / cache.num_kv_blocks")
+    return num
+
+
+def _gpu_blocks(runner, cache: CacheConfig, per_block: int) -> int:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    peak = profile_run(runner)
+    free, total = torch.cuda.mem_get_info()
+    non_torch = (total - free) - torch.cuda.memory_reserved()
+    budget = cache.gpu_memory_utilization * total - peak - max(non_torch, 0)
+    num = int(budget // per_block)
+    log.info("KV pool: %d blocks (%.1f GiB); step peak %.2f GiB", num, num * per_block / 2**30, peak / 2**30)
+    if num <= 0:
+        raise ConfigError(f"cache.gpu_memory_utilization={cache.gpu_memory_utilization} leaves no memory for the "
+                          f"KV cache (model + largest step take {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
+    return num
+
+
+@torch.inference_mode()
+def profile_run(runner) -> int:
+    """Run the largest step once (a budget-sized prefill split into max_model_len pieces, then max_num_seqs
+    rows of logits plus sampler-sized scratch) on a scratch KV cache; return peak allocated bytes."""
+    bs = runner.cfg.cache.block_size
+    total = runner.cfg.scheduler.max_num_batched_tokens
+    lens = [min(runner.max_model_len, total - i) for i in range(0, total, runner.max_model_len)]
+    blocks_per = [runner.blocks_for(n) for n in lens]
+    scratch = allocate_kv_cache(runner.arch, sum(blocks_per) + 1, bs, runner.dtype, runner.device)
+    dev = runner.device
+    tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
+    first = 1
+    for i, nb in enumerate(blocks_per):
+        tables[i, :nb] = torch.arange(first, first + nb)
+        first += nb
+    positions = torch.cat([torch.arange(n) for n in lens])
+    slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(lens)])
+    qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    meta = AttentionMetadata(num_seqs=len(lens), num_decodes=0, num_tokens=total, max_query_len=max(lens),
+                             max_seq_len=max(lens), slot_mapping=slots.to(dev), query_start_loc=qsl.to(dev),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                             block_tables=tables.to(dev), block_size=bs, query_start_loc_cpu=qsl.tolist(),
+                             seq_lens_cpu=list(lens))
+    ids = torch.randint(0, runner.arch.vocab_size, (total,), device=dev)
+    hidden = runner.model(ids, positions.to(dev), scratch, meta)
+    rows = torch.arange(runner.cfg.scheduler.max_num_seqs, device=dev) % total
+    logits = runner.model.compute_logits(hidden[rows])
+    scratch_sampler = [torch.empty_like(logits) for _ in range(2)]   # softmax + noise buffers of the sampler
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del hidden, logits, scratch, scratch_sampler
+    torch.cuda.empty_cache()
+    return peak
