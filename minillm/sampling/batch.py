@@ -1,0 +1,167 @@
+"""Per-step sampling tensors, built once per step on the host from the rows that need a token.
+
+Everything a batch does not need is left as None, so the sampler skips its pass over the vocabulary:
+an all-greedy batch without penalties or min_tokens is a single argmax; no penalty tensors unless some row
+uses a penalty; no top-k/top-p tensors unless a sampling row uses them. The per-row scalars travel in one
+packed host->device copy; host work is one Python loop over the requests plus numpy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from minillm.request import Request
+from minillm.sampling.penalties import PenaltyTensors, pad_token_lists
+
+_MASK64 = (1 << 64) - 1
+
+# Rows of the packed [len(_FIELDS), N] float32 parameter matrix.
+_FIELDS = ("temperature", "top_p", "min_p", "top_k", "presence", "frequency", "repetition")
+_T, _P, _MINP, _K, _PRES, _FREQ, _REP = range(len(_FIELDS))
+
+
+def seed_for_token(seed: int, k: int) -> int:
+    """Generator seed for the k-th output token of a request seeded with ``seed``.
+
+    NOTE: depends on (seed, k) only, never on the row or the batch, so a seeded request draws the same noise
+    alone, in any batch, and after preemption + recompute. A splitmix64 finaliser decorrelates neighbouring
+    (seed, k) pairs; the result is kept to 63 bits because Generator.manual_seed takes a signed 64-bit value.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + k * 0xD1B54A32D192ED03 + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass
+class SamplingBatch:
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    greedy_mask: torch.Tensor | None      # bool [N]; None when no row, or every row, is greedy
+    temperature: torch.Tensor | None      # [N, 1]; greedy rows hold 1.0; None when every sampling row has T=1
+    top_k: torch.Tensor | None            # int64 [N]; vocab_size = disabled
+    max_top_k: int                        # host copy of the largest enabled top_k (0 = none)
+    top_p: torch.Tensor | None            # [N]; 1.0 = disabled
+    min_p: torch.Tensor | None            # [N]; 0.0 = disabled
+    penalties: PenaltyTensors | None
+    banned_rows: torch.Tensor | None      # int64 [M]: (row, token) pairs masked to -inf (min_tokens)
+    banned_cols: torch.Tensor | None
+    seeded_rows: list[tuple[int, int]]    # (row, generator seed) of seeded sampling rows
+    any_unseeded: bool                    # some sampling row draws from the shared generator
+    logprobs: list[int | None] | None     # per-row top-N request; None when no row asked
+
+    @classmethod
+    def build(cls, requests: Sequence[Request], device: torch.device | str, vocab_size: int) -> "SamplingBatch":
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+        device = torch.device(device)
+        params = _host_params(requests, vocab_size)
+        greedy = params[_T] == 0.0
+        sampling = ~greedy
+        all_greedy = not sampling.any()
+        # Greedy rows take the argmax before temperature and truncation: neutral values keep them out of both.
+        params[_T, greedy] = 1.0
+        params[_P, greedy] = 1.0
+        params[_MINP, greedy] = 0.0
+        params[_K, greedy] = vocab_size
+        need = {
+            "temperature": not all_greedy and bool((params[_T] != 1.0).any()),
+            "top_k": bool((params[_K] < vocab_size).any()),
+            "top_p": bool((params[_P] < 1.0).any()),
+            "min_p": bool((params[_MINP] > 0.0).any()),
+            "presence": bool((params[_PRES] != 0.0).any()),
+            "frequency": bool((params[_FREQ] != 0.0).any()),
+            "repetition": bool((params[_REP] != 1.0).any()),
+        }
+        dev = torch.from_numpy(params).to(device) if any(need.values()) else None
+        row = lambda i, flag: dev[i] if need[flag] else None  # noqa: E731  (views of the one copy)
+        banned_rows, banned_cols = _min_tokens_mask(requests, vocab_size, device)
+        mixed = not all_greedy and bool(greedy.any())
+        return cls(
+            num_rows=len(requests),
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            greedy_mask=torch.from_numpy(greedy).to(device) if mixed else None,
+            temperature=dev[_T].unsqueeze(1) if need["temperature"] else None,
+            top_k=dev[_K].long() if need["top_k"] else None,
+            max_top_k=int(params[_K][params[_K] < vocab_size].max()) if need["top_k"] else 0,
+            top_p=row(_P, "top_p"),
+            min_p=row(_MINP, "min_p"),
+            penalties=_penalties(requests, dev, need, vocab_size, device),
+            banned_rows=banned_rows,
+            banned_cols=banned_cols,
+            seeded_rows=_seeded_rows(requests, sampling),
+            any_unseeded=any(s and r.sampling_params.seed is None for r, s in zip(requests, sampling)),
+            logprobs=_logprobs(requests),
+        )
+
+
+def _host_params(requests: Sequence[Request], vocab_size: int) -> np.ndarray:
+    """[len(_FIELDS), N] float32 matrix of the per-row scalars (top_k <= 0 or > V becomes V = disabled)."""
+    rows = []
+    for r in requests:
+        sp = r.sampling_params
+        k = sp.top_k if 0 < sp.top_k < vocab_size else vocab_size
+        rows.append((sp.temperature, sp.top_p, sp.min_p, k,
+                     sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty))
+    arr = np.array(rows, dtype=np.float32).reshape(len(rows), len(_FIELDS))
+    return np.ascontiguousarray(arr.T)
+
+
+def _penalties(requests: Sequence[Request], dev: torch.Tensor | None, need: dict, vocab_size: int,
+               device: torch.device) -> PenaltyTensors | None:
+    use_rep, use_out = need["repetition"], need["presence"] or need["frequency"]
+    if not (use_rep or use_out):
+        return None
+
+    def ids(select) -> torch.Tensor:
+        # Only rows that use the penalty ship their tokens; the others are pure padding.
+        return torch.from_numpy(pad_token_lists([select(r) for r in requests], vocab_size)).to(device)
+
+    sp = lambda r: r.sampling_params  # noqa: E731
+    return PenaltyTensors(
+        presence=dev[_PRES].unsqueeze(1) if need["presence"] else None,
+        frequency=dev[_FREQ].unsqueeze(1) if need["frequency"] else None,
+        repetition=dev[_REP].unsqueeze(1) if use_rep else None,
+        output_ids=ids(lambda r: r.output_token_ids if sp(r).presence_penalty or sp(r).frequency_penalty
+                       else None) if use_out else None,
+        seen_ids=ids(lambda r: r.all_token_ids if sp(r).repetition_penalty != 1.0 else None) if use_rep else None,
+    )
+
+
+def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
+                     device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(row, token) pairs to forbid: EOS (unless ignore_eos) and stop_token_ids while fewer than min_tokens
+    outputs exist. Ids outside the logits' width cannot be sampled anyway and are dropped."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(requests):
+        sp = r.sampling_params
+        if len(r.output_token_ids) >= sp.min_tokens:
+            continue
+        banned = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            banned |= r.eos_token_ids
+        for t in banned:
+            if 0 <= t < vocab_size:
+                rows.append(i)
+                cols.append(t)
+    if not rows:
+        return None, None
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(cols, dtype=torch.int64, device=device))
+
+
+def _seeded_rows(requests: Sequence[Request], sampling: np.ndarray) -> list[tuple[int, int]]:
+    return [(i, seed_for_token(r.sampling_params.seed, len(r.output_token_ids)))
+            for i, (r, s) in enumerate(zip(requests, sampling))
+            if s and r.sampling_params.seed is not None]
+
+
+def _logprobs(requests: Sequence[Request]) -> list[int | None] | None:
+    lp = [r.sampling_params.logprobs for r in requests]
+    return lp if any(x is not None for x in lp) else None

@@ -1,0 +1,174 @@
+"""Token sampler: greedy argmax or exponential-race sampling with top-k / top-p / min-p, penalties,
+min_tokens, per-request seeds and logprobs.
+
+Order of operations on a batch of float32 logits [N, V] (modified in place):
+  1. penalties (repetition, then frequency/presence) and the min_tokens mask: greedy rows see them too;
+  2. greedy rows: argmax (an all-greedy batch stops here);
+  3. temperature;
+  4. logprobs, when asked: log-softmax of the logits *after penalties and temperature, before truncation*
+     (so top-N alternatives are real numbers even when top-k/top-p would have cut them);
+  5. truncation: one threshold per row from top-k, then top-p on the renormalised top-k distribution
+     (the token that crosses p is kept), then min-p; everything below the threshold becomes -inf;
+  6. exponential race: token = argmax(probs / E), E ~ Exp(1), which draws exactly from probs (Gumbel-max).
+
+No host syncs: every decision that depends on the batch composition was made on the host by
+SamplingBatch.build. Only logprobs need one transfer (to build Python objects), done once for the batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from minillm.engine.outputs import TokenLogprobs
+from minillm.sampling.batch import SamplingBatch
+from minillm.sampling.penalties import apply_penalties
+
+# Exp(1) draws can be exactly 0 (the uniform hit its endpoint); 0 would turn masked tokens into 0/0 = NaN,
+# which argmax prefers. Clamping to the smallest normal float changes nothing else.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplerResult:
+    token_ids: torch.Tensor                         # int64 [N] on the logits' device
+    logprobs: list[TokenLogprobs | None] | None     # per row; None when no row asked for logprobs
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.seed = seed
+        # Per device: (shared generator of unseeded rows, scratch generator re-seeded for each seeded row).
+        self._generators: dict[torch.device, tuple[torch.Generator, torch.Generator]] = {}
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
+        _check_logits(logits, batch)
+        if batch.penalties is not None:
+            apply_penalties(logits, batch.penalties)
+        if batch.banned_rows is not None:
+            logits[batch.banned_rows, batch.banned_cols] = -math.inf
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+            return SamplerResult(tokens, _logprobs(logits, tokens, batch.logprobs))
+        greedy_tokens = logits.argmax(dim=-1) if batch.greedy_mask is not None else None
+        if batch.temperature is not None:
+            logits.div_(batch.temperature)
+        lp_rows = _log_softmax_rows(logits, batch.logprobs)
+        truncate_logits(logits, batch)
+        tokens = self._race(logits, batch)
+        if greedy_tokens is not None:
+            tokens = torch.where(batch.greedy_mask, greedy_tokens, tokens)
+        return SamplerResult(tokens, _logprobs_from(lp_rows, tokens, batch.logprobs))
+
+    def _race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """argmax(probs / E) with E ~ Exp(1): a sample from probs in one pass over the noise."""
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared, scratch = self._generators_for(probs.device)
+        if batch.any_unseeded:
+            noise.exponential_(generator=shared)
+        for row, seed in batch.seeded_rows:
+            # NOTE: each seeded row draws its own [V] noise from (seed, k) alone; see seed_for_token.
+            scratch.manual_seed(seed)
+            noise[row].exponential_(generator=scratch)
+        return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
+
+    def _generators_for(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+        if device not in self._generators:
+            shared = torch.Generator(device=device)
+            shared.manual_seed(self.seed)
+            self._generators[device] = (shared, torch.Generator(device=device))
+        return self._generators[device]
+
+
+def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if logits.dim() != 2 or logits.shape[0] != batch.num_rows or logits.shape[1] != batch.vocab_size:
+        raise ValueError(f"logits must have shape [{batch.num_rows}, {batch.vocab_size}] (rows x vocab_size "
+                         f"of the SamplingBatch), got {list(logits.shape)}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"logits must be float32, got {logits.dtype}")
+
+
+def truncate_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Mask (to -inf, in place) every token that top-k, top-p or min-p removes from its row."""
+    threshold = _truncation_threshold(logits, batch)
+    if threshold is not None:
+        logits.masked_fill_(logits < threshold, -math.inf)
+
+
+def _truncation_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """Per-row logit threshold [N, 1] below which tokens are masked, or None when nothing truncates."""
+    if batch.top_p is not None:
+        threshold = _top_k_top_p_threshold(logits, batch)
+    elif batch.top_k is not None:
+        threshold = _top_k_threshold(logits, batch)
+    else:
+        threshold = None
+    if batch.min_p is not None:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p): no softmax needed (log(0) = -inf keeps all).
+        min_p_thr = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
+        threshold = min_p_thr if threshold is None else torch.maximum(threshold, min_p_thr)
+    return threshold
+
+
+def _top_k_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """k-th largest logit per row via one topk of the batch's largest k (no full sort)."""
+    values = logits.topk(batch.max_top_k, dim=-1).values
+    k = batch.top_k.unsqueeze(1)
+    kth = values.gather(1, (k.clamp(max=batch.max_top_k) - 1))
+    return torch.where(k < batch.vocab_size, kth, -math.inf)
+
+
+def _top_k_top_p_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """One descending sort serves both: keep the first min(k, kept_p) tokens, where a token is kept by top-p
+    when the renormalised top-k mass strictly before it is < p (so the token that crosses p stays)."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    vocab = batch.vocab_size
+    k = batch.top_k if batch.top_k is not None else torch.full_like(batch.top_p, vocab, dtype=torch.int64)
+    k = k.unsqueeze(1)
+    top_k_mass = cum.gather(1, k - 1)
+    kept_p = ((cum - probs) < batch.top_p.unsqueeze(1) * top_k_mass).sum(dim=-1, keepdim=True)
+    kept = torch.where(batch.top_p.unsqueeze(1) < 1.0, torch.minimum(kept_p, k).clamp_min(1), k)
+    threshold = sorted_logits.gather(1, kept - 1)
+    return torch.where(kept < vocab, threshold, -math.inf)
+
+
+def _log_softmax_rows(logits: torch.Tensor, wanted: list[int | None] | None) -> torch.Tensor | None:
+    """Log-softmax of the rows that asked for logprobs (others are not computed)."""
+    if wanted is None:
+        return None
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    return logits[rows].log_softmax(dim=-1)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+              wanted: list[int | None] | None) -> list[TokenLogprobs | None] | None:
+    return _logprobs_from(_log_softmax_rows(logits, wanted), tokens, wanted)
+
+
+def _logprobs_from(lp: torch.Tensor | None, tokens: torch.Tensor,
+                   wanted: list[int | None] | None) -> list[TokenLogprobs | None] | None:
+    """Sampled-token logprob plus top-N per asking row, moved to the host in a single transfer."""
+    if wanted is None:
+        return None
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    top_n = max(wanted[i] for i in rows)
+    row_tokens = tokens[rows].unsqueeze(1)
+    top = lp.topk(top_n, dim=-1) if top_n > 0 else None
+    parts = [row_tokens.double(), lp.gather(1, row_tokens).double()]
+    if top is not None:
+        parts += [top.values.double(), top.indices.double()]
+    host = torch.cat(parts, dim=1).tolist()
+    out: list[TokenLogprobs | None] = [None] * len(wanted)
+    for j, i in enumerate(rows):
+        vals = host[j]
+        n = wanted[i]
+        top_ids = vals[2 + top_n: 2 + top_n + n]
+        out[i] = TokenLogprobs(token_id=int(vals[0]), logprob=vals[1],
+                               top={int(t): v for t, v in zip(top_ids, vals[2: 2 + n])})
+    return out

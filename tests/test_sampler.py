@@ -1,0 +1,242 @@
+"""Sampler tests on CPU: greedy, seeds, top-k/top-p/min-p masks vs sort-based references, penalties,
+min_tokens, the exponential race's distribution and logprobs."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from minillm.request import Request
+from minillm.sampling.batch import SamplingBatch, seed_for_token
+from minillm.sampling.penalties import apply_penalties
+from minillm.sampling.sampler import Sampler, truncate_logits
+from minillm.sampling_params import SamplingParams
+
+V = 64
+_ids = itertools.count()
+
+
+def req(prompt=(1, 2, 3), output=(), eos=frozenset({V - 1}), **params) -> Request:
+    r = Request(f"r{next(_ids)}", list(prompt), SamplingParams(max_tokens=64, **params), eos_token_ids=eos)
+    for t in output:
+        r.append_output_token(t)
+    return r
+
+
+def rand_logits(n, v=V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * 3
+
+
+def sample(requests, logits, seed=0):
+    batch = SamplingBatch.build(requests, "cpu", logits.shape[1])
+    return Sampler(seed)(logits.clone(), batch)
+
+
+def test_all_greedy_batch_is_plain_argmax_and_builds_nothing_else():
+    logits = rand_logits(5)
+    batch = SamplingBatch.build([req(temperature=0.0, top_k=5, top_p=0.5) for _ in range(5)], "cpu", V)
+    assert batch.all_greedy
+    assert (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.penalties) == (None,) * 5
+    out = Sampler()(logits.clone(), batch)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.logprobs is None and out.token_ids.dtype == torch.int64
+
+
+def test_greedy_rows_exact_in_mixed_batch():
+    logits = rand_logits(6)
+    requests = [req(temperature=0.0 if i % 2 == 0 else 1.5, top_k=3 if i % 2 else 0) for i in range(6)]
+    for seed in range(5):
+        tokens = sample(requests, logits, seed).token_ids
+        assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
+
+
+def test_seeded_request_reproducible_across_batch_composition_and_order():
+    row = rand_logits(1, seed=7)[0] * 0.2  # flat distribution: the noise decides
+    alone, batched = [], []
+    for k in range(20):
+        mine = req(temperature=1.0, seed=1234, output=[5] * k)
+        alone.append(sample([mine], row[None]).token_ids.item())
+        others = [req(temperature=0.8, top_p=0.9), req(temperature=0.0), req(temperature=1.0, seed=99, top_k=7)]
+        requests = others[:k % 4] + [mine] + others[k % 4:]
+        logits = rand_logits(4, seed=k)
+        logits[k % 4] = row
+        batched.append(sample(requests, logits, seed=k).token_ids[k % 4].item())
+    assert alone == batched
+    assert len(set(alone)) > 5  # the noise really changes with the token index k
+
+
+def test_unseeded_rows_reproducible_run_to_run():
+    requests = [req(temperature=1.0) for _ in range(4)]
+    logits = rand_logits(4) * 0.1
+    assert torch.equal(sample(requests, logits, seed=3).token_ids, sample(requests, logits, seed=3).token_ids)
+
+
+def test_seed_for_token_is_63_bit_and_distinct():
+    seeds = {seed_for_token(s, k) for s in (-5, 0, 1, 2**40) for k in range(50)}
+    assert len(seeds) == 200
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def kept_by_truncation(requests, logits):
+    batch = SamplingBatch.build(requests, "cpu", logits.shape[1])
+    masked = logits.clone()
+    if batch.temperature is not None:
+        masked.div_(batch.temperature)
+    truncate_logits(masked, batch)
+    return torch.isfinite(masked)
+
+
+def test_top_k_mask_exact_vs_sort_reference():
+    logits = rand_logits(5)
+    ks = [1, 3, 10, 0, V + 5]
+    kept = kept_by_truncation([req(top_k=k) for k in ks], logits)
+    for i, k in enumerate(ks):
+        k_eff = k if 0 < k < V else V
+        expected = torch.zeros(V, dtype=torch.bool)
+        expected[logits[i].sort(descending=True).indices[:k_eff]] = True
+        assert torch.equal(kept[i], expected), f"row {i} top_k={k}"
+
+
+def ref_top_p_count(probs_row, p):
+    """Sort-based reference: keep tokens whose preceding mass is < p (the crossing token is kept)."""
+    s = probs_row.double().sort(descending=True).values
+    return int(((s.cumsum(0) - s) < p).sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_p_kept_count_within_one_of_reference(temperature):
+    logits = rand_logits(8, seed=3)
+    ps = [0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0]
+    kept = kept_by_truncation([req(top_p=p, temperature=temperature) for p in ps], logits)
+    for i, p in enumerate(ps):
+        ref = ref_top_p_count((logits[i] / temperature).softmax(-1), p)
+        assert abs(int(kept[i].sum()) - ref) <= 1, f"top_p={p}"
+        # Kept tokens are always the most likely ones.
+        assert kept[i][logits[i].topk(int(kept[i].sum())).indices].all()
+
+
+def test_top_k_then_top_p_renormalised():
+    logits = rand_logits(3, seed=5)
+    kept = kept_by_truncation([req(top_k=6, top_p=0.6), req(top_k=2, top_p=0.99), req(top_k=0, top_p=0.6)],
+                              logits)
+    for i, (k, p) in enumerate([(6, 0.6), (2, 0.99), (V, 0.6)]):
+        top = logits[i].topk(k).values.softmax(-1)  # top-k first, renormalised, then top-p
+        assert abs(int(kept[i].sum()) - ref_top_p_count(top, p)) <= 1
+        assert int(kept[i].sum()) <= k
+
+
+def test_min_p_mask_vs_reference():
+    logits = rand_logits(4, seed=9)
+    mps = [0.0, 0.05, 0.3, 1.0]
+    kept = kept_by_truncation([req(min_p=m) for m in mps], logits)
+    for i, m in enumerate(mps):
+        probs = logits[i].softmax(-1)
+        assert torch.equal(kept[i], probs >= m * probs.max() * (1 - 1e-6))
+
+
+def test_sampled_tokens_respect_top_k():
+    logits = rand_logits(64, seed=2) * 0.1
+    tokens = sample([req(top_k=3, temperature=2.0) for _ in range(64)], logits).token_ids
+    allowed = logits.topk(3, dim=-1).indices
+    assert (allowed == tokens[:, None]).any(-1).all()
+
+
+def test_penalties_match_reference_formulas():
+    prompt, output = [1, 2, 2, 7], [2, 3, 3, 3, 9]
+    params = [dict(presence_penalty=0.5), dict(frequency_penalty=0.3), dict(repetition_penalty=1.7),
+              dict(presence_penalty=-0.4, frequency_penalty=0.2, repetition_penalty=0.8), dict()]
+    requests = [req(prompt=prompt, output=output, **p) for p in params]
+    logits = rand_logits(len(params), seed=4)
+    batch = SamplingBatch.build(requests, "cpu", V)
+    got = logits.clone()
+    apply_penalties(got, batch.penalties)
+    for i, p in enumerate(params):
+        expected = logits[i].clone()
+        rep = p.get("repetition_penalty", 1.0)
+        for t in set(prompt + output):
+            expected[t] = expected[t] / rep if expected[t] > 0 else expected[t] * rep
+        for t in set(output):
+            expected[t] -= p.get("frequency_penalty", 0.0) * output.count(t) + p.get("presence_penalty", 0.0)
+        torch.testing.assert_close(got[i], expected, msg=f"row {i}: {p}")
+
+
+def test_no_penalty_tensors_without_penalties():
+    batch = SamplingBatch.build([req(temperature=0.5, top_p=0.9)], "cpu", V)
+    assert batch.penalties is None and batch.top_k is None and batch.top_p is not None
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.zeros(4, V)
+    logits[:, V - 1] = 50.0  # EOS dominates
+    logits[:, 10] = 40.0     # a stop token id comes next
+    requests = [req(temperature=0.0, min_tokens=2, stop_token_ids=[10]),
+                req(temperature=1.0, min_tokens=2, output=[4]),
+                req(temperature=0.0, min_tokens=2, output=[4, 4]),
+                req(temperature=0.0, min_tokens=2, ignore_eos=True)]
+    tokens = sample(requests, logits).token_ids.tolist()
+    assert tokens[0] not in (V - 1, 10)
+    assert tokens[1] == 10               # EOS masked, stop id not listed for this row
+    assert tokens[2] == V - 1            # min_tokens reached: EOS allowed again
+    assert tokens[3] == V - 1            # ignore_eos: EOS is not a stop, nothing to mask
+
+
+def chi_square(counts, probs):
+    n = counts.sum()
+    return float(((counts - n * probs) ** 2 / (n * probs)).sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_exponential_race_matches_softmax(temperature):
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    n = 20000
+    tokens = sample([req(temperature=temperature) for _ in range(n)], base.repeat(n, 1), seed=11).token_ids
+    counts = torch.bincount(tokens, minlength=5).double()
+    # 4 degrees of freedom: chi2 > 30 has p < 1e-5.
+    assert chi_square(counts, (base / temperature).softmax(-1).double()) < 30
+
+
+def test_seeded_rows_distribution_matches_softmax():
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2])
+    n = 3000
+    tokens = sample([req(seed=s) for s in range(n)], base.repeat(n, 1)).token_ids
+    assert chi_square(torch.bincount(tokens, minlength=5).double(), base.softmax(-1).double()) < 30
+
+
+def test_logprobs_top_n_and_sampled_token():
+    logits = rand_logits(4, seed=6)
+    requests = [req(temperature=0.5, logprobs=3), req(temperature=1.0), req(temperature=0.0, logprobs=0),
+                req(temperature=0.0, logprobs=5, top_k=2)]
+    out = sample(requests, logits)
+    assert out.logprobs[1] is None
+    temps = [0.5, 1.0, 1.0, 1.0]
+    for i, n in [(0, 3), (2, 0), (3, 5)]:
+        lp = (logits[i] / temps[i]).log_softmax(-1)
+        entry = out.logprobs[i]
+        assert entry.token_id == out.token_ids[i].item()
+        assert math.isclose(entry.logprob, lp[entry.token_id].item(), rel_tol=1e-5, abs_tol=1e-6)
+        top = lp.topk(n) if n else None
+        assert list(entry.top) == ([] if top is None else top.indices.tolist())
+        if top is not None:
+            assert all(math.isclose(entry.top[t], v, rel_tol=1e-5, abs_tol=1e-6)
+                       for t, v in zip(top.indices.tolist(), top.values.tolist()))
+
+
+def test_all_greedy_logprobs():
+    logits = rand_logits(2)
+    out = sample([req(temperature=0.0, logprobs=2), req(temperature=0.0)], logits)
+    assert out.logprobs[1] is None
+    assert out.logprobs[0].token_id == logits[0].argmax().item()
+    assert math.isclose(out.logprobs[0].logprob, logits[0].log_softmax(-1).max().item(), rel_tol=1e-5)
+
+
+def test_bad_inputs_rejected():
+    batch = SamplingBatch.build([req()], "cpu", V)
+    with pytest.raises(ValueError, match="logits must have shape"):
+        Sampler()(torch.zeros(2, V), batch)
+    with pytest.raises(ValueError, match="float32"):
+        Sampler()(torch.zeros(1, V, dtype=torch.float16), batch)
+    with pytest.raises(ValueError, match="vocab_size"):
+        SamplingBatch.build([req()], "cpu", 0)
+    with pytest.raises(ValueError, match="seed"):
+        Sampler(seed="x")
