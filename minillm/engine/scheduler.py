@@ -1,0 +1,339 @@
+"""Continuous-batching scheduler: one rule, num_computed_tokens against the target request.num_tokens.
+
+Each step hands out at most max_num_batched_tokens tokens:
+  1. running decodes (1 token each),
+  2. running partial prefills (chunks, capped by long_prefill_token_threshold when > 0),
+  3. waiting requests in policy order while max_num_seqs and the budget allow (a prefix-cache hit moves
+     num_computed_tokens forward at admission).
+Chunked prefill, prefix hits and recompute after preemption all just move that one counter.
+
+enable_chunked_prefill=False is the prefill-first baseline: a step holds either whole prompts (admitted only
+if they fit the remaining budget) or, when no prompt can be admitted, every running decode. A prompt longer
+than the whole budget would never fit, so it runs alone in budget-sized chunks over consecutive steps
+(the budget is never exceeded: the runner sizes its buffers by it).
+
+policy="static" admits a new batch (up to max_num_seqs requests) only when nothing is running; the batch is
+then prefilled and decoded by the phases above until every member finished. Admission never preempts.
+
+The scheduler never touches tensors; the runner never mutates scheduler state.
+"""
+from __future__ import annotations
+
+from minillm.cache.kv_cache_manager import KVCacheManager
+from minillm.config import CacheConfig, SchedulerConfig
+from minillm.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from minillm.engine.policy import insert_running, make_waiting_queue
+from minillm.request import Request, RequestStatus
+
+RUNNING = RequestStatus.RUNNING
+WAITING = RequestStatus.WAITING
+
+
+class _StepPlan:
+    """The SchedulerOutput under construction: rows split into single-token rows and longer chunks."""
+
+    def __init__(self, budget: int) -> None:
+        self.full_budget = budget
+        self.budget = budget
+        self.decodes: list[ScheduledSeq] = []   # single-token rows (decodes, or a 1-token final chunk)
+        self.chunks: list[ScheduledSeq] = []    # multi-token prefill chunks
+        self.preempted_ids: list[str] = []
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.chunks
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        start = req.num_computed_tokens
+        seq = ScheduledSeq(req, start, num_tokens, start + num_tokens == len(req.all_token_ids))
+        (self.decodes if num_tokens == 1 else self.chunks).append(seq)
+        self.budget -= num_tokens
+
+    def drop(self, req: Request) -> None:
+        """Take a preempted request's row back out (it was scheduled earlier in this step) and refund it."""
+        for rows in (self.decodes, self.chunks):
+            for i, seq in enumerate(rows):
+                if seq.request is req:
+                    self.budget += seq.num_tokens
+                    del rows[i]
+                    return
+
+    def output(self) -> SchedulerOutput:
+        # NOTE: all single-token rows first; the attention backend sends rows [0, num_decodes) to decode.
+        return SchedulerOutput(self.decodes + self.chunks, self.preempted_ids, self.full_budget - self.budget)
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
+        sched.validate()
+        cache.validate()
+        self.config = sched
+        self.block_size = cache.block_size
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, max_model_len)
+        self.requests: dict[str, Request] = {}     # every unfinished request, waiting or running
+        self.waiting = make_waiting_queue(sched.policy)
+        self.running: list[Request] = []           # service order; the preemption victim is the last one
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request; refuse one that could never finish, so no request waits forever."""
+        rid = req.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
+        if req.status is not WAITING or req.num_computed_tokens or req.output_token_ids or req.block_ids:
+            raise ValueError(f"request {rid!r} is not new (status {req.status.value})")
+        num_prompt, max_tokens = req.num_prompt_tokens, req.sampling_params.max_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: prompt is empty; it needs at least 1 token")
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt + max_tokens} exceeds max_model_len={self.max_model_len}")
+        # The last sampled token's KV is never computed, so the request needs prompt + max_tokens - 1 slots.
+        need = self.kv.blocks_needed(num_prompt + max_tokens - 1)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request {rid!r}: prompt + max_tokens needs {need} KV blocks of {self.block_size} "
+                             f"tokens, but the whole KV pool has {self.kv.num_blocks}")
+        self.requests[rid] = req
+        self.waiting.push(req)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """End a waiting or running request now (abort, stop string) and free its blocks; None if unknown."""
+        if not status.finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        if req.status is WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        req.status = status
+        self.kv.free(req)
+        return req
+
+    def abort(self, req_id: str) -> bool:
+        return self.finish_request(req_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- schedule -----------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        admit = self.config.policy != "static"
+        if not admit and not self.running:
+            self._admit_static_batch()
+        if self.config.enable_chunked_prefill:
+            prefills = self._schedule_decodes(plan)
+            self._schedule_prefills(plan, prefills, whole=False)
+            # NOTE: no admission in a step that preempted: memory is short, and a request preempted just now
+            # would otherwise be readmitted at once.
+            if admit and not plan.preempted_ids:
+                self._admit_waiting(plan, whole=False)
+        else:
+            prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+            self._schedule_prefills(plan, prefills, whole=True)
+            if admit and not plan.preempted_ids:
+                self._admit_waiting(plan, whole=True)
+            if plan.is_empty:
+                self._schedule_decodes(plan)
+        return plan.output()
+
+    def _schedule_decodes(self, plan: _StepPlan) -> list[Request]:
+        """Give each running decode its one token; return the running requests that still prefill."""
+        prefills = []
+        bs = self.block_size
+        for req in list(self.running):   # a copy: preemption removes from self.running
+            if req.status is not RUNNING:
+                continue                 # preempted earlier in this loop
+            start = req.num_computed_tokens
+            if len(req.all_token_ids) - start != 1:
+                prefills.append(req)
+                continue
+            if plan.budget == 0:
+                break
+            # Inline capacity test (the common case) saves a call per decode; allocate_slots re-checks.
+            if len(req.block_ids) * bs <= start and not self._allocate(req, 1, plan):
+                continue
+            plan.decodes.append(ScheduledSeq(req, start, 1, True))
+            plan.budget -= 1
+        return prefills
+
+    def _schedule_prefills(self, plan: _StepPlan, prefills: list[Request], whole: bool) -> None:
+        """Next chunk of each running partial prefill, in service order, while the budget lasts."""
+        for req in prefills:
+            if req.status is not RUNNING:
+                continue                 # preempted in this step
+            n = self._chunk(len(req.all_token_ids) - req.num_computed_tokens, plan, whole)
+            if n == 0:
+                break
+            if self._allocate(req, n, plan):
+                plan.add(req, n)
+
+    def _admit_waiting(self, plan: _StepPlan, whole: bool) -> None:
+        """Admit waiting requests in policy order; stop at the first that does not fit (no overtaking)."""
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            num_cached = self.kv.get_computed_blocks(req)
+            n = self._chunk(len(req.all_token_ids) - num_cached, plan, whole)
+            if n == 0 or not self.kv.allocate_slots(req, n, num_cached):
+                break
+            self.waiting.pop()
+            self._start_running(req, num_cached)
+            plan.add(req, n)
+
+    def _admit_static_batch(self) -> None:
+        """Static batching: move up to max_num_seqs waiting requests to running with no tokens yet.
+
+        Only their prefix hits are taken now; the prefill phase hands them chunks in this and later steps.
+        """
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            num_cached = self.kv.get_computed_blocks(req)
+            if not self.kv.allocate_slots(req, 0, num_cached):
+                break
+            self.waiting.pop()
+            self._start_running(req, num_cached)
+
+    def _chunk(self, remaining: int, plan: _StepPlan, whole: bool) -> int:
+        """Tokens to give a request with `remaining` tokens to compute; 0 = it does not fit this step."""
+        if whole:
+            if remaining <= plan.budget:
+                return remaining
+            # Longer than the whole budget: it could never run whole, so it runs alone in budget-sized chunks.
+            return plan.budget if plan.is_empty else 0
+        n = min(remaining, plan.budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
+
+    def _start_running(self, req: Request, num_cached: int) -> None:
+        req.num_computed_tokens = num_cached
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+        req.status = RUNNING
+        insert_running(self.running, req, self.config.policy)
+
+    # ---- preemption ---------------------------------------------------------------------------------------
+
+    def _allocate(self, req: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
+        """Allocate for a running request, preempting victims until it fits; False if req itself was preempted."""
+        while not self.kv.allocate_slots(req, num_new_tokens):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                # add_request guarantees one request alone fits the pool; getting here is a bookkeeping bug.
+                raise RuntimeError(f"request {req.request_id} cannot fit the KV pool even alone "
+                                   f"({self.kv.num_free_blocks} of {self.kv.num_blocks} blocks free)")
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+        """Free the victim's blocks and send it back to wait; it will recompute from token 0 (or a prefix hit)."""
+        self.running.pop()               # NOTE: the victim is always the last running request
+        plan.drop(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_preempted(victim)
+        plan.preempted_ids.append(victim.request_id)
+
+    # ---- update -------------------------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Apply a finished step: advance counters, append sampled tokens, publish full blocks, stop, free.
+
+        Returns the requests that got a token (finished ones included) in schedule order.
+        """
+        ids, tokens = runner_out.req_ids, runner_out.sampled_token_ids
+        if len(ids) != len(tokens):
+            raise ValueError(f"runner output has {len(ids)} req_ids but {len(tokens)} sampled tokens")
+        bs, caching, kv = self.block_size, self.kv.enable_caching, self.kv
+        advanced: list[Request] = []
+        any_finished = False
+        j = 0
+        for seq in out.scheduled:
+            req = seq.request
+            if seq.sample:
+                if j >= len(ids) or ids[j] != req.request_id:
+                    raise ValueError(f"runner output row {j} does not match scheduled request {req.request_id}")
+                token = tokens[j]
+                j += 1
+            if req.status is not RUNNING:
+                continue                 # finished (e.g. aborted) between schedule() and update()
+            start = seq.start
+            if req.num_computed_tokens != start:
+                raise ValueError(f"request {req.request_id}: step applied twice or out of order")
+            end = req.num_computed_tokens = start + seq.num_tokens
+            if caching and end // bs != start // bs:   # a block just filled
+                kv.cache_full_blocks(req, end)
+            if not seq.sample:
+                continue
+            req.append_output_token(token)
+            if self._check_stop(req, token):
+                any_finished = True
+                self._release(req)
+            advanced.append(req)
+        if j != len(ids):
+            raise ValueError(f"runner output has {len(ids)} sampled rows, the schedule asked for {j}")
+        if any_finished:
+            # NOTE: finished requests leave the running list here, in one pass, not one list.remove each.
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return advanced
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        """Set status and stop_reason if the token just appended ends the request."""
+        sp = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if num_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
+            if token in sp.stop_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return True
+        if num_out >= sp.max_tokens or len(req.all_token_ids) >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _release(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        self.kv.free(req)
+
+    # ---- invariants ---------------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless queues, statuses and the KV cache agree (run after steps in tests)."""
+        waiting, running = list(self.waiting), self.running
+        ids = [r.request_id for r in waiting] + [r.request_id for r in running]
+        if len(ids) != len(set(ids)) or set(ids) != set(self.requests):
+            raise AssertionError(f"queues hold {sorted(ids)[:8]}..., request map holds {sorted(self.requests)[:8]}...")
+        for r in waiting:
+            if r.status is not WAITING or r.num_computed_tokens or r.block_ids:
+                raise AssertionError(f"waiting request {r.request_id} has status {r.status.value}, "
+                                     f"{r.num_computed_tokens} computed tokens, {len(r.block_ids)} blocks")
+        for r in running:
+            if r.status is not RUNNING or r.num_computed_tokens >= r.num_tokens:
+                raise AssertionError(f"running request {r.request_id}: status {r.status.value}, "
+                                     f"{r.num_computed_tokens}/{r.num_tokens} tokens computed")
+        if len(running) > self.config.max_num_seqs:
+            raise AssertionError(f"{len(running)} running > max_num_seqs={self.config.max_num_seqs}")
+        self.kv.check_integrity(self.requests.values())
