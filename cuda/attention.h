@@ -1,0 +1,52 @@
+// Plain C++ launchers of the attention kernels (raw pointers, sizes, strides, stream). No torch types here:
+// cuda/attention_bindings.cpp turns tensors into these arguments. Strides are in elements. Every launcher
+// returns cudaSuccess, cudaErrorInvalidValue for an unsupported configuration, or the launch error.
+//
+// KV cache layout (per layer): k_cache, v_cache contiguous [num_blocks, block_size, num_kv_heads, head_dim];
+// flat slot = block_id * block_size + offset. Element type: bf16 or fp16 (DTypeCode below).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace minillm {
+
+enum DTypeCode : int { kBF16 = 0, kFP16 = 1 };
+
+// Scatter this step's new K/V rows ([T, H, D] with strides) into their cache slots; slot -1 = skip.
+// head_dim must be a multiple of 8 and every row 16-byte aligned (16-byte vector copies).
+cudaError_t launch_kv_write(const void* k, const void* v, int64_t k_stride_t, int64_t k_stride_h,
+                            int64_t v_stride_t, int64_t v_stride_h, void* k_cache, void* v_cache,
+                            const int64_t* slot_mapping, int num_tokens, int num_heads, int head_dim,
+                            cudaStream_t stream);
+
+struct PagedAttnArgs {
+  void* out;                 // [rows, Hq, D]
+  int64_t out_stride_t, out_stride_h;
+  const void* q;             // [rows, Hq, D]
+  int64_t q_stride_t, q_stride_h;
+  const void* k_cache;       // contiguous cache layout above
+  const void* v_cache;
+  const int* block_tables;   // [S, max_blocks]
+  int64_t bt_stride;
+  const int* seq_lens;       // [S]: context length including this step's tokens
+  int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int dtype;                 // DTypeCode
+};
+
+// Decode: one query row per sequence (row s of q belongs to sequence s).
+// partition_size == 0: one CTA per (seq, kv head) covers the whole context (v1) and writes `out` directly.
+// partition_size > 0 (a multiple of 256): split-K v2, num_partitions CTAs per (seq, kv head) write partial
+// results to the fp32 workspace (ws_out [S, Hq, num_partitions, D], ws_max/ws_sum [S, Hq, num_partitions],
+// max in log2 units) and a reduce kernel merges them into `out`. num_partitions must cover the longest context.
+cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
+                                float* ws_max, float* ws_sum, cudaStream_t stream);
+
+// Prefill / chunked prefill / prefix hits, causal, tensor cores: sequences [seq_begin, seq_begin + a.num_seqs)
+// of the batch (block_tables, seq_lens and query_start_loc are indexed with the absolute sequence index);
+// query i of sequence s sits at position seq_len - query_len + i. One launch for all of them.
+cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
+                                 int max_query_len, cudaStream_t stream);
+
+}  // namespace minillm

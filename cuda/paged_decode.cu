@@ -1,0 +1,247 @@
+// Paged decode attention: one query token per sequence against its paged K/V.
+//
+// Variants (one kernel body, chosen by the launcher's partition_size):
+//   v1        grid (1, kv_heads, seqs): one CTA per (sequence, KV head) walks the whole context.
+//   v2 split  grid (partitions, kv_heads, seqs): each CTA covers `partition_size` tokens and stores its
+//             normalised output with its max and exp-sum; decode_reduce_kernel merges the partitions.
+// All query heads of a GQA group live in the same CTA, so each K/V chunk loaded from HBM serves all of them.
+//
+// Work split inside a CTA: 4 warps take 16-token chunks round-robin; in a warp, each lane owns one 16-byte
+// piece (8 dims) of a head row, CH = D/8 lanes cover one token and 32/CH tokens are in flight per step. A lane
+// issues all its K and V loads of a chunk (8 or 4 x 16 bytes each) before it uses them, to keep many loads in
+// flight. Softmax is online (running max and sum per warp, fp32, exp2 with the scale folded into q), and the
+// warps are merged through shared memory at the end.
+#include <math_constants.h>
+
+#include "attention.h"
+#include "common.cuh"
+
+namespace minillm {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kChunk = 16;  // tokens handled together by one warp
+
+template <typename T, int D, int BS, int GP>
+__global__ void __launch_bounds__(kWarps * 32)
+    paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
+                        float* __restrict__ ws_max, float* __restrict__ ws_sum) {
+  constexpr int CH = D / 8;         // lanes per token
+  constexpr int TPI = 32 / CH;      // tokens per warp step
+  constexpr int IT = kChunk / TPI;  // steps per 16-token chunk
+  static_assert(BS % kChunk == 0, "block size must be a multiple of 16");
+
+  __shared__ float sm_acc[kWarps][GP][D];
+  __shared__ float sm_m[kWarps][GP];
+  __shared__ float sm_l[kWarps][GP];
+
+  const int s = blockIdx.z, kvh = blockIdx.y, part = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c = lane % CH, sub = lane / CH;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int ctx = a.seq_lens[s];
+  const int start = partition_size > 0 ? part * partition_size : 0;
+  const int end = partition_size > 0 ? min(ctx, start + partition_size) : ctx;
+  if (start >= end) return;  // partition past this sequence's context: the reduce kernel never reads it
+
+  // q of every head in the group, pre-scaled so that exp2(score - max) is the softmax numerator.
+  float qf[GP][8];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    if (g < group) {
+      const T* qp = static_cast<const T*>(a.q) + s * a.q_stride_t + (kvh * group + g) * a.q_stride_h + c * 8;
+      unpack8<T>(*reinterpret_cast<const uint4*>(qp), qf[g]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qf[g][j] *= a.scale * kLog2e;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qf[g][j] = 0.f;
+    }
+  }
+
+  float m[GP], l[GP], acc[GP][8];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    m[g] = -CUDART_INF_F;
+    l[g] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+  }
+
+  const int64_t tok_stride = (int64_t)a.num_kv_heads * D;  // elements between consecutive slots
+  const int* bt = a.block_tables + s * a.bt_stride;
+  const T* kc = static_cast<const T*>(a.k_cache) + kvh * D + c * 8;
+  const T* vc = static_cast<const T*>(a.v_cache) + kvh * D + c * 8;
+  const int first = start / kChunk, last = (end + kChunk - 1) / kChunk;
+
+  for (int ch = first + warp; ch < last; ch += kWarps) {
+    const int tok0 = ch * kChunk;
+    const int64_t slot0 = (int64_t)bt[tok0 / BS] * BS + tok0 % BS;
+    uint4 kr[IT], vr[IT];
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const int t = it * TPI + sub;
+      // Tokens past the end are never loaded: their slots may hold another sequence's data or NaN.
+      if (tok0 + t < end) {
+        kr[it] = *reinterpret_cast<const uint4*>(kc + (slot0 + t) * tok_stride);
+        vr[it] = *reinterpret_cast<const uint4*>(vc + (slot0 + t) * tok_stride);
+      } else {
+        kr[it] = make_uint4(0, 0, 0, 0);
+        vr[it] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float sc[GP][IT];
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      float kf[8];
+      unpack8<T>(kr[it], kf);
+#pragma unroll
+      for (int g = 0; g < GP; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) d = fmaf(qf[g][j], kf[j], d);
+        d = warp_sum_xor(d, 1, CH);
+        sc[g][it] = (tok0 + it * TPI + sub < end) ? d : -CUDART_INF_F;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GP; ++g) {
+      float mx = sc[g][0];
+#pragma unroll
+      for (int it = 1; it < IT; ++it) mx = fmaxf(mx, sc[g][it]);
+      mx = warp_max_xor(mx, CH, 32);
+      const float m_new = fmaxf(m[g], mx);  // finite: every chunk holds at least one valid token
+      const float alpha = exp2f(m[g] - m_new);
+      m[g] = m_new;
+      l[g] *= alpha;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
+#pragma unroll
+      for (int it = 0; it < IT; ++it) {
+        const float p = exp2f(sc[g][it] - m_new);
+        l[g] += p;
+        float vf[8];
+        unpack8<T>(vr[it], vf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p, vf[j], acc[g][j]);
+      }
+    }
+  }
+
+  // Lanes with the same chunk but different tokens hold partial sums: fold them, then stage per warp.
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    l[g] = warp_sum_xor(l[g], CH, 32);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[g][j] = warp_sum_xor(acc[g][j], CH, 32);
+    if (sub == 0) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sm_acc[warp][g][c * 8 + j] = acc[g][j];
+    }
+    if (lane == 0) {
+      sm_m[warp][g] = m[g];
+      sm_l[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+
+  const int heads = min(group, GP);
+  for (int i = threadIdx.x; i < heads * D; i += kWarps * 32) {
+    const int g = i / D, d = i % D;
+    float mmax = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mmax = fmaxf(mmax, sm_m[w][g]);
+    float lsum = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = exp2f(sm_m[w][g] - mmax);  // 0 for a warp that saw no chunk (m = -inf)
+      lsum += sm_l[w][g] * f;
+      o += sm_acc[w][g][d] * f;
+    }
+    const int h = kvh * group + g;
+    if (partition_size == 0) {
+      T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
+      op[d] = static_cast<T>(o / lsum);
+    } else {
+      const int64_t row = ((int64_t)s * a.num_q_heads + h) * gridDim.x + part;
+      ws_out[row * D + d] = o / lsum;
+      if (d == 0) {
+        ws_max[row] = mmax;
+        ws_sum[row] = lsum;
+      }
+    }
+  }
+}
+
+// Merge split-K partitions: out = sum_p w_p * o_p / sum_p w_p with w_p = sum_p * 2^(max_p - max).
+template <typename T, int D>
+__global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int num_partitions,
+                                     const float* __restrict__ ws_out, const float* __restrict__ ws_max,
+                                     const float* __restrict__ ws_sum) {
+  const int s = blockIdx.y, h = blockIdx.x;
+  const int valid = (a.seq_lens[s] + partition_size - 1) / partition_size;
+  const int64_t row0 = ((int64_t)s * a.num_q_heads + h) * num_partitions;
+  float mmax = -CUDART_INF_F;
+  for (int p = 0; p < valid; ++p) mmax = fmaxf(mmax, ws_max[row0 + p]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f, lsum = 0.f;
+    for (int p = 0; p < valid; ++p) {
+      const float w = ws_sum[row0 + p] * exp2f(ws_max[row0 + p] - mmax);
+      lsum += w;
+      o += w * ws_out[(row0 + p) * D + d];
+    }
+    T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
+    op[d] = static_cast<T>(o / lsum);
+  }
+}
+
+template <typename T, int D, int BS, int GP>
+cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
+                         float* ws_max, float* ws_sum, cudaStream_t stream) {
+  const dim3 grid(partition_size > 0 ? num_partitions : 1, a.num_kv_heads, a.num_seqs);
+  paged_decode_kernel<T, D, BS, GP><<<grid, kWarps * 32, 0, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
+  if (partition_size > 0) {
+    decode_reduce_kernel<T, D><<<dim3(a.num_q_heads, a.num_seqs), D, 0, stream>>>(a, partition_size, num_partitions,
+                                                                                   ws_out, ws_max, ws_sum);
+  }
+  return cudaGetLastError();
+}
+
+// Group sizes are rounded up to 1, 2, 4 or 8 (padding heads compute on zero q and are never stored).
+template <typename T, int D, int BS>
+cudaError_t dispatch_group(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
+                           cudaStream_t st) {
+  const int group = a.num_q_heads / a.num_kv_heads;
+  if (group == 1) return launch_typed<T, D, BS, 1>(a, ps, np, wo, wm, wsum, st);
+  if (group == 2) return launch_typed<T, D, BS, 2>(a, ps, np, wo, wm, wsum, st);
+  if (group <= 4) return launch_typed<T, D, BS, 4>(a, ps, np, wo, wm, wsum, st);
+  if (group <= 8) return launch_typed<T, D, BS, 8>(a, ps, np, wo, wm, wsum, st);
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t dispatch_shape(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
+                           cudaStream_t st) {
+  if (a.head_dim == 128 && a.block_size == 16) return dispatch_group<T, 128, 16>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 128 && a.block_size == 32) return dispatch_group<T, 128, 32>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 64 && a.block_size == 16) return dispatch_group<T, 64, 16>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 64 && a.block_size == 32) return dispatch_group<T, 64, 32>(a, ps, np, wo, wm, wsum, st);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
+                                float* ws_max, float* ws_sum, cudaStream_t stream) {
+  if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || partition_size < 0 ||
+      partition_size % 256 != 0 || (partition_size > 0 && (num_partitions <= 0 || ws_out == nullptr)))
+    return cudaErrorInvalidValue;
+  if (a.num_seqs == 0) return cudaSuccess;
+  if (a.dtype == kBF16)
+    return dispatch_shape<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
+  if (a.dtype == kFP16)
+    return dispatch_shape<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace minillm

@@ -1,0 +1,225 @@
+// Paged prefill attention on tensor cores (FlashAttention-2 style), causal, for ragged batches.
+//
+// One launch covers every prefill sequence: grid (query tiles, q heads, sequences). A CTA of 4 warps owns
+// 64 query rows of one head (16 per warp, kept in registers as mma A fragments) and walks 64-key tiles of
+// its sequence's context, read straight from the paged cache through the block table with cp.async into
+// double-buffered, XOR-swizzled shared memory (the next K tile streams in during QK^T softmax, the next V tile
+// during P*V). S = QK^T and O += PV run on mma.sync m16n8k16 with fp32 accumulators; softmax is online in
+// fp32 (exp2, scale folded in). Query i of a sequence sits at position seq_len - query_len + i, so prefix-cache
+// hits and later chunks of a chunked prefill attend to the cached keys before them with no special case.
+// Keys past what a tile can see are zero-filled, never read: unowned cache slots may hold NaN.
+// Variants: head dim 64 and 128, bf16 and fp16; any block size (runtime), GQA by kv head = q head / group.
+#include <math_constants.h>
+
+#include "attention.h"
+#include "common.cuh"
+
+namespace minillm {
+namespace {
+
+constexpr int kBM = 64;  // query rows per CTA
+constexpr int kBN = 64;  // keys per tile
+constexpr int kThreads = 128;
+
+template <int D>
+constexpr int smem_bytes() { return (kBM + 4 * kBN) * D * 2; }  // Q + 2 stages of K and V, 2-byte elements
+
+// Copy a kBN x D tile of the paged cache (keys n0 .. n0+kBN) into swizzled shared memory.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int* bt, int block_size,
+                                             int64_t tok_stride, int n0, int n_end) {
+  constexpr int CH = D / 8, ROWS_PER_PASS = kThreads / CH;
+  const int c = threadIdx.x % CH, r0 = threadIdx.x / CH;
+#pragma unroll
+  for (int r = r0; r < kBN; r += ROWS_PER_PASS) {
+    const int pos = n0 + r;
+    const bool valid = pos < n_end;
+    const T* src = cache;
+    if (valid) src = cache + ((int64_t)bt[pos / block_size] * block_size + pos % block_size) * tok_stride + c * 8;
+    cp_async16(dst + swz<CH>(r, c), src, valid ? 16 : 0);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    paged_prefill_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin) {
+  constexpr int CH = D / 8, KS = D / 16, NT = kBN / 8, DT = D / 8;
+  extern __shared__ uint4 smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBM * D;
+  T* sV = sK + 2 * kBN * D;
+
+  const int s = seq_begin + blockIdx.z, h = blockIdx.y;
+  const int q0 = qsl[s], qlen = qsl[s + 1] - q0, ctx = a.seq_lens[s];
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // late (heavy, causal) tiles are scheduled first
+  if (m0 >= qlen) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kvh = h / (a.num_q_heads / a.num_kv_heads);
+  const int pos0 = ctx - qlen;                     // position of query row 0
+  const int n_end = min(ctx, pos0 + m0 + kBM);     // keys visible to the last row of this tile
+  const int n_tiles = (n_end + kBN - 1) / kBN;
+  const int64_t tok_stride = (int64_t)a.num_kv_heads * D;
+  const int* bt = a.block_tables + s * a.bt_stride;
+  const T* kc = static_cast<const T*>(a.k_cache) + kvh * D;
+  const T* vc = static_cast<const T*>(a.v_cache) + kvh * D;
+
+  {  // Q tile; rows past the query length are zero-filled.
+    const T* qb = static_cast<const T*>(a.q) + h * a.q_stride_h;
+    for (int i = threadIdx.x; i < kBM * CH; i += kThreads) {
+      const int r = i / CH, c = i % CH;
+      const bool valid = m0 + r < qlen;
+      const T* src = valid ? qb + (int64_t)(q0 + m0 + r) * a.q_stride_t + c * 8 : qb;
+      cp_async16(sQ + swz<CH>(r, c), src, valid ? 16 : 0);
+    }
+  }
+  load_kv_tile<T, D>(sK, kc, bt, a.block_size, tok_stride, 0, n_end);
+  cp_async_commit();
+  load_kv_tile<T, D>(sV, vc, bt, a.block_size, tok_stride, 0, n_end);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  uint32_t qa[KS][4];
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qa[ks], sQ + swz<CH>(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
+  const float sl2 = a.scale * kLog2e;
+  const int row_pos0 = pos0 + m0 + warp * 16 + lane / 4;  // position of this thread's first row
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const T* sKj = sK + (j & 1) * kBN * D;
+    const T* sVj = sV + (j & 1) * kBN * D;
+    if (j > 0) {
+      cp_async_wait<1>();  // K_j landed (V_j may still be in flight)
+      __syncthreads();
+    }
+    // Every warp finished tile j-1 before the barrier above, so the other K stage is free to refill.
+    if (j + 1 < n_tiles)
+      load_kv_tile<T, D>(sK + ((j + 1) & 1) * kBN * D, kc, bt, a.block_size, tok_stride, (j + 1) * kBN, n_end);
+    cp_async_commit();  // an empty group at the end keeps the wait counts uniform
+
+    float sc[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sKj + swz<CH>(np * 16 + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
+        mma16816<T>(sc[2 * np], qa[ks], b[0], b[1]);
+        mma16816<T>(sc[2 * np + 1], qa[ks], b[2], b[3]);
+      }
+    }
+
+    // Causal mask, only on tiles that reach past this warp's first row.
+    if (j * kBN + kBN - 1 > pos0 + m0 + warp * 16) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = j * kBN + nt * 8 + (lane % 4) * 2 + (e & 1);
+          if (key > row_pos0 + (e >> 1) * 8) sc[nt][e] = -CUDART_INF_F;
+        }
+    }
+
+    // Online softmax for the thread's two rows (4 lanes share a row).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -CUDART_INF_F;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
+      mx = warp_max_xor(mx, 1, 4) * sl2;
+      const float m_new = fmaxf(mrow[r], mx);
+      const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with nothing visible yet
+      const float alpha = exp2f(mrow[r] - m_use);
+      mrow[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(sc[nt][2 * r + e] * sl2 - m_use);
+          sc[nt][2 * r + e] = p;
+          sum += p;
+        }
+      lrow[r] = lrow[r] * alpha + sum;
+#pragma unroll
+      for (int i = 0; i < DT; ++i) {
+        o[i][2 * r] *= alpha;
+        o[i][2 * r + 1] *= alpha;
+      }
+    }
+
+    cp_async_wait<1>();  // V_j landed (K_{j+1} may still be in flight)
+    __syncthreads();
+    if (j + 1 < n_tiles)
+      load_kv_tile<T, D>(sV + ((j + 1) & 1) * kBN * D, vc, bt, a.block_size, tok_stride, (j + 1) * kBN, n_end);
+    cp_async_commit();
+
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      // The S accumulator layout of two adjacent n-tiles is exactly the A fragment of one k-step.
+      const uint32_t pa[4] = {DType<T>::from_float2(sc[2 * kk][0], sc[2 * kk][1]),
+                              DType<T>::from_float2(sc[2 * kk][2], sc[2 * kk][3]),
+                              DType<T>::from_float2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                              DType<T>::from_float2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sVj + swz<CH>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * dp + (lane >> 4)));
+        mma16816<T>(o[2 * dp], pa, b[0], b[1]);
+        mma16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = warp_sum_xor(lrow[r], 1, 4);
+    const int row = m0 + warp * 16 + lane / 4 + r * 8;
+    if (row >= qlen) continue;
+    const float inv = 1.f / l;
+    T* op = static_cast<T*>(a.out) + (int64_t)(q0 + row) * a.out_stride_t + h * a.out_stride_h + (lane % 4) * 2;
+#pragma unroll
+    for (int i = 0; i < DT; ++i)
+      *reinterpret_cast<uint32_t*>(op + i * 8) = DType<T>::from_float2(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
+                         cudaStream_t stream) {
+  // Above 48 KB of dynamic shared memory a kernel must opt in; once per instantiation is enough.
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      paged_prefill_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>());
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid((max_query_len + kBM - 1) / kBM, a.num_q_heads, a.num_seqs);
+  paged_prefill_kernel<T, D><<<grid, kThreads, smem_bytes<D>(), stream>>>(a, qsl, seq_begin);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
+                                 int max_query_len, cudaStream_t stream) {
+  if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.block_size <= 0 || max_query_len < 0)
+    return cudaErrorInvalidValue;
+  if (a.num_seqs == 0 || max_query_len == 0) return cudaSuccess;
+  const bool bf16 = a.dtype == kBF16;
+  if (a.dtype != kBF16 && a.dtype != kFP16) return cudaErrorInvalidValue;
+  if (a.head_dim == 128)
+    return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream)
+                : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream);
+  if (a.head_dim == 64)
+    return bf16 ? launch_typed<__nv_bfloat16, 64>(a, query_start_loc, seq_begin, max_query_len, stream)
+                : launch_typed<__half, 64>(a, query_start_loc, seq_begin, max_query_len, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace minillm
