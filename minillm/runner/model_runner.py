@@ -56,6 +56,21 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, cfg.cache.block_size, self.dtype, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self):
+        """Decode graphs only where they are safe: a GPU, our CUDA attention (host-sync free), not eager."""
+        if self.device.type != "cuda" or self.cfg.runtime.enforce_eager:
+            return None
+        if type(self.attn_backend).__name__ != "CudaAttentionBackend":
+            log.info("CUDA graphs need the CUDA attention backend; running decode eagerly")
+            return None
+        from minillm.runner.cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.inputs.max_blocks,
+                              self.cfg.cache.block_size, self.max_model_len, self.arch.hidden_size, self.dtype,
+                              self.device)
+        graphs.capture()
+        return graphs
 
     def _max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -78,7 +93,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         step = self.inputs.build(so)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        meta = step.meta
+        if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.bucket(meta.num_seqs):
+            hidden = self.graphs.replay(step.input_ids, step.positions, meta)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         if not step.sample_seq_idx:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[step.logits_indices])

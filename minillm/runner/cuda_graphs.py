@@ -1,0 +1,85 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step of Qwen3-0.6B is ~340 small kernels; launched eagerly from Python that costs more than the
+GPU work at small batch (DESIGN 7). We capture one graph per batch-size bucket over static input buffers
+and replay it: the step's inputs are copied into the buffers, padded rows write to no slot (-1) and
+attend to one token of block 0, and their outputs are ignored.
+
+Graphs are captured with max_seq_len = max_model_len so that the decode kernel's grid (split-K partitions)
+covers any context; partitions past a sequence's length exit at once.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from minillm.attention.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 8))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks: int, block_size: int, max_model_len: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.kv_caches = model, kv_caches
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        z = lambda *shape, dt=torch.int32: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        self.input_ids, self.positions = z(n, dt=torch.int64), z(n, dt=torch.int64)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens, self.block_tables = z(n), z(n, max_blocks)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(num_seqs=bs, num_decodes=bs, num_tokens=bs, max_query_len=1,
+                                 max_seq_len=self.max_model_len, slot_mapping=self.slot_mapping[:bs],
+                                 query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
+                                 block_tables=self.block_tables[:bs], block_size=self.block_size)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.seq_lens.fill_(1)
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):       # largest first: smaller graphs reuse its memory pool
+            meta = self._meta(bs)
+            self._run(bs, meta)               # warm-up outside capture (lazy inits, autotuning)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._run(bs, meta)
+            self.graphs[bs] = g
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs (batch sizes %s)", len(self.graphs), self.sizes)
+
+    def _run(self, bs: int, meta: AttentionMetadata) -> None:
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta)
+
+    def bucket(self, n: int) -> int | None:
+        for s in self.sizes:
+            if s >= n:
+                return s
+        return None
+
+    def replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Run a decode-only step of meta.num_seqs rows through the smallest graph that holds it."""
+        n = meta.num_seqs
+        bs = self.bucket(n)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        if bs > n:   # padded rows: no KV write, one token of context
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+        self.graphs[bs].replay()
+        return self.hidden[:n]
