@@ -1,0 +1,176 @@
+"""Build a QwenForCausalLM from an HF directory, a bundled preset, or the demo model.
+
+Weights go from safetensors straight into the model's packed parameters, one checkpoint tensor at a time
+(no second full copy of the model). `load_format="dummy"` fills the same parameters with seeded random values
+on the target device instead, for benchmarks of shapes whose checkpoint is not at hand.
+
+dtype "auto" means float32 on CPU (exact reference path) and bfloat16 on CUDA.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from minillm.config import ConfigError
+from minillm.model.arch import ModelArchConfig
+from minillm.model.qwen3 import QwenForCausalLM
+from minillm.model.registry import get_model_class
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Packed module name -> {shard: the checkpoint module name whose weight (and bias) fills that shard's rows}.
+_PACKED = {
+    "qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
+    "gate_up_proj": {"gate": "gate_proj", "up": "up_proj"},
+}
+# Buffers some older checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not allowed: one of {', '.join(_DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not allowed: one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype | str = "auto",
+               device: torch.device | str = "auto", attn_backend=None, *, seed: int = 0
+               ) -> tuple[QwenForCausalLM, ModelArchConfig, Path | None]:
+    """Returns (model in eval mode, its ModelArchConfig, the model directory or None for a preset).
+
+    model: HF directory, preset name (see preset_names()), or None for the bundled demo model.
+    load_format: auto | safetensors | dummy (auto = dummy for presets, safetensors for directories).
+    seed: seeds the dummy weights.
+    """
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format={load_format!r} is not allowed: one of auto, safetensors, dummy")
+    if attn_backend is None:
+        from minillm.attention.torch_backend import TorchAttentionBackend
+        attn_backend = TorchAttentionBackend()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    arch, path = _resolve_source(model, load_format)
+    fmt = "dummy" if path is None or load_format == "dummy" else "safetensors"
+    files = _weight_files(path) if fmt == "safetensors" else {}
+    net = get_model_class(arch.architecture)(arch, attn_backend, dtype=torch_dtype, device=dev)
+    if fmt == "dummy":
+        init_dummy_weights(net, seed)
+    else:
+        load_safetensors(net, files)
+    return net.eval(), arch, path
+
+
+def _resolve_source(model: str | None, load_format: str) -> tuple[ModelArchConfig, Path | None]:
+    if model is None:
+        if not DEMO_MODEL_DIR.is_dir():
+            raise FileNotFoundError(f"the demo model directory {DEMO_MODEL_DIR} is missing; pass a model "
+                                    f"directory or a preset ({', '.join(preset_names())})")
+        return ModelArchConfig.from_dir(DEMO_MODEL_DIR), DEMO_MODEL_DIR
+    preset = PRESET_DIR / f"{model}.json"
+    if "/" not in model and preset.is_file() and not Path(model).exists():
+        if load_format == "safetensors":
+            raise ConfigError(f"preset {model!r} ships no weights: use load_format dummy (or auto)")
+        return ModelArchConfig.from_hf_dict(json.loads(preset.read_text())), None
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist (and {model!r} is not a preset; "
+                                f"presets: {', '.join(preset_names())})")
+    return ModelArchConfig.from_dir(path), path
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it, from model.safetensors.index.json or by listing each file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no 'weight_map' object")
+        for fname in set(weight_map.values()):
+            if not (path / fname).is_file():
+                raise FileNotFoundError(f"{path / fname} is listed in {index.name} but missing")
+        return {name: path / fname for name, fname in weight_map.items()}
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (use load_format dummy for random weights)")
+    files = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), shard))
+    return files
+
+
+def _checkpoint_targets(net: QwenForCausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+    """Every tensor name the checkpoint must provide -> (parameter, row range of a packed one or None)."""
+    targets = {}
+    for mname, module in net.named_modules():
+        shards = getattr(module, "shards", None)
+        for leaf, p in module.named_parameters(recurse=False):
+            if not shards:
+                targets[f"{mname}.{leaf}"] = (p, None)
+                continue
+            parent, local = mname.rsplit(".", 1)
+            for shard, rows in shards.items():
+                targets[f"{parent}.{_PACKED[local][shard]}.{leaf}"] = (p, rows)
+    return targets
+
+
+def load_safetensors(net: QwenForCausalLM, files: dict[str, Path]) -> None:
+    """Copy every checkpoint tensor into its (slice of a) parameter, converting dtype on the way."""
+    targets = _checkpoint_targets(net)
+    names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+    if net.arch.tie_word_embeddings:
+        names.discard("lm_head.weight")   # some tied checkpoints still store the shared matrix twice
+    missing, unexpected = sorted(set(targets) - names), sorted(names - set(targets))
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint does not match {net.arch.architecture}: missing tensors {missing}, "
+                          f"unexpected tensors {unexpected}")
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(names):
+        by_file.setdefault(files[name], []).append(name)
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in file_names:
+                _copy_into(targets[name], name, f.get_tensor(name))
+
+
+def _copy_into(target: tuple[torch.Tensor, tuple[int, int] | None], name: str, tensor: torch.Tensor) -> None:
+    param, rows = target
+    dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ConfigError(f"tensor {name} has shape {tuple(tensor.shape)}; the config implies {tuple(dest.shape)}")
+    dest.copy_(tensor)   # copy_ converts dtype and moves to the parameter's device in one go
+
+
+def init_dummy_weights(net: QwenForCausalLM, seed: int = 0) -> None:
+    """Norm weights 1, everything else N(0, 0.02), drawn on the parameters' own device from one seeded
+    generator in parameter order (so the same seed gives the same model)."""
+    gen = None
+    for pname, p in net.named_parameters():
+        if p.device.type == "meta":
+            continue
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        if pname.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
