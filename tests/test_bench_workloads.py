@@ -68,3 +68,11 @@ def test_yaml_workload(tmp_path):
         load_workload(path)
     with pytest.raises(ValueError, match="does not exist"):
         load_workload(tmp_path / "missing.yaml")
+
+
+def test_salted_changes_only_first_tokens():
+    w = reference_offline().head(3)
+    s = w.salted(1)
+    assert [len(p) for p in s.prompts] == [len(p) for p in w.prompts] and s.max_tokens == w.max_tokens
+    assert all(a[0] != b[0] and a[1:] == b[1:] for a, b in zip(s.prompts, w.prompts))
+    assert w.salted(0) is w

@@ -37,8 +37,12 @@ class ModelShape:
 
     @classmethod
     def from_arch(cls, arch) -> "ModelShape":
-        """From any object with these attribute names (minillm's model_arch or a transformers config)."""
-        return cls(**{name: int(getattr(arch, name)) for name in cls.__dataclass_fields__})
+        """From any object with these attribute names (minillm's model_arch or a transformers config).
+        Configs without head_dim (Qwen2) imply hidden_size / num_attention_heads."""
+        values = {name: getattr(arch, name, None) for name in cls.__dataclass_fields__}
+        if values["head_dim"] is None:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        return cls(**{name: int(v) for name, v in values.items()})
 
     @property
     def layer_matmul_params(self) -> int:

@@ -51,6 +51,19 @@ class Workload:
         arrivals = None if self.unit_arrivals is None else self.unit_arrivals[:n]
         return replace(self, prompts=self.prompts[:n], max_tokens=self.max_tokens[:n], unit_arrivals=arrivals)
 
+    def salted(self, salt: int) -> "Workload":
+        """The same workload with each prompt's first token shifted by `salt`.
+
+        NOTE: a second pass over the same prompts (a repeat, the next rate of a sweep) would otherwise be served
+        from the prefix cache the first pass left behind and measure far less work. Changing the first token
+        changes every block hash of the prompt while keeping all lengths, which is all the work depends on.
+        """
+        if salt == 0:
+            return self
+        top = self.params.get("max_token_id", 10000) + 1
+        prompts = [[(p[0] + salt) % top, *p[1:]] for p in self.prompts]
+        return replace(self, prompts=prompts)
+
     def arrivals(self, rate: float) -> list[float]:
         if self.unit_arrivals is None:
             raise ValueError(f"workload {self.name!r} has no arrival times (it is an offline workload)")

@@ -1,0 +1,116 @@
+"""Offline throughput: build the engine, warm it up, then time one pass over the workload.
+
+Only the pass itself is timed; model load (with kernel build and CUDA-graph capture) and the warm-up are
+timed separately and recorded next to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+import statistics
+import time
+from contextlib import nullcontext
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from minillm.bench.floor import DeviceRates, ModelShape, dtype_bytes, floor_record, workload_work
+from minillm.bench.workloads import Workload
+from minillm.sampling_params import SamplingParams
+
+WARMUP_REQUESTS = 8
+WARMUP_PROMPT_LEN = 64
+WARMUP_MAX_TOKENS = 4
+
+
+def sampling_params(workload: Workload) -> list[SamplingParams]:
+    return [SamplingParams(temperature=workload.temperature, max_tokens=m, ignore_eos=True)
+            for m in workload.max_tokens]
+
+
+def progress_bar(enabled: bool):
+    """A rich progress bar counting finished requests and generated tokens (a no-op context when disabled)."""
+    if not enabled:
+        return nullcontext(None)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[tokens]} tok"), TimeElapsedColumn(), transient=True)
+
+
+def build_llm(cfg):
+    """Returns (llm, seconds): construction includes weight load, kernel build and graph capture."""
+    from minillm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM.from_config(cfg)
+    return llm, time.perf_counter() - t0
+
+
+def free_device_memory() -> None:
+    """Return a dropped engine's GPU memory before the next configuration sizes its own KV pool.
+    The caller must have deleted its last reference to the engine first."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def warm_up(llm, max_token_id: int = 10000) -> float:
+    """A short generate on prompts of their own (never the workload's, which would then hit the prefix cache)."""
+    rng = random.Random(12345)
+    prompts = [[rng.randint(0, max_token_id) for _ in range(WARMUP_PROMPT_LEN)] for _ in range(WARMUP_REQUESTS)]
+    params = [SamplingParams(temperature=0.6, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)] * WARMUP_REQUESTS
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def timed_pass(llm, workload: Workload, show_progress: bool) -> tuple[float, int, int]:
+    """Add every request, step until all finish. Returns (wall seconds, output tokens, preemptions)."""
+    params = sampling_params(workload)
+    preempt0 = llm.num_preemptions
+    tokens = done = 0
+    with progress_bar(show_progress) as bar:
+        task = bar.add_task(workload.name, total=workload.num_requests, tokens=0) if bar else None
+        t0 = time.perf_counter()
+        for prompt, p in zip(workload.prompts, params):
+            llm.add_request(prompt, p)
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                tokens += len(out.new_token_ids)
+                done += out.finished
+            if bar:
+                bar.update(task, completed=done, tokens=tokens)
+        wall = time.perf_counter() - t0
+    return wall, tokens, llm.num_preemptions - preempt0
+
+
+def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: int = 1,
+               show_progress: bool = True) -> dict:
+    """Build, warm up and time one configuration; returns its results line (without the stamp)."""
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat={repeat!r} is not allowed: an integer >= 1")
+    llm, load_s = build_llm(cfg)
+    try:
+        warmup_s = warm_up(llm, workload.params.get("max_token_id", 10000))
+        walls, preemptions = [], 0
+        for r in range(repeat):
+            wall, tokens, preempted = timed_pass(llm, workload.salted(r), show_progress)
+            if tokens != workload.output_tokens:
+                raise RuntimeError(f"{label}: produced {tokens} output tokens, the workload asks for "
+                                   f"{workload.output_tokens} (is max_model_len too small?)")
+            walls.append(wall)
+            preemptions += preempted
+        shape, dbytes = ModelShape.from_arch(llm.model_arch), dtype_bytes(llm.dtype)
+    finally:
+        del llm
+        free_device_memory()
+    wall = statistics.median(walls)
+    work = workload_work(shape, [len(p) for p in workload.prompts], workload.max_tokens, dbytes,
+                         cfg.scheduler.max_num_seqs)
+    return {"kind": "bench", "engine": "minillm", "label": label, "config": dataclasses.asdict(cfg),
+            "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
+            "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,
+            "output_tok_s": workload.output_tokens / wall,
+            "total_tok_s": (workload.input_tokens + workload.output_tokens) / wall,
+            "preemptions": preemptions, "floor": floor_record(work, rates, wall)}
