@@ -42,7 +42,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int ctx = a.seq_lens[s];
   const int start = partition_size > 0 ? part * partition_size : 0;
   const int end = partition_size > 0 ? min(ctx, start + partition_size) : ctx;
-  if (start >= end) return;  // partition past this sequence's context: the reduce kernel never reads it
+  if (start >= end) {
+    // A partition past the context is never read by the reduce kernel. An empty context (a padding row of a
+    // CUDA-graph batch, say) gets a defined all-zero output instead of 0/0.
+    if (partition_size == 0)
+      for (int i = threadIdx.x; i < group * D; i += kWarps * 32)
+        static_cast<T*>(a.out)[s * a.out_stride_t + (kvh * group + i / D) * a.out_stride_h + i % D] = T(0.f);
+    return;
+  }
 
   // q of every head in the group, pre-scaled so that exp2(score - max) is the softmax numerator.
   float qf[GP][8];
@@ -191,7 +198,7 @@ __global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int nu
       o += w * ws_out[(row0 + p) * D + d];
     }
     T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
-    op[d] = static_cast<T>(o / lsum);
+    op[d] = static_cast<T>(valid > 0 ? o / lsum : 0.f);  // empty context: zeros, as in v1
   }
 }
 

@@ -1,0 +1,144 @@
+// Torch bindings of the attention launchers: checks the tensors, turns them into raw pointers, sizes and
+// strides, launches on the current stream, and registers the ops as torch custom ops (namespace minillm) with
+// the tensors they mutate declared, so CUDA graphs and torch.compile see the writes.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "attention.h"
+
+namespace {
+
+using at::Tensor;
+
+int dtype_code(const Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+              "minillm attention: dtype must be bfloat16 or float16, got ", t.scalar_type());
+  return t.scalar_type() == at::kBFloat16 ? minillm::kBF16 : minillm::kFP16;
+}
+
+void check_cuda_ok(cudaError_t err, const char* what) {
+  TORCH_CHECK(err != cudaErrorInvalidValue, what, ": unsupported configuration (head_dim 64/128, block_size 16/32, "
+              "num_q_heads a multiple of num_kv_heads with a group of at most 8, 16-byte aligned rows)");
+  TORCH_CHECK(err == cudaSuccess, what, ": CUDA error ", cudaGetErrorString(err));
+}
+
+void check_cache(const Tensor& cache, const Tensor& like) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(),
+              "k_cache/v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(cache.scalar_type() == like.scalar_type(), "cache dtype must match q/k dtype");
+  TORCH_CHECK(cache.is_cuda() && cache.device() == like.device(), "cache must be on the same CUDA device");
+}
+
+void check_rows(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be [tokens, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+}
+
+void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache, const Tensor& slot_mapping) {
+  check_rows(k, "k");
+  check_rows(v, "v");
+  check_cache(k_cache, k);
+  check_cache(v_cache, k);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be int64");
+  TORCH_CHECK(slot_mapping.size(0) >= k.size(0) && v.sizes() == k.sizes(), "k, v, slot_mapping sizes disagree");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k heads/head_dim differ from the cache");
+  dtype_code(k);
+  const at::cuda::CUDAGuard guard(k.device());
+  check_cuda_ok(minillm::launch_kv_write(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(),
+                                         (int)k.size(0), (int)k.size(1), (int)k.size(2),
+                                         at::cuda::getCurrentCUDAStream()),
+                "kv_write");
+}
+
+minillm::PagedAttnArgs make_args(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                 const Tensor& block_tables, const Tensor& seq_lens, double scale) {
+  check_rows(out, "out");
+  check_rows(q, "q");
+  check_cache(k_cache, q);
+  check_cache(v_cache, q);
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out dtype must match q");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be int32 [num_seqs, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim differs from the cache");
+  minillm::PagedAttnArgs a{};
+  a.out = out.data_ptr();
+  a.out_stride_t = out.stride(0);
+  a.out_stride_h = out.stride(1);
+  a.q = q.data_ptr();
+  a.q_stride_t = q.stride(0);
+  a.q_stride_h = q.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int>();
+  a.bt_stride = block_tables.stride(0);
+  a.seq_lens = seq_lens.data_ptr<int>();
+  a.num_q_heads = (int)q.size(1);
+  a.num_kv_heads = (int)k_cache.size(2);
+  a.head_dim = (int)q.size(2);
+  a.block_size = (int)k_cache.size(1);
+  a.scale = (float)scale;
+  a.dtype = dtype_code(q);
+  return a;
+}
+
+void paged_decode(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                  const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t partition_size,
+                  int64_t max_seq_len) {
+  minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  a.num_seqs = (int)q.size(0);
+  TORCH_CHECK(block_tables.size(0) >= a.num_seqs && seq_lens.size(0) >= a.num_seqs,
+              "decode: block_tables/seq_lens have fewer rows than q");
+  const at::cuda::CUDAGuard guard(q.device());
+  int num_partitions = 0;
+  Tensor ws;
+  float* ws_out = nullptr;
+  if (partition_size > 0) {
+    // Sized from host-side maxima only, so a captured CUDA graph replays with the same workspace.
+    num_partitions = (int)((max_seq_len + partition_size - 1) / partition_size);
+    const int64_t rows = (int64_t)a.num_seqs * a.num_q_heads * num_partitions;
+    ws = at::empty({rows * (a.head_dim + 2)}, q.options().dtype(at::kFloat));
+    ws_out = ws.data_ptr<float>();
+  }
+  const int64_t rows = (int64_t)a.num_seqs * a.num_q_heads * num_partitions;
+  float* ws_max = ws_out ? ws_out + rows * a.head_dim : nullptr;
+  float* ws_sum = ws_out ? ws_max + rows : nullptr;
+  check_cuda_ok(minillm::launch_paged_decode(a, (int)partition_size, num_partitions, ws_out, ws_max, ws_sum,
+                                             at::cuda::getCurrentCUDAStream()),
+                "paged_decode");
+}
+
+void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                   const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                   int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, double scale) {
+  minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
+              "query_start_loc must be contiguous int32");
+  TORCH_CHECK(seq_begin >= 0 && seq_begin + num_seqs <= seq_lens.size(0) &&
+                  query_start_loc.size(0) >= seq_begin + num_seqs + 1,
+              "prefill: seq_begin/num_seqs outside the batch");
+  a.num_seqs = (int)num_seqs;
+  const at::cuda::CUDAGuard guard(q.device());
+  check_cuda_ok(minillm::launch_paged_prefill(a, query_start_loc.data_ptr<int>(), (int)seq_begin, (int)max_query_len,
+                                              at::cuda::getCurrentCUDAStream()),
+                "paged_prefill");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minillm, m) {
+  m.def("kv_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, int partition_size, int max_seq_len) -> ()");
+  m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
+  m.impl("kv_write", &kv_write);
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_prefill", &paged_prefill);
+}

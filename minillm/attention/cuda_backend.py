@@ -1,0 +1,79 @@
+"""Attention on the CUDA kernels: KV write, then paged decode / paged prefill into one output tensor.
+
+mode "split":   decode rows [0, num_decodes) go to the decode kernel (v1 or split-K, chosen by the
+                dispatcher), prefill rows to the tensor-core prefill kernel; both write slices of one output.
+mode "unified": every row goes through the prefill kernel (a decode row is a prefill chunk of length 1),
+                kept for comparison.
+Shapes the kernels do not cover (head dim other than 64/128, GQA group above 8, block size other than 16/32,
+dtypes other than bf16/fp16) warn once and run on the torch backend: never a wrong answer.
+
+The decode path does no host sync and sizes its split-K workspace from host-side maxima (meta.max_seq_len),
+so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from minillm.attention.metadata import AttentionMetadata
+from minillm.ops import attention_ops as ops
+
+MODES = ("split", "unified")
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BLOCK_SIZES = (16, 32)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_GQA_GROUP = 8
+
+
+def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """Why the CUDA kernels cannot run this shape/dtype, or None when they can."""
+    head_dim, num_q_heads = q.shape[-1], q.shape[1]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if not q.is_cuda:
+        return "tensors are not on a CUDA device"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        return f"block_size={block_size} (supported: {SUPPORTED_BLOCK_SIZES})"
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype:
+        return f"dtype q={q.dtype} cache={k_cache.dtype} (supported: bfloat16, float16, both the same)"
+    if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= MAX_GQA_GROUP:
+        return f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads} (group must be 1..{MAX_GQA_GROUP})"
+    return None
+
+
+class CudaAttentionBackend:
+    def __init__(self, mode: str = "split"):
+        if mode not in MODES:
+            raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self._fallback = None
+        self._warned: set[str] = set()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D] in q's dtype (rows past meta.num_tokens unset)."""
+        reason = unsupported_reason(q, k_cache)
+        if reason is not None:
+            return self._torch_forward(reason, q, k, v, k_cache, v_cache, meta, scale)
+        ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes if self.mode == "split" else 0
+        if nd > 0:
+            ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                             scale, meta.max_seq_len)
+        if meta.num_seqs > nd:
+            ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                              scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd)
+        return out
+
+    def _torch_forward(self, reason: str, *args) -> torch.Tensor:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"CUDA attention kernels do not cover {reason}; using the torch backend", stacklevel=3)
+        if self._fallback is None:
+            from minillm.attention.torch_backend import TorchAttentionBackend  # lazy: optional dependency
+
+            self._fallback = TorchAttentionBackend()
+        return self._fallback.forward(*args)

@@ -1,0 +1,76 @@
+"""Typed wrappers of the CUDA attention ops (torch.ops.minillm.*) and the decode dispatcher.
+
+Shapes follow minillm.attention.metadata: q [rows, Hq, D]; caches [num_blocks, block_size, Hkv, D];
+block_tables int32 [S, max_blocks]; seq_lens int32 [S]; query_start_loc int32 [S + 1]; slot_mapping int64.
+Every function writes into caller-owned tensors and allocates nothing that depends on device data, so the
+decode path can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from minillm.ops.build import load_extension
+
+PARTITION_QUANTUM = 256   # split-K partitions are multiples of this (the kernel walks 16-token chunks x 4 warps)
+CTAS_PER_SM_TARGET = 4    # aim for a few waves of decode CTAs so every SM keeps loads in flight
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, Hkv, D] into the caches at slot_mapping[:T] (-1 = skip). Bit-exact copy."""
+    load_extension().kv_write(k, v, k_cache, v_cache, slot_mapping)
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Split-K partition size in tokens for a decode batch, or 0 for v1 (one CTA per sequence x KV head).
+
+    v1 already fills the GPU when there are several CTAs per SM; otherwise the longest context is cut into
+    enough partitions to reach that many CTAs, each a multiple of PARTITION_QUANTUM tokens.
+    """
+    ctas = num_seqs * num_kv_heads
+    target = CTAS_PER_SM_TARGET * num_sms
+    if ctas >= target or max_seq_len <= PARTITION_QUANTUM:
+        return 0
+    parts = math.ceil(target / max(ctas, 1))
+    size = math.ceil(max_seq_len / parts / PARTITION_QUANTUM) * PARTITION_QUANTUM
+    return 0 if size >= max_seq_len else size
+
+
+def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                 partition_size: int | None = None) -> torch.Tensor:
+    """out[s] = attention of q[s] (one token per sequence) over its first seq_lens[s] cached tokens.
+
+    partition_size None lets the dispatcher choose; 0 forces v1; a positive multiple of 256 forces split-K.
+    max_seq_len must bound every seq_lens entry (it sizes the split-K workspace).
+    """
+    if partition_size is None:
+        partition_size = decode_partition_size(q.shape[0], k_cache.shape[2], max_seq_len, _num_sms(q.device.index or 0))
+    if partition_size < 0 or partition_size % PARTITION_QUANTUM:
+        raise ValueError(f"partition_size must be 0 or a positive multiple of {PARTITION_QUANTUM}, got {partition_size}")
+    load_extension().paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
+                                  int(partition_size), int(max_seq_len))
+    return out
+
+
+def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                  scale: float, max_query_len: int, seq_begin: int = 0, num_seqs: int | None = None) -> torch.Tensor:
+    """Causal attention of the query rows of sequences [seq_begin, seq_begin + num_seqs) in one launch.
+
+    Rows of sequence s are q[query_start_loc[s]:query_start_loc[s+1]] and sit at the last positions of its
+    seq_lens[s]-token context (prefix hits and later prefill chunks attend to the cached tokens before them).
+    """
+    if num_seqs is None:
+        num_seqs = seq_lens.shape[0] - seq_begin
+    load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
+    return out
