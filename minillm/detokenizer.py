@@ -1,0 +1,106 @@
+"""Incremental detokenization with stop strings: the text a stream may show after each step.
+
+Two things are held back from the stream:
+- an incomplete UTF-8 character: a byte-level token may carry only part of a character, and decoding then
+  ends in U+FFFD; those tokens wait until the character completes;
+- a possible stop string start: the longest suffix of the text that is a prefix of some stop string, because
+  the next token may complete the stop string, and no part of it may ever be emitted.
+
+Decoding is O(new tokens): only a sliding window of recent token ids is decoded each call. ``prefix_offset``
+marks where the window starts (a little context, so that decoders that depend on the preceding token decode
+the new tokens exactly as a full decode would) and ``read_offset`` marks the first token whose text has not
+been produced yet; text = decode(window)[len(decode(prefix part)):].
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from minillm.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        stop = list(stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._held = ""          # decoded text not yet emitted (a possible stop-string start)
+        self._emitted: list[str] = []
+        self.stopped = False
+        self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (add() and flush() results concatenated)."""
+        return "".join(self._emitted)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Take new token ids; return the newly safe text ("" once a stop string was seen)."""
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        return self._release(self._decode_new(final=False), final=False)
+
+    def flush(self) -> str:
+        """End of the request: release what was held back (an unfinished character decodes as U+FFFD, as a
+        full decode would show it). Text past a stop string is never released."""
+        if self.stopped:
+            return ""
+        return self._release(self._decode_new(final=True), final=True)
+
+    def _decode_new(self, final: bool) -> str:
+        if len(self._ids) == self._read_offset:
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        if full_text.endswith(_REPLACEMENT) and not final:
+            return ""  # the last character is still incomplete: wait for its remaining bytes
+        # NOTE: the window always starts on a character boundary (offsets only move after a complete decode),
+        # so prefix_text is a true prefix of full_text.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _release(self, new_text: str, final: bool) -> str:
+        pending = self._held + new_text
+        hit = self._find_stop(pending)
+        if hit is not None:
+            cut, self.stop_string = hit
+            self.stopped = True
+            out, self._held = pending[:cut], ""
+        else:
+            keep = 0 if final else self._stop_prefix_len(pending)
+            out, self._held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        self._emitted.append(out)
+        return out
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """Earliest stop string in ``text`` (ties: the longest). The emitted text never ends with a stop
+        prefix, so every occurrence lies entirely inside the held + new text searched here."""
+        best: tuple[int, str] | None = None
+        for s in self._stop:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+                best = (i, s)
+        return best
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,140 @@
+"""Incremental detokenizer: streamed pieces equal the full decode, no broken characters at chunk boundaries,
+stop strings never partly emitted, O(new tokens) decoding."""
+import random
+
+import pytest
+from test_tokenizer import write_tokenizer_dir
+
+from minillm.detokenizer import IncrementalDetokenizer
+from minillm.tokenizer import Tokenizer
+
+TEXTS = [
+    "naïve café 日本語のテキスト 😀🎉 👍🏽 Ελληνικά 한국어",
+    "中文字符测试 the quick brown fox 🎉🎉 façade Ørsted",
+    "plain ascii only, nothing special here",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(write_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+class CountingTokenizer:
+    """Wraps a Tokenizer and records the length of every decoded id window."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.window_lengths: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.window_lengths.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def chunks(ids, rng):
+    i = 0
+    while i < len(ids):
+        n = rng.randint(1, 3)
+        yield ids[i:i + n]
+        i += n
+
+
+def stream(detok, ids, rng=None):
+    pieces = [detok.add(c) for c in (chunks(ids, rng) if rng else ([i] for i in ids))]
+    return pieces, detok.flush()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_streamed_pieces_concatenate_to_full_decode(tok, text, chunked):
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, [])
+    pieces, tail = stream(detok, ids, random.Random(len(text)) if chunked else None)
+    assert "".join(pieces) + tail == tok.decode(ids) == text
+    assert tail == ""                       # complete text: nothing left to flush
+    assert detok.text == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incomplete_character_held_until_complete(tok):
+    ids = tok.encode("日")
+    assert len(ids) > 1  # the character spans several byte tokens
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.add([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add(ids[-1:]) == "日"
+
+
+def test_flush_releases_an_unfinished_character_as_full_decode_shows_it(tok):
+    ids = tok.encode("ab 日")[:-1]
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = "".join(detok.add([i]) for i in ids)
+    assert streamed + detok.flush() == tok.decode(ids)
+    assert tok.decode(ids).endswith("\ufffd")
+
+
+def test_decoding_window_stays_small(tok):
+    counter = CountingTokenizer(tok)
+    ids = tok.encode(" ".join(TEXTS * 20))
+    detok = IncrementalDetokenizer(counter, [])
+    pieces, tail = stream(detok, ids)
+    assert "".join(pieces) + tail == tok.decode(ids)
+    assert len(ids) > 500
+    # A window spans at most one unfinished character (4 byte tokens here) plus the previous step's tokens.
+    assert max(counter.window_lengths) <= 8
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    ("the quick brown fox jumps over the lazy dog", ["fox jumps"], "the quick brown "),
+    ("naïve café 日本語のテキスト 😀🎉 end", ["テキ"], "naïve café 日本語の"),
+    ("emoji 😀🎉 then stop here", ["🎉 then"], "emoji 😀"),
+    ("aaa stop bbb end ccc", ["end", "stop"], "aaa "),             # earliest stop wins
+])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_stop_string_cut_and_never_partly_emitted(tok, text, stop, expected, chunked):
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, stop)
+    rng = random.Random(1) if chunked else None
+    emitted = ""
+    for piece in (chunks(ids, rng) if rng else ([i] for i in ids)):
+        emitted += detok.add(piece)
+        # Everything shown so far is part of the final text: no prefix of a stop string leaked.
+        assert expected.startswith(emitted)
+    assert detok.stopped and detok.stop_string in stop
+    assert text.find(detok.stop_string) == len(expected)
+    assert emitted == expected == detok.text
+    assert detok.add(tok.encode(" more")) == "" and detok.flush() == ""
+
+
+def test_stop_strings_span_several_tokens(tok):
+    # The cases above are only meaningful if the stop strings do not arrive as one token.
+    for s in ("fox jumps", "テキ", "🎉 then"):
+        assert len(tok.encode(s)) > 1
+
+
+def test_held_stop_prefix_released_when_it_diverges_or_at_flush(tok):
+    detok = IncrementalDetokenizer(tok, ["lazy cat"])
+    out = "".join(detok.add([i]) for i in tok.encode("the lazy"))
+    assert out == "the "                    # "lazy" could still become "lazy cat"
+    assert detok.add(tok.encode(" dog")) == "lazy dog"
+    detok2 = IncrementalDetokenizer(tok, ["lazy cat"])
+    assert detok2.add(tok.encode("over the lazy")) == "over the "
+    assert detok2.flush() == "lazy"
+    assert detok2.text == "over the lazy" and not detok2.stopped
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    ids = tok.encode("hi<|im_end|>")
+    assert IncrementalDetokenizer(tok, []).add(ids) == "hi"
+    assert IncrementalDetokenizer(tok, [], skip_special_tokens=False).add(ids) == "hi<|im_end|>"
+
+
+def test_stop_string_made_of_a_special_token(tok):
+    detok = IncrementalDetokenizer(tok, ["<|im_end|>"], skip_special_tokens=False)
+    assert detok.add(tok.encode("done<|im_end|>tail")) == "done"
+    assert detok.stop_string == "<|im_end|>"
+
+
+def test_bad_stop_rejected(tok):
+    with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
+        IncrementalDetokenizer(tok, [""])
