@@ -80,14 +80,14 @@ class BlockPool:
             if cnt == 0:
                 self._free[block_id] = None
 
-    def lookup(self, block_hash: BlockHash, parent: BlockHash, token_ids: Sequence[int]) -> int | None:
+    def lookup(self, block_hash: BlockHash, parent: BlockHash, token_ids: tuple[int, ...]) -> int | None:
         """Block holding exactly this (parent, tokens) content, or None. Verified, never trusted on hash alone."""
         block_id = self._cached.get(block_hash)
-        if block_id is None or self._block_key[block_id] != (parent, tuple(token_ids)):
+        if block_id is None or self._block_key[block_id] != (parent, token_ids):
             return None
         return block_id
 
-    def cache_block(self, block_id: int, block_hash: BlockHash, parent: BlockHash, token_ids: Sequence[int]) -> None:
+    def cache_block(self, block_id: int, block_hash: BlockHash, parent: BlockHash, token_ids: tuple[int, ...]) -> None:
         """Publish a full, computed block under its hash.
 
         A block that is already published (it came from a hit) is left alone. If another block already holds
@@ -100,7 +100,7 @@ class BlockPool:
             raise ValueError(f"only full blocks are cached: got {len(token_ids)} tokens, block_size={self.block_size}")
         self._cached[block_hash] = block_id
         self._block_hash[block_id] = block_hash
-        self._block_key[block_id] = (parent, tuple(token_ids))
+        self._block_key[block_id] = (parent, token_ids)
 
     def _evict(self, block_id: int) -> None:
         # NOTE: a reused block must never be found by its old hash again.

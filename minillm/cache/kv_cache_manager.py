@@ -60,14 +60,11 @@ class KVCacheManager:
         return len(self._match(request, (request.num_tokens - 1) // self.block_size)) * self.block_size
 
     def _match(self, request: Request, max_blocks: int) -> list[int]:
-        state = self._state.setdefault(request.request_id, _HashState())
-        tokens, bs, out = request.all_token_ids, self.block_size, []
+        state = self._get_state(request)
+        out = []
         for i in range(max_blocks):
-            parent = state.hashes[i - 1] if i else ROOT_HASH
-            block_tokens = tokens[i * bs:(i + 1) * bs]
-            if i == len(state.hashes):
-                state.hashes.append(hash_block(parent, block_tokens))
-            block_id = self.pool.lookup(state.hashes[i], parent, block_tokens)
+            block_hash, parent, block_tokens = self._block_hash(request, state, i)
+            block_id = self.pool.lookup(block_hash, parent, block_tokens)
             if block_id is None:
                 break
             out.append(block_id)
@@ -82,15 +79,26 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
-        state = self._state.setdefault(request.request_id, _HashState())
-        tokens, bs = request.all_token_ids, self.block_size
+        state = self._get_state(request)
         for i in range(state.num_published, num_full):
-            parent = state.hashes[i - 1] if i else ROOT_HASH
-            block_tokens = tokens[i * bs:(i + 1) * bs]
-            if i == len(state.hashes):
-                state.hashes.append(hash_block(parent, block_tokens))
-            self.pool.cache_block(request.block_ids[i], state.hashes[i], parent, block_tokens)
+            block_hash, parent, block_tokens = self._block_hash(request, state, i)
+            self.pool.cache_block(request.block_ids[i], block_hash, parent, block_tokens)
         state.num_published = max(state.num_published, num_full)
+
+    def _get_state(self, request: Request) -> _HashState:
+        state = self._state.get(request.request_id)
+        if state is None:
+            state = self._state[request.request_id] = _HashState()
+        return state
+
+    def _block_hash(self, request: Request, state: _HashState, i: int) -> tuple[BlockHash, BlockHash, tuple[int, ...]]:
+        """(hash, parent hash, token ids) of the request's block i; hashes are computed once, in order."""
+        bs = self.block_size
+        block_tokens = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+        parent = state.hashes[i - 1] if i else ROOT_HASH
+        if i == len(state.hashes):
+            state.hashes.append(hash_block(parent, block_tokens))
+        return state.hashes[i], parent, block_tokens
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. between benchmark runs); False if any block is still in use."""

@@ -158,9 +158,10 @@ class Scheduler:
         """Give each running decode its one token; return the running requests that still prefill."""
         prefills = []
         bs = self.block_size
-        for req in list(self.running):   # a copy: preemption removes from self.running
-            if req.status is not RUNNING:
-                continue                 # preempted earlier in this loop
+        add_decode = plan.decodes.append
+        # NOTE: iterating the live list is safe: during this loop preemption only pops its last element
+        # (an unvisited request or the current one), which just ends the iteration earlier.
+        for req in self.running:
             start = req.num_computed_tokens
             if len(req.all_token_ids) - start != 1:
                 prefills.append(req)
@@ -169,8 +170,8 @@ class Scheduler:
                 break
             # Inline capacity test (the common case) saves a call per decode; allocate_slots re-checks.
             if len(req.block_ids) * bs <= start and not self._allocate(req, 1, plan):
-                continue
-            plan.decodes.append(ScheduledSeq(req, start, 1, True))
+                break                    # req preempted itself: it was the last running request
+            add_decode(ScheduledSeq(req, start, 1, True))
             plan.budget -= 1
         return prefills
 
@@ -265,15 +266,15 @@ class Scheduler:
         ids, tokens = runner_out.req_ids, runner_out.sampled_token_ids
         if len(ids) != len(tokens):
             raise ValueError(f"runner output has {len(ids)} req_ids but {len(tokens)} sampled tokens")
-        bs, caching, kv = self.block_size, self.kv.enable_caching, self.kv
+        bs, caching, kv, max_len = self.block_size, self.kv.enable_caching, self.kv, self.max_model_len
         advanced: list[Request] = []
         any_finished = False
         j = 0
         for seq in out.scheduled:
             req = seq.request
             if seq.sample:
-                if j >= len(ids) or ids[j] != req.request_id:
-                    raise ValueError(f"runner output row {j} does not match scheduled request {req.request_id}")
+                if j == len(ids) or ids[j] != req.request_id:
+                    raise ValueError(f"runner output row {j} does not match scheduled request {req.request_id!r}")
                 token = tokens[j]
                 j += 1
             if req.status is not RUNNING:
@@ -287,7 +288,10 @@ class Scheduler:
             if not seq.sample:
                 continue
             req.append_output_token(token)
-            if self._check_stop(req, token):
+            sp = req.sampling_params
+            # Cheap screen inline; _check_stop applies min_tokens / ignore_eos only when something could stop.
+            if (token in req.eos_token_ids or token in sp.stop_token_ids or len(req.all_token_ids) >= max_len
+                    or len(req.output_token_ids) >= sp.max_tokens) and self._check_stop(req, token):
                 any_finished = True
                 self._release(req)
             advanced.append(req)

@@ -1,0 +1,84 @@
+"""CPU cost of one scheduler step: schedule() + update() with 256 running decodes of ~1000-token contexts.
+
+The model is replaced by a fake runner output (one token per sampled row), so the figure is pure scheduler
+bookkeeping: the part of the <= 250 us per-step CPU budget (DESIGN section 7) that is not input preparation.
+
+    python scripts/bench_scheduler_cpu.py [--requests 256] [--context 1000] [--steps 3000] [--prefix-caching]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from minillm.config import CacheConfig, SchedulerConfig
+from minillm.engine.outputs import ModelRunnerOutput
+from minillm.engine.scheduler import Scheduler
+from minillm.request import Request
+from minillm.sampling_params import SamplingParams
+
+
+def build(num_requests: int, context: int, steps: int, caching: bool, block_size: int = 16) -> Scheduler:
+    """A scheduler whose requests have all finished prefill and will keep decoding for `steps` steps."""
+    max_model_len = context + steps + 2 * block_size
+    blocks_per_req = -(-max_model_len // block_size)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=16384),
+                      CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+                      num_blocks=num_requests * blocks_per_req, max_model_len=max_model_len)
+    rng = random.Random(0)
+    for i in range(num_requests):
+        prompt = [rng.randrange(100_000) for _ in range(context + rng.randrange(-16, 17))]
+        sched.add_request(Request(f"bench-{i}", prompt, SamplingParams(max_tokens=steps + block_size, ignore_eos=True)))
+    # Prefill everything (not timed) so that every timed step is a pure decode step.
+    while any(r.num_output_tokens == 0 for r in sched.running) or sched.num_waiting:
+        step(sched, rng)
+    return sched
+
+
+def step(sched: Scheduler, rng: random.Random) -> None:
+    out = sched.schedule()
+    ids = [s.request.request_id for s in out.scheduled if s.sample]
+    sched.update(out, ModelRunnerOutput(ids, [rng.randrange(100_000) for _ in ids]))
+
+
+def python_loop_ns() -> float:
+    """ns per empty `for` iteration: a yardstick for how fast this CPU runs Python (~15-25 ns on a fast idle
+    core), so figures from different or busy machines can be compared."""
+    t0 = time.perf_counter()
+    for _ in range(2_000_000):
+        pass
+    return (time.perf_counter() - t0) / 2_000_000 * 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--prefix-caching", action="store_true", help="publish full blocks to the prefix cache")
+    args = ap.parse_args()
+    sched = build(args.requests, args.context, args.steps, args.prefix_caching)
+    rng = random.Random(1)
+    # The fake runner output is built outside the timed region: only schedule() + update() are measured.
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        ids = [s.request.request_id for s in out.scheduled]
+        runner_out = ModelRunnerOutput(ids, [rng.randrange(100_000) for _ in ids])
+        t2 = time.perf_counter()
+        sched.update(out, runner_out)
+        t3 = time.perf_counter()
+        assert len(out.scheduled) == args.requests and out.num_decodes == args.requests
+        times.append((t1 - t0) + (t3 - t2))
+    med = statistics.median(times) * 1e6
+    p90 = statistics.quantiles(times, n=10)[-1] * 1e6
+    print(f"schedule()+update(): {args.requests} decodes, ~{args.context}-token contexts, "
+          f"prefix caching {'on' if args.prefix_caching else 'off'}: median {med:.1f} us/step, p90 {p90:.1f} us "
+          f"over {args.steps} steps (this CPU: {python_loop_ns():.0f} ns per empty Python loop iteration)")
+
+
+if __name__ == "__main__":
+    main()
