@@ -152,7 +152,8 @@ class LLMEngine:
         final = None
         if group.done:
             group.metrics.finished_time = now
-            final = RequestOutput(group.request_id, group.prompt_token_ids, group.outputs, group.metrics)
+            final = RequestOutput(group.request_id, group.prompt_token_ids, group.outputs, group.metrics,
+                                  num_cached_tokens=group.completions[0].request.num_cached_tokens)
             del self._groups[group.request_id]
         return StepOutput(group.request_id, list(new_ids), text if group.stream else "", True, reason, now,
                           output=final, index=idx)

@@ -93,6 +93,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache (first completion)
 
     # Convenience accessors for the first (usually only) completion.
     @property
@@ -114,7 +115,7 @@ class RequestOutput:
     def __getitem__(self, key: str):
         """out["text"]-style access, as in seed 000's API."""
         if key in ("request_id", "prompt_token_ids", "outputs", "metrics", "text", "token_ids",
-                   "finish_reason", "logprobs"):
+                   "finish_reason", "logprobs", "num_cached_tokens"):
             return getattr(self, key)
         raise KeyError(key)
 
