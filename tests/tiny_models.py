@@ -29,7 +29,7 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, hidden: int =
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
     elif arch == "qwen2":
         if hidden != heads * head_dim:
-            raise ValueError(f"qwen2 derives head_dim from hidden/heads: need hidden == heads * head_dim")
+            raise ValueError("qwen2 derives head_dim from hidden/heads: need hidden == heads * head_dim")
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         raise ValueError(f"arch={arch!r}: one of qwen3, qwen2")

@@ -15,7 +15,7 @@ from minillm.model.arch import ModelArchConfig
 from minillm.ops.fused_ops import qk_norm_rope, silu_and_mul
 
 
-def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -26,12 +26,21 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device,
                  shards: dict[str, tuple[int, int]] | None = None):
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.shards = shards or {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class VocabMatrix(nn.Module):
+    """A [vocab, hidden] weight: the token embedding, or an untied LM head (used through F.embedding /
+    F.linear by the model, so it needs no forward)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, device):
+        super().__init__()
+        self.weight = empty_param(vocab_size, hidden_size, dtype=dtype, device=device)
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +49,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, *, dtype, device):
         super().__init__()
-        self.weight = _param(dim, dtype=dtype, device=device)
+        self.weight = empty_param(dim, dtype=dtype, device=device)
         self.eps = eps
 
 

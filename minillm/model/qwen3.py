@@ -12,7 +12,7 @@ from torch import nn
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.model.arch import ModelArchConfig
-from minillm.model.layers import MLP, Attention, RMSNorm, _param
+from minillm.model.layers import MLP, Attention, RMSNorm, VocabMatrix
 from minillm.ops.fused_ops import fused_add_rms_norm, rope_cos_sin_cache
 
 
@@ -39,8 +39,7 @@ class DecoderLayer(nn.Module):
 class QwenModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype, device):
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = VocabMatrix(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(arch, attn_backend, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
@@ -64,11 +63,8 @@ class QwenForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = QwenModel(arch, attn_backend, dtype=dtype, device=device)
-        if arch.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.lm_head = None if arch.tie_word_embeddings else VocabMatrix(arch.vocab_size, arch.hidden_size,
+                                                                          dtype=dtype, device=device)
         # Built once in fp32 for every position the model supports; not saved with the weights.
         cache = rope_cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, device=device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
