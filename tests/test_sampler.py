@@ -161,6 +161,19 @@ def test_penalties_match_reference_formulas():
         torch.testing.assert_close(got[i], expected, msg=f"row {i}: {p}")
 
 
+def test_penalty_token_history_follows_appended_tokens():
+    r = req(prompt=[1], output=[2], frequency_penalty=1.0, repetition_penalty=2.0)
+    logits = torch.full((1, V), 4.0)
+    for step in range(3):
+        batch = SamplingBatch.build([r], "cpu", V)
+        got = logits.clone()
+        apply_penalties(got, batch.penalties)
+        seen = set(r.all_token_ids)
+        expected = [(2.0 if t in seen else 4.0) - r.output_token_ids.count(t) for t in range(V)]
+        assert got[0].tolist() == expected, f"step {step}"
+        r.append_output_token(2 if step == 0 else 30 + step)
+
+
 def test_no_penalty_tensors_without_penalties():
     batch = SamplingBatch.build([req(temperature=0.5, top_p=0.9)], "cpu", V)
     assert batch.penalties is None and batch.top_k is None and batch.top_p is not None
@@ -189,7 +202,7 @@ def chi_square(counts, probs):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_exponential_race_matches_softmax(temperature):
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    n = 20000
+    n = 8000
     tokens = sample([req(temperature=temperature) for _ in range(n)], base.repeat(n, 1), seed=11).token_ids
     counts = torch.bincount(tokens, minlength=5).double()
     # 4 degrees of freedom: chi2 > 30 has p < 1e-5.

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from minillm.request import Request
-from minillm.sampling.penalties import PenaltyTensors, pad_token_lists
+from minillm.sampling.penalties import PenaltyTensors, pad_token_arrays, token_history
 
 _MASK64 = (1 << 64) - 1
 
@@ -120,16 +120,21 @@ def _penalties(requests: Sequence[Request], dev: torch.Tensor | None, need: dict
 
     def ids(select) -> torch.Tensor:
         # Only rows that use the penalty ship their tokens; the others are pure padding.
-        return torch.from_numpy(pad_token_lists([select(r) for r in requests], vocab_size)).to(device)
+        return torch.from_numpy(pad_token_arrays([select(r) for r in requests], vocab_size)).to(device)
 
-    sp = lambda r: r.sampling_params  # noqa: E731
+    def outputs(r: Request) -> np.ndarray | None:
+        sp = r.sampling_params
+        return token_history(r)[r.num_prompt_tokens:] if sp.presence_penalty or sp.frequency_penalty else None
+
+    def seen(r: Request) -> np.ndarray | None:
+        return token_history(r) if r.sampling_params.repetition_penalty != 1.0 else None
+
     return PenaltyTensors(
         presence=dev[_PRES].unsqueeze(1) if need["presence"] else None,
         frequency=dev[_FREQ].unsqueeze(1) if need["frequency"] else None,
         repetition=dev[_REP].unsqueeze(1) if use_rep else None,
-        output_ids=ids(lambda r: r.output_token_ids if sp(r).presence_penalty or sp(r).frequency_penalty
-                       else None) if use_out else None,
-        seen_ids=ids(lambda r: r.all_token_ids if sp(r).repetition_penalty != 1.0 else None) if use_rep else None,
+        output_ids=ids(outputs) if use_out else None,
+        seen_ids=ids(seen) if use_rep else None,
     )
 
 

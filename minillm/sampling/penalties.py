@@ -11,11 +11,14 @@ scattering into a [N, V + 1] buffer lets the padding land in a throw-away column
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
+
+from minillm.request import Request
 
 
 @dataclass
@@ -31,12 +34,44 @@ class PenaltyTensors:
     seen_ids: torch.Tensor | None       # [N, L] prompt + output tokens, padded with vocab_size
 
 
-def pad_token_lists(lists: Sequence[Sequence[int] | None], pad: int) -> np.ndarray:
-    """Stack ragged token lists into an int64 matrix padded with ``pad`` (None rows are all padding)."""
-    width = max((len(x) for x in lists if x is not None), default=0)
-    out = np.full((len(lists), max(width, 1)), pad, dtype=np.int64)
-    for i, ids in enumerate(lists):
-        if ids:
+class _History:
+    """A request's token ids (prompt + output) as a growable numpy buffer."""
+    __slots__ = ("buf", "n")
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.int64)
+        self.n = 0
+
+
+# NOTE: converting a request's whole token list to numpy every step costs ~100 ns a token (tens of ms at 256
+# rows x 1k tokens), so each penalised request keeps a numpy copy that only appends the tokens added since
+# the last step. Keyed weakly by the Request object: the entry disappears with the request.
+_HISTORIES: "weakref.WeakKeyDictionary[Request, _History]" = weakref.WeakKeyDictionary()
+
+
+def token_history(request: Request) -> np.ndarray:
+    """request.all_token_ids as an int64 array, in O(new tokens) per call."""
+    h = _HISTORIES.get(request)
+    ids = request.all_token_ids
+    if h is None or h.n > len(ids):  # token lists only grow; anything else means start over
+        h = _HISTORIES[request] = _History()
+    if h.n < len(ids):
+        new = np.asarray(ids[h.n:], dtype=np.int64)
+        if h.n + len(new) > len(h.buf):
+            grown = np.empty(max(2 * len(h.buf), h.n + len(new), 64), dtype=np.int64)
+            grown[: h.n] = h.buf[: h.n]
+            h.buf = grown
+        h.buf[h.n: h.n + len(new)] = new
+        h.n += len(new)
+    return h.buf[: h.n]
+
+
+def pad_token_arrays(arrays: Sequence[np.ndarray | None], pad: int) -> np.ndarray:
+    """Stack ragged token arrays into an int64 matrix padded with ``pad`` (None rows are all padding)."""
+    width = max((len(x) for x in arrays if x is not None), default=0)
+    out = np.full((len(arrays), max(width, 1)), pad, dtype=np.int64)
+    for i, ids in enumerate(arrays):
+        if ids is not None:
             out[i, : len(ids)] = ids
     return out
 
