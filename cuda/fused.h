@@ -1,0 +1,155 @@
+// Launchers of the fused elementwise kernels and the one-pass sampler (plain C++, no torch types).
+//
+// Sources: fused_norm.cu (rms_norm, fused_add_rms_norm), fused_act.cu (silu_and_mul), fused_rope.cu
+// (qk_norm_rope), sampling.cu (sample_exponential_race). fused_bindings.cpp turns tensors into these
+// arguments and registers the torch.ops.minillm.* ops. Strides and sizes are in elements. Every launcher
+// returns the launch's error code (cudaSuccess, or cudaErrorInvalidValue for arguments outside the limits
+// below, which the bindings check first with clearer messages).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace minillm {
+
+// Activation dtype of the half-precision-or-fp32 tensors (weights share it).
+enum class ActDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Largest sizes the kernels keep in registers (a row of the norm, a head of qk_norm_rope).
+constexpr int64_t kMaxNormHidden = 8192;  // the largest Qwen2/Qwen3 hidden size
+constexpr int kMaxHeadDim = 256;
+// The sampler indexes columns with 32-bit ints.
+constexpr int64_t kMaxVocab = 2147483647;
+
+// y[t] = x[t] / rms(x[t]) * weight. x rows start x_row_stride elements apart; y is contiguous [rows, hidden].
+cudaError_t launch_rms_norm(const void* x, int64_t x_row_stride, const void* weight, void* y, int64_t rows,
+                            int64_t hidden, float eps, ActDType dtype, cudaStream_t stream);
+
+// sum[t] = x[t] + residual[t] rounded to dtype; y[t] = rms_norm(sum[t]) * weight. Reads each input once and
+// writes each output once; y and sum are contiguous [rows, hidden].
+cudaError_t launch_fused_add_rms_norm(const void* x, int64_t x_row_stride, const void* residual,
+                                      int64_t residual_row_stride, const void* weight, void* y, void* sum,
+                                      int64_t rows, int64_t hidden, float eps, ActDType dtype, cudaStream_t stream);
+
+// gate_up rows hold [gate (inter) | up (inter)]; out[t] = silu(gate) * up, contiguous [rows, inter].
+cudaError_t launch_silu_and_mul(const void* gate_up, int64_t in_row_stride, void* out, int64_t rows,
+                                int64_t inter, ActDType dtype, cudaStream_t stream);
+
+// Splits qkv rows [(Hq + 2 Hkv) * D] into contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]; applies the
+// per-head RMSNorm to q and k when both weights are non-null, then neox RoPE from cos_sin (fp32
+// [max_positions, D]: cos | sin). A position outside [0, max_positions) yields NaN in its q and k rows.
+struct QkNormRopeArgs {
+  const void* qkv;
+  int64_t qkv_row_stride;
+  const int64_t* positions;
+  const float* cos_sin;
+  int64_t max_positions;
+  const void* q_norm_weight;  // nullable (Qwen2 has no q/k norm)
+  const void* k_norm_weight;  // nullable, together with q_norm_weight
+  void* q;
+  void* k;
+  void* v;
+  int64_t num_tokens;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;  // even, <= kMaxHeadDim
+  float eps;
+};
+cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ActDType dtype, cudaStream_t stream);
+
+// out[r] = argmax_c(logits[r, c] * inv_temperature[r] - log(E[r, c])), E ~ Exp(1) drawn by Philox4x32-10
+// with key = seed and counter = (c / 4, r, offset low, offset high), word c % 4; rows with
+// inv_temperature 0 take the plain argmax. Ties go to the lowest column, NaN counts as largest (torch.argmax).
+cudaError_t launch_sample_exponential_race(const float* logits, int64_t row_stride, const float* inv_temperature,
+                                           int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
+                                           uint64_t offset, cudaStream_t stream);
+
+}  // namespace minillm
+
+#if defined(__CUDACC__)
+// Helpers shared by the fused kernel sources (nvcc only; the bindings never see them).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <initializer_list>
+
+namespace minillm::fused_detail {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}) with the C++ type of dtype.
+template <typename F>
+cudaError_t dispatch_dtype(ActDType dtype, F&& f) {
+  switch (dtype) {
+    case ActDType::kFloat32: return f(TypeTag<float>{});
+    case ActDType::kFloat16: return f(TypeTag<__half>{});
+    case ActDType::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// Round-to-nearest-even, as torch's .to(dtype) does.
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// N elements moved as one access: 16 bytes when N * sizeof(T) == 16.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
+  const Vec<T, N> r = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(r.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const float (&in)[N]) {
+  Vec<T, N> r;
+#pragma unroll
+  for (int i = 0; i < N; ++i) r.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Vec<T, N>*>(p) = r;
+}
+
+// Sum over aligned groups of `width` lanes (a power of two <= 32). Every lane of the warp must call it.
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Elements per 16-byte access for T when every pointer is 16-byte aligned and every row stride and the
+// row length are multiples of it; 1 (scalar accesses) otherwise.
+template <typename T>
+inline int vector_width(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> strides) {
+  constexpr int kVec = 16 / sizeof(T);
+  for (const void* p : ptrs)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
+  for (int64_t s : strides)
+    if (s % kVec != 0) return 1;
+  return kVec;
+}
+
+inline int next_pow2(int64_t n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+}  // namespace minillm::fused_detail
+#endif  // __CUDACC__

@@ -1,0 +1,238 @@
+// Torch bindings of the fused elementwise kernels and the one-pass sampler (launchers in fused.h).
+//
+// Each op checks its tensors (bad input raises ValueError naming the argument), allocates fresh outputs,
+// and launches on the current stream; none mutates an input, so the schemas carry no alias annotations.
+// Meta implementations give torch.compile the output shapes without running anything.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "fused.h"
+
+namespace {
+
+using at::Tensor;
+using minillm::ActDType;
+
+ActDType act_dtype(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ActDType::kFloat32;
+    case at::kHalf: return ActDType::kFloat16;
+    case at::kBFloat16: return ActDType::kBFloat16;
+    default: TORCH_CHECK_VALUE(false, name, ": dtype must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "minillm.", op, ": CUDA error ", cudaGetErrorString(err));
+}
+
+void check_like(const Tensor& t, const Tensor& ref, const char* name, const char* ref_name) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref_name, "'s device ",
+                    ref.device(), ", got ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), name, " must have ", ref_name, "'s dtype ",
+                    ref.scalar_type(), ", got ", t.scalar_type());
+}
+
+// x as [rows, hidden] with a unit last stride (a view when the leading dims allow one, else a copy).
+Tensor as_rows(const Tensor& x, const char* name) {
+  TORCH_CHECK_VALUE(x.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dim, got shape ", x.sizes());
+  const Tensor y = x.stride(-1) == 1 ? x : x.contiguous();
+  return y.reshape({-1, y.size(-1)});
+}
+
+void check_weight(const Tensor& w, const Tensor& x, const char* name, int64_t size) {
+  check_like(w, x, name, "the activation");
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == size && w.is_contiguous(), name, " must be contiguous [", size,
+                    "], got shape ", w.sizes());
+}
+
+void check_hidden(int64_t hidden, const char* name) {
+  TORCH_CHECK_VALUE(hidden <= minillm::kMaxNormHidden, name, ": last dim must be in [1, ", minillm::kMaxNormHidden,
+                    "], got ", hidden);
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const Tensor x2 = as_rows(x, "x");
+  const int64_t hidden = x2.size(1);
+  check_hidden(hidden, "x");
+  check_weight(weight, x, "weight", hidden);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor y = at::empty(x.sizes(), x.options());
+  check_launch(minillm::launch_rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(), x2.size(0),
+                                       hidden, static_cast<float>(eps), act_dtype(x, "x"),
+                                       at::cuda::getCurrentCUDAStream()),
+               "rms_norm");
+  return y;
+}
+
+std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                              double eps) {
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
+                    residual.sizes());
+  check_like(residual, x, "residual", "x");
+  const Tensor x2 = as_rows(x, "x"), r2 = as_rows(residual, "residual");
+  const int64_t hidden = x2.size(1);
+  check_hidden(hidden, "x");
+  check_weight(weight, x, "weight", hidden);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto opts = x.options();
+  Tensor y = at::empty(x.sizes(), opts), sum = at::empty(x.sizes(), opts);
+  check_launch(minillm::launch_fused_add_rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0),
+                                                  weight.data_ptr(), y.data_ptr(), sum.data_ptr(), x2.size(0), hidden,
+                                                  static_cast<float>(eps), act_dtype(x, "x"),
+                                                  at::cuda::getCurrentCUDAStream()),
+               "fused_add_rms_norm");
+  return {y, sum};
+}
+
+Tensor silu_and_mul(const Tensor& gate_up) {
+  const Tensor g2 = as_rows(gate_up, "gate_up");
+  TORCH_CHECK_VALUE(g2.size(1) % 2 == 0, "gate_up: last dim must be even (gate | up), got ", g2.size(1));
+  const int64_t inter = g2.size(1) / 2;
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  Tensor out = at::empty(sizes, gate_up.options());
+  check_launch(minillm::launch_silu_and_mul(g2.data_ptr(), g2.stride(0), out.data_ptr(), g2.size(0), inter,
+                                            act_dtype(gate_up, "gate_up"), at::cuda::getCurrentCUDAStream()),
+               "silu_and_mul");
+  return out;
+}
+
+void check_heads(const Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK_VALUE(num_heads >= 1 && num_heads <= 65536, "num_heads must be in [1, 65536], got ", num_heads);
+  TORCH_CHECK_VALUE(num_kv_heads >= 1 && num_kv_heads <= 65536, "num_kv_heads must be in [1, 65536], got ",
+                    num_kv_heads);
+  TORCH_CHECK_VALUE(head_dim >= 2 && head_dim <= minillm::kMaxHeadDim && head_dim % 2 == 0,
+                    "head_dim must be even and in [2, ", minillm::kMaxHeadDim, "], got ", head_dim);
+  TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+                    "qkv must be [tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [T, ",
+                    (num_heads + 2 * num_kv_heads) * head_dim, "], got shape ", qkv.sizes());
+}
+
+void check_norm_weights(const std::optional<Tensor>& qw, const std::optional<Tensor>& kw, const Tensor& qkv,
+                        int64_t head_dim) {
+  TORCH_CHECK_VALUE(qw.has_value() == kw.has_value(),
+                    "q_norm_weight and k_norm_weight must be given together (Qwen3) or both None (Qwen2)");
+  if (!qw.has_value()) return;
+  check_weight(*qw, qkv, "q_norm_weight", head_dim);
+  check_weight(*kw, qkv, "k_norm_weight", head_dim);
+}
+
+std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tensor& positions_in,
+                                                const Tensor& cos_sin_cache, int64_t num_heads, int64_t num_kv_heads,
+                                                int64_t head_dim, const std::optional<Tensor>& q_norm_weight,
+                                                const std::optional<Tensor>& k_norm_weight, double eps) {
+  TORCH_CHECK_VALUE(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
+  check_heads(qkv_in, num_heads, num_kv_heads, head_dim);
+  const Tensor qkv = qkv_in.stride(1) == 1 ? qkv_in : qkv_in.contiguous();
+  const int64_t tokens = qkv.size(0);
+  check_norm_weights(q_norm_weight, k_norm_weight, qkv, head_dim);
+  TORCH_CHECK_VALUE(positions_in.dim() == 1 && positions_in.size(0) == tokens && positions_in.is_cuda() &&
+                        !at::isFloatingType(positions_in.scalar_type()),
+                    "positions must be an integer CUDA tensor [", tokens, "], got ", positions_in.sizes(), " ",
+                    positions_in.scalar_type());
+  TORCH_CHECK_VALUE(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+                        cos_sin_cache.size(1) == head_dim && cos_sin_cache.is_contiguous() &&
+                        cos_sin_cache.device() == qkv.device(),
+                    "cos_sin_cache must be contiguous float32 [max_positions, ", head_dim, "] on qkv's device, got ",
+                    cos_sin_cache.sizes(), " ", cos_sin_cache.scalar_type());
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  const Tensor positions = positions_in.to(at::kLong).contiguous();
+  const auto opts = qkv.options();
+  Tensor q = at::empty({tokens, num_heads, head_dim}, opts);
+  Tensor k = at::empty({tokens, num_kv_heads, head_dim}, opts);
+  Tensor v = at::empty({tokens, num_kv_heads, head_dim}, opts);
+  const minillm::QkNormRopeArgs a{
+      qkv.data_ptr(), qkv.stride(0), positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>(),
+      cos_sin_cache.size(0), q_norm_weight ? q_norm_weight->data_ptr() : nullptr,
+      k_norm_weight ? k_norm_weight->data_ptr() : nullptr, q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens,
+      static_cast<int>(num_heads), static_cast<int>(num_kv_heads), static_cast<int>(head_dim),
+      static_cast<float>(eps)};
+  check_launch(minillm::launch_qk_norm_rope(a, act_dtype(qkv, "qkv"), at::cuda::getCurrentCUDAStream()),
+               "qk_norm_rope");
+  return {q, k, v};
+}
+
+Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset) {
+  TORCH_CHECK_VALUE(logits_in.is_cuda() && logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2,
+                    "logits must be a float32 CUDA tensor [N, V], got ", logits_in.sizes(), " ",
+                    logits_in.scalar_type());
+  const Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK_VALUE(vocab >= 1 && vocab <= minillm::kMaxVocab - 4, "logits: vocab size must be in [1, ",
+                    minillm::kMaxVocab - 4, "], got ", vocab);
+  TORCH_CHECK_VALUE(inv_temperature.scalar_type() == at::kFloat && inv_temperature.dim() == 1 &&
+                        inv_temperature.size(0) == rows && inv_temperature.is_contiguous() &&
+                        inv_temperature.device() == logits.device(),
+                    "inv_temperature must be contiguous float32 [", rows, "] on logits' device, got ",
+                    inv_temperature.sizes(), " ", inv_temperature.scalar_type());
+  TORCH_CHECK_VALUE(seed >= 0, "seed must be in [0, 2**63), got ", seed);
+  TORCH_CHECK_VALUE(offset >= 0, "offset must be in [0, 2**63), got ", offset);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  check_launch(minillm::launch_sample_exponential_race(
+                   logits.data_ptr<float>(), logits.stride(0), inv_temperature.data_ptr<float>(),
+                   out.data_ptr<int64_t>(), rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                   at::cuda::getCurrentCUDAStream()),
+               "sample_exponential_race");
+  return out;
+}
+
+// Shape-only twins for torch.compile's fake tensors.
+Tensor rms_norm_meta(const Tensor& x, const Tensor&, double) { return at::empty(x.sizes(), x.options()); }
+
+std::tuple<Tensor, Tensor> fused_add_rms_norm_meta(const Tensor& x, const Tensor&, const Tensor&, double) {
+  return {at::empty(x.sizes(), x.options()), at::empty(x.sizes(), x.options())};
+}
+
+Tensor silu_and_mul_meta(const Tensor& gate_up) {
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() /= 2;
+  return at::empty(sizes, gate_up.options());
+}
+
+std::tuple<Tensor, Tensor, Tensor> qk_norm_rope_meta(const Tensor& qkv, const Tensor&, const Tensor&,
+                                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                                     const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                                     double) {
+  const int64_t t = qkv.size(0);
+  return {at::empty({t, num_heads, head_dim}, qkv.options()), at::empty({t, num_kv_heads, head_dim}, qkv.options()),
+          at::empty({t, num_kv_heads, head_dim}, qkv.options())};
+}
+
+Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t) {
+  return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minillm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("qk_norm_rope(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, int num_kv_heads, "
+        "int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("sample_exponential_race", &sample_exponential_race);
+}
+
+TORCH_LIBRARY_IMPL(minillm, Meta, m) {
+  m.impl("rms_norm", &rms_norm_meta);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_meta);
+  m.impl("silu_and_mul", &silu_and_mul_meta);
+  m.impl("qk_norm_rope", &qk_norm_rope_meta);
+  m.impl("sample_exponential_race", &sample_exponential_race_meta);
+}

@@ -1,0 +1,185 @@
+// QKV split + per-head q/k RMSNorm (Qwen3) + neox RoPE, one pass: each head is read once and written once.
+//
+// A head of D elements belongs to `tph` threads (a power of two <= 32, so heads never straddle a warp); each
+// thread holds K pairs of vectors (elements [i, i+VEC) and [D/2 + i, D/2 + i + VEC)), exactly the pairs the
+// rotate-half RoPE mixes, so no data moves between threads except the norm's sum of squares. Heads of the
+// packed row are numbered q (Hq), k (Hkv), v (Hkv); v heads are only copied.
+// Variants: dtype (fp32, fp16, bf16) x access width (16-byte vectors; scalars when unaligned) x K (1, 2, 4)
+// x with/without the q/k norm. Rounding follows minillm/ops/fused_ops.py: the normed head is rounded to the
+// activation dtype, RoPE runs in fp32 on it (products rounded separately, no FMA) and is rounded once.
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_rope.cu
+#include <cmath>
+
+#include "fused.h"
+
+namespace minillm {
+namespace {
+using namespace fused_detail;
+
+constexpr int kCtaThreads = 128;
+
+template <typename T>
+struct RopeArgs {
+  const T* qkv;
+  int64_t qkv_stride;
+  const int64_t* positions;
+  const float* cos_sin;
+  int64_t max_positions;
+  const T* q_weight;
+  const T* k_weight;
+  T* q;
+  T* k;
+  T* v;
+  int64_t num_tokens;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int tph;  // threads per head
+  float eps;
+};
+
+template <int N>
+__device__ __forceinline__ void load_f32(const float* p, float (&out)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + i);
+      out[i] = f.x, out[i + 1] = f.y, out[i + 2] = f.z, out[i + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = p[i];
+  }
+}
+
+// Normalises the head held in lo/hi (this thread's pairs; `valid` marks pairs inside the head) in place when
+// `apply`; every lane runs the reduction regardless, because its shuffles span the whole warp.
+template <typename T, int VEC, int K>
+__device__ __forceinline__ void norm_head(float (&lo)[K][VEC], float (&hi)[K][VEC], const bool (&valid)[K],
+                                          bool apply, const T* w, int lane, int tph, int half, float eps) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) ss += lo[j][e] * lo[j][e] + hi[j][e] * hi[j][e];
+  const float inv = rsqrtf(group_sum(ss, tph) / (2 * half) + eps);
+  if (!apply) return;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    if (!valid[j]) continue;
+    const int c = (lane + j * tph) * VEC;
+    float wl[VEC], wh[VEC];
+    load_vec<T, VEC>(w + c, wl);
+    load_vec<T, VEC>(w + half + c, wh);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      lo[j][e] = to_float(from_float<T>(__fmul_rn(__fmul_rn(lo[j][e], inv), wl[e])));
+      hi[j][e] = to_float(from_float<T>(__fmul_rn(__fmul_rn(hi[j][e], inv), wh[e])));
+    }
+  }
+}
+
+template <typename T, int VEC, int K, bool NORM>
+__global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArgs<T> a) {
+  const int heads = a.num_heads + 2 * a.num_kv_heads;
+  const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / a.tph;
+  const int lane = threadIdx.x % a.tph;
+  const int64_t token = group / heads;
+  const int head = static_cast<int>(group % heads);
+  // Groups past the last token still run the (warp-wide) norm reduction but touch no memory.
+  const bool live = token < a.num_tokens;
+  const int half = a.head_dim / 2;
+  const T* src = a.qkv + token * a.qkv_stride + static_cast<int64_t>(head) * a.head_dim;
+  float lo[K][VEC], hi[K][VEC];
+  bool valid[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const int c = (lane + j * a.tph) * VEC;
+    valid[j] = live && c < half;
+    if (valid[j]) {
+      load_vec<T, VEC>(src + c, lo[j]);
+      load_vec<T, VEC>(src + half + c, hi[j]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) lo[j][e] = hi[j][e] = 0.f;
+    }
+  }
+  T* dst;
+  if (head < a.num_heads) {
+    dst = a.q + (token * a.num_heads + head) * a.head_dim;
+  } else if (head < a.num_heads + a.num_kv_heads) {
+    dst = a.k + (token * a.num_kv_heads + head - a.num_heads) * a.head_dim;
+  } else {
+    dst = a.v + (token * a.num_kv_heads + head - a.num_heads - a.num_kv_heads) * a.head_dim;
+  }
+  const bool is_v = head >= a.num_heads + a.num_kv_heads;
+  if constexpr (NORM) {
+    norm_head<T, VEC, K>(lo, hi, valid, !is_v, head < a.num_heads ? a.q_weight : a.k_weight, lane, a.tph,
+                         half, a.eps);
+  }
+  const int64_t pos = live ? a.positions[token] : 0;
+  const bool pos_ok = pos >= 0 && pos < a.max_positions;
+  const float* cs = a.cos_sin + (pos_ok ? pos : 0) * a.head_dim;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    if (!valid[j]) continue;
+    const int c = (lane + j * a.tph) * VEC;
+    if (!is_v) {
+      float cos_v[VEC], sin_v[VEC];
+      load_f32<VEC>(cs + c, cos_v);
+      load_f32<VEC>(cs + half + c, sin_v);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float x1 = lo[j][e], x2 = hi[j][e];
+        lo[j][e] = pos_ok ? __fsub_rn(__fmul_rn(x1, cos_v[e]), __fmul_rn(x2, sin_v[e])) : NAN;
+        hi[j][e] = pos_ok ? __fadd_rn(__fmul_rn(x2, cos_v[e]), __fmul_rn(x1, sin_v[e])) : NAN;
+      }
+    }
+    store_vec<T, VEC>(dst + c, lo[j]);
+    store_vec<T, VEC>(dst + half + c, hi[j]);
+  }
+}
+
+template <typename T, int VEC, int K>
+cudaError_t launch_k(RopeArgs<T> a, bool norm, cudaStream_t stream) {
+  const int pairs = a.head_dim / 2 / VEC;
+  if constexpr (K < 4) {
+    if (pairs > 32 * K) return launch_k<T, VEC, K * 2>(a, norm, stream);
+  }
+  if (pairs > 32 * K) return cudaErrorInvalidValue;
+  a.tph = next_pow2((pairs + K - 1) / K);
+  const int64_t groups = a.num_tokens * (a.num_heads + 2 * a.num_kv_heads);
+  const int64_t grid = (groups * a.tph + kCtaThreads - 1) / kCtaThreads;
+  if (norm) {
+    qk_norm_rope_kernel<T, VEC, K, true><<<grid, kCtaThreads, 0, stream>>>(a);
+  } else {
+    qk_norm_rope_kernel<T, VEC, K, false><<<grid, kCtaThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ActDType dtype, cudaStream_t stream) {
+  const bool norm = p.q_norm_weight != nullptr;
+  if (p.num_tokens < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 || p.head_dim <= 0 || p.head_dim % 2 != 0 ||
+      p.head_dim > kMaxHeadDim || norm != (p.k_norm_weight != nullptr) || p.max_positions <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.num_tokens == 0) return cudaSuccess;
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const RopeArgs<T> a{static_cast<const T*>(p.qkv), p.qkv_row_stride, p.positions, p.cos_sin,
+                        p.max_positions, static_cast<const T*>(p.q_norm_weight),
+                        static_cast<const T*>(p.k_norm_weight), static_cast<T*>(p.q), static_cast<T*>(p.k),
+                        static_cast<T*>(p.v), p.num_tokens, p.num_heads, p.num_kv_heads, p.head_dim, 0, p.eps};
+    constexpr int kVec = 16 / sizeof(T);
+    // cos/sin are read as float4 in the vector path, so their rows must be 16-byte aligned as well.
+    const bool vec = vector_width<T>({p.qkv, p.q_norm_weight, p.k_norm_weight, p.q, p.k, p.v, p.cos_sin},
+                                     {p.qkv_row_stride, p.head_dim / 2}) == kVec &&
+                     p.head_dim % 4 == 0;
+    return vec ? launch_k<T, kVec, 1>(a, norm, stream) : launch_k<T, 1, 1>(a, norm, stream);
+  });
+}
+
+}  // namespace minillm

@@ -1,0 +1,136 @@
+// One-pass sampler: temperature + exponential race (Gumbel-max) + argmax, one CTA per row of logits.
+//
+// token = argmax_c(logit_c / T - log(E_c)) with E_c ~ Exp(1) is a draw from softmax(logits / T): each column
+// is read once, its noise made on the fly, and no probabilities are ever written. Rows with inverse
+// temperature 0 take the plain argmax (no noise). Ties go to the lowest column and NaN counts as the largest
+// value, as in torch.argmax.
+// Noise: Philox4x32-10 (the counter-based generator of Salmon et al., 2011, the one curand's
+// curand_Philox4x32_10 computes) written out here because curand's headers are not part of every CUDA
+// toolkit install this source must compile on. Key = seed (low word, high word); counter = (column / 4,
+// row, offset low, offset high); column c uses output word c % 4. So a draw depends only on (seed, row,
+// offset, column): the torch reference in minillm/ops/sampling_ops.py recomputes the same 32-bit words.
+// Word x -> u = float(x) * 2^-32 + 2^-33 (fp32) in (0, 1]; E = -log1p(-u), so a small E (a likely winner)
+// keeps full relative precision; u == 1 gives E = inf, a column that cannot win.
+// Variants: float4 loads (vocab and row stride multiples of 4, aligned) or scalar loads.
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/sampling.cu
+#include <cmath>
+
+#include "fused.h"
+
+namespace minillm {
+namespace {
+
+constexpr int kThreads = 1024;
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k.x += 0x9E3779B9u;
+      k.y += 0xBB67AE85u;
+    }
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+  }
+  return c;
+}
+
+// -log(E) for E ~ Exp(1) made from one 32-bit word; same fp32 steps as the torch reference.
+__device__ __forceinline__ float neg_log_exponential(uint32_t x) {
+  const float u = __fadd_rn(__fmul_rn(__uint2float_rn(x), 2.3283064365386963e-10f), 1.1641532182693481e-10f);
+  return -logf(-log1pf(-u));
+}
+
+struct Best {
+  float v;
+  int i;
+};
+
+// True when (v, i) beats b: larger value, NaN above all, lower index on ties.
+__device__ __forceinline__ bool beats(float v, int i, const Best& b) {
+  if (isnan(v)) return !isnan(b.v) || i < b.i;
+  if (isnan(b.v)) return false;
+  return v > b.v || (v == b.v && i < b.i);
+}
+
+__device__ __forceinline__ Best block_argmax(Best b) {
+  __shared__ Best red[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, b.v, o);
+    const int i = __shfl_xor_sync(0xffffffffu, b.i, o);
+    if (beats(v, i, b)) b = {v, i};
+  }
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if ((threadIdx.x & 31) == 0) red[warp] = b;
+  __syncthreads();
+  if (warp == 0) {
+    b = threadIdx.x < warps ? red[threadIdx.x] : Best{-INFINITY, INT32_MAX};
+    for (int o = 16; o > 0; o >>= 1) {
+      const float v = __shfl_xor_sync(0xffffffffu, b.v, o);
+      const int i = __shfl_xor_sync(0xffffffffu, b.i, o);
+      if (beats(v, i, b)) b = {v, i};
+    }
+  }
+  return b;
+}
+
+template <bool VEC4>
+__global__ void __launch_bounds__(kThreads)
+    exponential_race_kernel(const float* __restrict__ logits, int64_t row_stride,
+                            const float* __restrict__ inv_temperature, int64_t* __restrict__ out, int vocab,
+                            uint2 key, uint32_t offset_lo, uint32_t offset_hi) {
+  const uint32_t row = blockIdx.x;
+  const float* x = logits + row * row_stride;
+  const float inv_t = inv_temperature[row];
+  const bool greedy = inv_t == 0.f;
+  // Index `vocab` is past every column: any real column, even at -inf, beats this start on the tie rule.
+  Best best{-INFINITY, vocab};
+  const int groups = (vocab + 3) / 4;
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    float l[4];
+    if constexpr (VEC4) {
+      const float4 f = *reinterpret_cast<const float4*>(x + 4 * g);
+      l[0] = f.x, l[1] = f.y, l[2] = f.z, l[3] = f.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) l[e] = 4 * g + e < vocab ? x[4 * g + e] : -INFINITY;
+    }
+    uint4 r{0, 0, 0, 0};
+    if (!greedy) r = philox4x32_10(make_uint4(static_cast<uint32_t>(g), row, offset_lo, offset_hi), key);
+    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = 4 * g + e;
+      if (!VEC4 && col >= vocab) break;
+      const float s = greedy ? l[e] : __fadd_rn(__fmul_rn(l[e], inv_t), neg_log_exponential(words[e]));
+      if (beats(s, col, best)) best = {s, col};
+    }
+  }
+  best = block_argmax(best);
+  if (threadIdx.x == 0) out[row] = best.i;
+}
+
+}  // namespace
+
+cudaError_t launch_sample_exponential_race(const float* logits, int64_t row_stride, const float* inv_temperature,
+                                           int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
+                                           uint64_t offset, cudaStream_t stream) {
+  if (rows < 0 || rows > INT32_MAX || vocab <= 0 || vocab > kMaxVocab - 4) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  const uint32_t lo = static_cast<uint32_t>(offset), hi = static_cast<uint32_t>(offset >> 32);
+  const bool vec4 = vocab % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  const int groups = static_cast<int>((vocab + 3) / 4);
+  const int threads = groups >= kThreads ? kThreads : (groups + 31) / 32 * 32;
+  if (vec4) {
+    exponential_race_kernel<true><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
+                                                                 static_cast<int>(vocab), key, lo, hi);
+  } else {
+    exponential_race_kernel<false><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
+                                                                  static_cast<int>(vocab), key, lo, hi);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace minillm
