@@ -52,15 +52,14 @@ def run_sweep_config(cfg, label: str, workload: Workload, rates: list[float], ti
     llm, load_s = build_llm(cfg)
     lines = []
     try:
-        warmup_s = warm_up(llm, workload.params.get("max_token_id", 10000))
+        warmup_s = warm_up(llm, workload)
         for i, rate in enumerate(rates):
             # salted: the previous rate's prompts are still in the prefix cache
             timelines = replay(llm, workload.salted(i), rate, time_scale, show_progress)
-            expected = workload.output_tokens
             summary = latency_summary(timelines)
-            if summary["output_tokens"] != expected:
+            if summary["output_tokens"] != workload.output_tokens:
                 raise RuntimeError(f"{label} at {rate} req/s: {summary['output_tokens']} output tokens, "
-                                   f"expected {expected}")
+                                   f"expected {workload.output_tokens}")
             lines.append({"kind": "latency", "engine": "minillm", "label": label, "rate": rate,
                           "time_scale": time_scale, "budget": budget_of(cfg),
                           "chunked": cfg.scheduler.enable_chunked_prefill,

@@ -55,10 +55,12 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def warm_up(llm, max_token_id: int = 10000) -> float:
+def warm_up(llm, workload: Workload) -> float:
     """A short generate on prompts of their own (never the workload's, which would then hit the prefix cache)."""
     rng = random.Random(12345)
-    prompts = [[rng.randint(0, max_token_id) for _ in range(WARMUP_PROMPT_LEN)] for _ in range(WARMUP_REQUESTS)]
+    top = workload.params.get("max_token_id", 10000)
+    length = max(1, min(WARMUP_PROMPT_LEN, workload.max_model_len - WARMUP_MAX_TOKENS))
+    prompts = [[rng.randint(0, top) for _ in range(length)] for _ in range(WARMUP_REQUESTS)]
     params = [SamplingParams(temperature=0.6, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)] * WARMUP_REQUESTS
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -92,7 +94,7 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
         raise ValueError(f"repeat={repeat!r} is not allowed: an integer >= 1")
     llm, load_s = build_llm(cfg)
     try:
-        warmup_s = warm_up(llm, workload.params.get("max_token_id", 10000))
+        warmup_s = warm_up(llm, workload)
         walls, preemptions = [], 0
         for r in range(repeat):
             wall, tokens, preempted = timed_pass(llm, workload.salted(r), show_progress)

@@ -1,0 +1,237 @@
+"""`minillm bench` and `minillm latency-sweep`: typer-annotated command functions the CLI registers.
+
+Engine settings resolve like every other command (minillm.config_loader), lowest first: built-in defaults,
+--config FILE (or, without it, the `engine` section of the suite file), --set, explicit flags, then what a
+run/config entry of the suite names (so `--compare` still varies what it means to vary). The workload always
+sets max_model_len, and a preset model name gets random `dummy` weights.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+
+from minillm.config import ConfigError, EngineConfig
+from minillm.fingerprint import REPO_ROOT
+
+PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
+BENCH_SUITE = REPO_ROOT / "configs" / "bench.yaml"
+LATENCY_SUITE = REPO_ROOT / "configs" / "latency.yaml"
+
+# Engine flags shared by both commands (same names and meaning as the other commands' flags).
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Engine YAML (replaces the suite's engine section).")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory or preset name.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="auto | float32 | bfloat16 | float16")]
+BudgetOpt = Annotated[Optional[int], typer.Option("--budget", help="max_num_batched_tokens per step.")]
+ChunkedOpt = Annotated[Optional[bool], typer.Option("--chunked/--no-chunked", help="Chunked prefill, or prefill-first.")]
+PolicyOpt = Annotated[Optional[str], typer.Option("--policy", help="fcfs | priority | static")]
+AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="auto | cuda | torch")]
+ModeOpt = Annotated[Optional[str], typer.Option("--attention-mode", help="split | unified")]
+EagerOpt = Annotated[Optional[bool], typer.Option("--eager/--graphs", help="Disable CUDA graphs.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="section.key=value (repeatable).")]
+NumRequestsOpt = Annotated[Optional[int], typer.Option("--num-requests", help="Run only the first N requests.")]
+WorkloadOpt = Annotated[Optional[Path], typer.Option("--workload", help="Workload YAML instead of the reference.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def _read_suite(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"suite file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"suite file {path} must hold a mapping")
+    return data
+
+
+def _section_sets(engine: dict) -> list[str]:
+    """The suite's sectioned engine mapping as `section.key=value` strings (JSON values are valid YAML)."""
+    if not isinstance(engine, dict) or not all(isinstance(v, dict) for v in engine.values()):
+        raise ConfigError("suite key 'engine' must map sections (model, cache, scheduler, runtime) to mappings")
+    return [f"{section}.{key}={json.dumps(value)}" for section, body in engine.items() for key, value in body.items()]
+
+
+def _flags(model, device, dtype, budget, chunked, policy, attention, attention_mode, eager) -> dict:
+    """CLI flags under their LLM(...) keyword names; None = not given."""
+    return {"model": model, "device": device, "dtype": dtype, "max_num_batched_tokens": budget,
+            "enable_chunked_prefill": chunked, "scheduling_policy": policy, "attention": attention,
+            "attention_mode": attention_mode, "enforce_eager": eager}
+
+
+def _build(suite: dict, config: Path | None, sets: list[str], flags: dict, entry: dict,
+           max_model_len: int) -> EngineConfig:
+    from minillm.config_loader import load_config
+
+    base = [] if config else _section_sets(suite.get("engine", {}))
+    overrides = {k: v for k, v in entry.items() if k != "name"}
+    cfg, _ = load_config(config, [*base, *sets], **{**flags, **overrides, "max_model_len": max_model_len})
+    model = cfg.model.model
+    if model and not Path(model).is_dir() and (PRESET_DIR / f"{model}.json").is_file() \
+            and cfg.model.load_format == "auto":
+        cfg = EngineConfig.from_kwargs(base=cfg, load_format="dummy")
+    return cfg
+
+
+def _label(cfg: EngineConfig) -> str:
+    s, r = cfg.scheduler, cfg.runtime
+    parts = [f"{'chunked' if s.enable_chunked_prefill else 'prefill-first'}-{s.max_num_batched_tokens}"]
+    parts += [s.policy] if s.policy != "fcfs" else []
+    parts += [r.attention] if r.attention != "auto" else []
+    parts += [r.attention_mode] if r.attention_mode != "split" else []
+    parts += ["eager"] if r.enforce_eager else []
+    return "+".join(parts)
+
+
+def _device(cfg: EngineConfig) -> str:
+    import torch
+
+    if cfg.runtime.device != "auto":
+        return cfg.runtime.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _offline_workload(workload: Path | None, num_requests: int | None):
+    from minillm.bench.workloads import check_reference_totals, load_workload, reference_offline
+
+    if workload is None:
+        w = reference_offline()
+        check_reference_totals(w)   # before any timing: a drifted generator makes every figure incomparable
+    else:
+        w = load_workload(workload)
+    return w.head(num_requests)
+
+
+def bench_command(
+    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+    budget: BudgetOpt = None, chunked: ChunkedOpt = None, policy: PolicyOpt = None,
+    attention: AttentionOpt = None, attention_mode: ModeOpt = None, eager: EagerOpt = None, set_: SetOpt = None,
+    num_requests: NumRequestsOpt = None, workload: WorkloadOpt = None,
+    engine: Annotated[str, typer.Option("--engine", help="minillm | hf (transformers continuous batching)")] = "minillm",
+    repeat: Annotated[int, typer.Option("--repeat", help="Timed passes per configuration (median reported).")] = 1,
+    compare: Annotated[bool, typer.Option("--compare", help="Run every entry of the suite's runs list.")] = False,
+    suite: Annotated[Path, typer.Option("--suite", help="Base engine + --compare runs.")] = BENCH_SUITE,
+    output: Annotated[Path, typer.Option("--output", help="JSONL file to append to.")] = Path("results/bench.jsonl"),
+    progress: ProgressOpt = True,
+) -> None:
+    """Offline throughput on the reference workload (DESIGN 6), with % of the hardware floor (DESIGN 7)."""
+    from minillm.bench.floor import measure_device
+    from minillm.bench.report import append_jsonl, bench_table, print_table
+
+    try:
+        if engine not in ("minillm", "hf"):
+            raise ConfigError(f"--engine={engine!r} is not allowed: minillm or hf")
+        if engine == "hf" and compare:
+            raise ConfigError("--compare runs minillm configurations; run --engine hf on its own")
+        if not 1 <= repeat:
+            raise ConfigError(f"--repeat={repeat!r} is not allowed: an integer >= 1")
+        data = _read_suite(suite)
+        w = _offline_workload(workload, num_requests)
+        flags = _flags(model, device, dtype, budget, chunked, policy, attention, attention_mode, eager)
+        entries = data.get("runs", []) if compare else [{}]
+        if not entries or not all(isinstance(e, dict) for e in entries):
+            raise ConfigError(f"suite {suite}: 'runs' must be a non-empty list of mappings")
+        cfgs = [(e.get("name"), _build(data, config, set_ or [], flags, e, w.max_model_len)) for e in entries]
+    except ValueError as e:   # ConfigError included
+        raise _fail(str(e)) from None
+    rates = measure_device(_device(cfgs[0][1]))   # before any engine takes the GPU memory
+    lines = []
+    for name, cfg in cfgs:
+        line = _run_one(engine, cfg, name, w, rates, repeat, progress)
+        lines.append(append_jsonl(output, line))
+    print_table(bench_table(lines))
+    typer.echo(f"appended {len(lines)} line(s) to {output}")
+
+
+def _run_one(engine: str, cfg: EngineConfig, name: str | None, w, rates, repeat: int, progress: bool) -> dict:
+    from minillm.bench.hf_peer import run_hf
+    from minillm.bench.offline import run_config
+
+    if engine == "hf":
+        device = _device(cfg)
+        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device.startswith("cuda")
+                                                                   else "float32")
+        return run_hf(cfg.model.model, w, rates, device, dtype, show_progress=progress)
+    return run_config(cfg, w, rates, name or _label(cfg), repeat, progress)
+
+
+def _parse_rates(rates: str) -> list[float]:
+    try:
+        values = [float(x) for x in rates.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(v > 0 for v in values):
+        raise ConfigError(f"--rates={rates!r} is not allowed: comma-separated request rates > 0, e.g. 4,8")
+    return values
+
+
+def _pick_configs(entries, names: str | None) -> list[dict]:
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) and "name" in e for e in entries):
+        raise ConfigError("suite key 'configs' must be a non-empty list of mappings, each with a name")
+    if names is None:
+        return entries
+    by_name = {e["name"]: e for e in entries}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown or not wanted:
+        raise ConfigError(f"--configs={names!r}: unknown {unknown}; known: {', '.join(by_name)}")
+    return [by_name[n] for n in wanted]
+
+
+def _online_workload(data: dict, workload: Path | None, num_requests: int | None):
+    from minillm.bench.workloads import load_workload, online_workload
+
+    w = load_workload(workload) if workload else online_workload(**data.get("workload", {}))
+    if w.unit_arrivals is None:
+        raise ConfigError(f"workload {w.name!r} has no arrivals: latency-sweep needs kind: online")
+    return w.head(num_requests)
+
+
+def latency_sweep_command(
+    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+    budget: BudgetOpt = None, chunked: ChunkedOpt = None, policy: PolicyOpt = None,
+    attention: AttentionOpt = None, attention_mode: ModeOpt = None, eager: EagerOpt = None, set_: SetOpt = None,
+    num_requests: NumRequestsOpt = None, workload: WorkloadOpt = None,
+    rates: Annotated[Optional[str], typer.Option("--rates", help="Comma-separated req/s (default: suite's).")] = None,
+    configs: Annotated[Optional[str], typer.Option("--configs", help="Comma-separated config names.")] = None,
+    time_scale: Annotated[float, typer.Option("--time-scale", help="Multiply arrival gaps (tiny runs).")] = 1.0,
+    suite: Annotated[Path, typer.Option("--suite", help="Base engine, rates, workload, configs.")] = LATENCY_SUITE,
+    output: Annotated[Path, typer.Option("--output", help="JSONL file to append to.")] = Path("results/latency.jsonl"),
+    plot: Annotated[Path, typer.Option("--plot", help="PNG to write.")] = Path("results/latency.png"),
+    plot_only: Annotated[Optional[Path], typer.Option("--plot-only", help="Redraw from a results JSONL.")] = None,
+    progress: ProgressOpt = True,
+) -> None:
+    """Online latency under Poisson arrivals (DESIGN 6): TTFT and ITL percentiles per config and rate."""
+    from minillm.bench.latency import run_sweep_config
+    from minillm.bench.plots import plot_latency
+    from minillm.bench.report import append_jsonl, latency_table, print_table, read_jsonl
+
+    try:
+        if plot_only is not None:
+            lines = read_jsonl(plot_only, kind="latency")
+            print_table(latency_table(lines))
+            typer.echo(f"wrote {plot_latency(lines, plot)}")
+            return
+        if not time_scale > 0:
+            raise ConfigError(f"--time-scale={time_scale!r} is not allowed: a number > 0")
+        data = _read_suite(suite)
+        w = _online_workload(data, workload, num_requests)
+        rate_list = _parse_rates(rates) if rates else _parse_rates(",".join(map(str, data.get("rates", []))))
+        flags = _flags(model, device, dtype, budget, chunked, policy, attention, attention_mode, eager)
+        cfgs = [(e["name"], _build(data, config, set_ or [], flags, e, w.max_model_len))
+                for e in _pick_configs(data.get("configs"), configs)]
+    except ValueError as e:   # ConfigError included
+        raise _fail(str(e)) from None
+    lines = []
+    for name, cfg in cfgs:
+        for line in run_sweep_config(cfg, name, w, rate_list, time_scale, progress):
+            lines.append(append_jsonl(output, line))
+    print_table(latency_table(lines))
+    typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
