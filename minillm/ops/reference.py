@@ -6,6 +6,8 @@ exposes any kernel that reads an unowned slot. Used by tests and by `minillm che
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -66,3 +68,75 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens, scale: float) -> torch.Tensor:
     """One query row per sequence (row s = sequence s) over its whole context: fp32 [S, Hq, D]."""
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, list(range(q.shape[0] + 1)), scale)
+
+
+@dataclass
+class PagedBatch:
+    """A random flat batch in the engine's layout, built the way kernel tests should build one (see make_paged_batch)."""
+    q: torch.Tensor                 # [T, Hq, D] (a view of one qkv tensor, like the model's split)
+    k: torch.Tensor                 # [T, Hkv, D]: this step's new keys (strided view)
+    v: torch.Tensor
+    k_cache: torch.Tensor           # [num_blocks, block_size, Hkv, D]: earlier tokens set, everything else NaN
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor      # int64 [T]
+    block_tables: torch.Tensor      # int32 [S, max_blocks]
+    seq_lens: torch.Tensor          # int32 [S]
+    query_start_loc: torch.Tensor   # int32 [S + 1]
+    seq_lens_list: list[int]
+    query_start_list: list[int]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    def meta(self, num_decodes: int = 0):
+        from minillm.attention.metadata import AttentionMetadata
+
+        q_lens = [b - a for a, b in zip(self.query_start_list, self.query_start_list[1:])]
+        return AttentionMetadata(
+            num_seqs=len(self.seq_lens_list), num_decodes=num_decodes, num_tokens=self.q.shape[0],
+            max_query_len=max(q_lens), max_seq_len=max(self.seq_lens_list), slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_tables=self.block_tables,
+            block_size=self.block_size, query_start_loc_cpu=list(self.query_start_list),
+            seq_lens_cpu=list(self.seq_lens_list))
+
+
+def make_paged_batch(ctx_lens: list[int], q_lens: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     block_size: int, dtype: torch.dtype, device="cpu", seed: int = 0,
+                     spare_blocks: int = 3) -> PagedBatch:
+    """Sequence s has ctx_lens[s] tokens of context of which the last q_lens[s] are this step's queries.
+
+    The test recipe: the cache starts as NaN, the tokens before this step are written with random values, the
+    new k/v are returned (not yet in the cache), and blocks are handed out through a random permutation (with
+    spare blocks) so that a kernel which assumes adjacent blocks, or reads a slot it does not own, fails.
+    """
+    if len(ctx_lens) != len(q_lens) or any(not 1 <= q <= c for q, c in zip(q_lens, ctx_lens)):
+        raise ValueError("q_lens must pair with ctx_lens and satisfy 1 <= q_len <= ctx_len")
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(ctx_lens), max(blocks_per_seq), dtype=torch.int32)
+    cursor = 0
+    for s, nb in enumerate(blocks_per_seq):
+        block_tables[s, :nb] = perm[cursor:cursor + nb].to(torch.int32)
+        cursor += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    slots, starts = [], [0]
+    for s, (ctx, ql) in enumerate(zip(ctx_lens, q_lens)):
+        pos = torch.arange(ctx)
+        flat = block_tables[s, pos // block_size].long() * block_size + pos % block_size
+        old = flat[: ctx - ql]
+        k_cache.view(-1, num_kv_heads, head_dim)[old] = torch.randn(len(old), num_kv_heads, head_dim, generator=gen).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[old] = torch.randn(len(old), num_kv_heads, head_dim, generator=gen).to(dtype)
+        slots.append(flat[ctx - ql:])
+        starts.append(starts[-1] + ql)
+    qkv = torch.randn(starts[-1], num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    return PagedBatch(q=q, k=k, v=v, k_cache=k_cache.to(device), v_cache=v_cache.to(device),
+                      slot_mapping=torch.cat(slots).to(device), block_tables=block_tables.to(device),
+                      seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+                      query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                      seq_lens_list=list(ctx_lens), query_start_list=starts)

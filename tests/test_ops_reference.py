@@ -1,0 +1,109 @@
+"""CPU tests of the attention references, the batch recipe, the decode dispatcher, the build keying and the
+CUDA backend's contract (validation, fallback). The kernels themselves are tested in test_kernels_gpu.py."""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.ops import build
+from minillm.ops.attention_ops import PARTITION_QUANTUM, decode_partition_size
+from minillm.ops.reference import gather_kv, kv_write_ref, make_paged_batch, paged_attention_ref, paged_decode_ref
+
+
+def _filled(b):
+    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
+    return b
+
+
+def test_batch_recipe_owns_distinct_blocks_and_leaves_nan_elsewhere():
+    b = make_paged_batch([5, 33, 16], [5, 2, 16], 4, 2, 8, 16, torch.float32, seed=3)
+    used = torch.cat([b.block_tables[0, :1], b.block_tables[1, :3], b.block_tables[2, :1]])
+    assert len(set(used.tolist())) == 5                              # no block shared between sequences
+    cached = 33 - 2                                                  # only seq 1 has tokens before this step
+    assert torch.isnan(b.k_cache).view(-1, 2 * 8).all(dim=1).sum() == b.k_cache.shape[0] * 16 - cached
+    _filled(b)
+    assert not torch.isnan(gather_kv(b.k_cache, b.block_tables[1], 33)).any()
+    with pytest.raises(ValueError, match="q_lens"):
+        make_paged_batch([4], [5], 4, 2, 8, 16, torch.float32)
+
+
+def test_kv_write_ref_skips_padding_and_touches_nothing_else():
+    b = make_paged_batch([20, 9], [20, 4], 4, 2, 8, 16, torch.bfloat16, seed=1)
+    before = b.k_cache.clone()
+    slots = b.slot_mapping.clone()
+    slots[0] = -1
+    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, slots)
+    flat, flat_before = b.k_cache.view(-1, 2, 8), before.view(-1, 2, 8)
+    assert torch.equal(flat[slots[1:]], b.k[1:])
+    changed = ~(flat.view(torch.int16) == flat_before.view(torch.int16)).all(dim=(1, 2))
+    assert set(changed.nonzero().flatten().tolist()) <= set(slots[1:].tolist())
+    assert torch.isnan(flat[b.slot_mapping[0]]).all()                 # the skipped row stayed NaN
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_paged_reference_matches_sdpa_on_contiguous_kv(hq, hkv):
+    ctx, ql = [7, 40, 33], [7, 12, 1]                                # prompt, prefix hit / chunk, decode
+    b = _filled(make_paged_batch(ctx, ql, hq, hkv, 16, 16, torch.float32, seed=2))
+    out = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.25)
+    for s, (c, n) in enumerate(zip(ctx, ql)):
+        k = gather_kv(b.k_cache, b.block_tables[s], c).transpose(0, 1)
+        v = gather_kv(b.v_cache, b.block_tables[s], c).transpose(0, 1)
+        q = b.q[b.query_start_list[s]:b.query_start_list[s + 1]].transpose(0, 1)
+        mask = torch.arange(c)[None, :] <= (c - n + torch.arange(n))[:, None]
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0),
+                                             attn_mask=mask, scale=0.25).transpose(0, 1)
+        torch.testing.assert_close(out[b.query_start_list[s]:b.query_start_list[s + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_reference_equals_last_prefill_row():
+    b = _filled(make_paged_batch([30, 65], [30, 65], 4, 2, 16, 32, torch.float32, seed=4))
+    full = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.3)
+    last_rows = torch.tensor([29, 94])
+    dec = paged_decode_ref(b.q[last_rows], b.k_cache, b.v_cache, b.block_tables, [30, 65], 0.3)
+    torch.testing.assert_close(dec, full[last_rows])
+
+
+def test_dispatcher_v1_when_grid_is_full_and_split_k_otherwise():
+    assert decode_partition_size(256, 8, 1024, num_sms=132) == 0
+    assert decode_partition_size(8, 8, 200, num_sms=132) == 0         # too short to split
+    part = decode_partition_size(8, 8, 4096, num_sms=132)
+    assert part > 0 and part % PARTITION_QUANTUM == 0
+    assert 8 * 8 * math.ceil(4096 / part) >= 2 * 132                 # several CTAs per SM
+    assert decode_partition_size(1, 8, 8192, num_sms=132) < decode_partition_size(8, 8, 8192, num_sms=132)
+
+
+def test_build_key_covers_sources_and_flags(tmp_path, monkeypatch):
+    (tmp_path / "a.cu").write_text("// a")
+    (tmp_path / "x_bindings.cpp").write_text("// b")
+    (tmp_path / "helper.cpp").write_text("// not compiled")
+    assert [p.name for p in build.extension_sources(tmp_path)] == ["a.cu", "x_bindings.cpp"]
+    h1 = build.source_hash(tmp_path)
+    (tmp_path / "a.cu").write_text("// a changed")
+    assert build.source_hash(tmp_path) != h1
+    monkeypatch.setenv("MINILLM_EXT_DIR", str(tmp_path / "ext"))
+    assert build.build_dir(tmp_path).parent == tmp_path / "ext"
+    monkeypatch.setenv("MINI_ENGINE_OPS", "0")
+    build.cuda_ops_available.cache_clear()
+    assert build.cuda_ops_available() is False
+    build.cuda_ops_available.cache_clear()
+
+
+def test_backend_rejects_bad_mode_and_falls_back_on_cpu():
+    from minillm.attention.cuda_backend import CudaAttentionBackend, unsupported_reason
+
+    with pytest.raises(ValueError, match="mode"):
+        CudaAttentionBackend("fast")
+    b = make_paged_batch([12, 20], [1, 6], 4, 2, 64, 16, torch.float32, seed=5)
+    assert "CUDA" in unsupported_reason(b.q, b.k_cache)
+    backend = CudaAttentionBackend("split")
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta(num_decodes=1), 0.125)
+        backend.forward(b.q, b.k, b.v, kc.clone(), vc.clone(), b.meta(num_decodes=1), 0.125)
+    assert sum("torch backend" in str(w.message) for w in caught) == 1     # warned once
+    _filled(b)
+    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
