@@ -1,0 +1,114 @@
+"""One-pass sampling op: temperature + exponential race + argmax over each row of logits.
+
+token[r] = argmax_c(logits[r, c] * inv_temperature[r] - log(E[r, c])) with E ~ Exp(1) is a draw from
+softmax(logits[r] * inv_temperature[r]) (the Gumbel-max trick); rows with inv_temperature 0 take the plain
+argmax. On CUDA tensors, when the extension is built, this is one kernel (cuda/sampling.cu) that reads each
+logit once; elsewhere the numpy reference below runs.
+
+The noise is counter-based, so a draw depends only on (seed, row, offset, column): Philox4x32-10 with
+key = seed (low 32 bits, high 32 bits) and counter = (column // 4, row, offset low, offset high), output
+word column % 4, turned into u = float32(word) * 2**-32 + 2**-33 and E = -log1p(-u). The reference
+recomputes those very words, so CPU and GPU pick the same tokens except where two scores tie to within
+float rounding. Callers advance `offset` every step (and keep `seed` per engine) to get fresh noise.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+_MAX_U63 = 2**63 - 1
+# Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
+_REF_CHUNK_ELEMS = 1 << 22
+
+_USE_CUDA: bool | None = None
+
+
+def set_cuda_sampler(enabled: bool | None) -> None:
+    """Force the CUDA sampling kernel on/off (None = decide on first use). For tests and A/B timings."""
+    global _USE_CUDA
+    _USE_CUDA = enabled
+
+
+def _cuda_ok(x: torch.Tensor) -> bool:
+    global _USE_CUDA
+    if not x.is_cuda:
+        return False
+    if _USE_CUDA is None:
+        from minillm.ops.build import cuda_ops_available
+        _USE_CUDA = cuda_ops_available() and hasattr(torch.ops.minillm, "sample_exponential_race")
+    return _USE_CUDA
+
+
+def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
+    """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1)."""
+    c = np.asarray(counter, dtype=np.uint32).astype(np.uint64)
+    c0, c1, c2, c3 = c[..., 0], c[..., 1], c[..., 2], c[..., 3]
+    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+        p0 = c0 * np.uint64(_PHILOX_M0)  # 32 x 32 bits: exact in uint64
+        p1 = c2 * np.uint64(_PHILOX_M1)
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & np.uint64(_MASK32),
+                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(_MASK32))
+    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
+
+
+def race_noise(rows: range, vocab: int, seed: int, offset: int) -> np.ndarray:
+    """-log(E) as float32 [len(rows), vocab] for the given row indices: the kernel's noise, word for word."""
+    groups = (vocab + 3) // 4
+    counter = np.zeros((len(rows), groups, 4), dtype=np.uint32)
+    counter[..., 0] = np.arange(groups, dtype=np.uint32)[None, :]
+    counter[..., 1] = np.asarray(rows, dtype=np.uint32)[:, None]
+    counter[..., 2] = offset & _MASK32
+    counter[..., 3] = (offset >> 32) & _MASK32
+    words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
+    words = words.reshape(len(rows), groups * 4)[:, :vocab]
+    u = words.astype(np.float32) * np.float32(2.0**-32) + np.float32(2.0**-33)
+    with np.errstate(divide="ignore"):  # u == 1 gives E = inf: -log(E) = -inf, a column that cannot win
+        return -np.log(-np.log1p(-u))
+
+
+def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, offset: int) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] < 1:
+        raise ValueError(f"logits must be float32 [N, V] with V >= 1, got {logits.dtype} {tuple(logits.shape)}")
+    if inv_temperature.shape != (logits.shape[0],) or inv_temperature.dtype != torch.float32:
+        raise ValueError(f"inv_temperature must be float32 [{logits.shape[0]}], got "
+                         f"{inv_temperature.dtype} {tuple(inv_temperature.shape)}")
+    if inv_temperature.device != logits.device:
+        raise ValueError(f"inv_temperature must be on logits' device {logits.device}, got {inv_temperature.device}")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not isinstance(value, int) or not 0 <= value <= _MAX_U63:
+            raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
+
+
+def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
+                                offset: int) -> torch.Tensor:
+    """Reference of the kernel in numpy fp32: the same noise words, the same fp32 steps. int64 [N]."""
+    _check_args(logits, inv_temperature, seed, offset)
+    x = logits.detach().cpu().numpy()
+    inv_t = inv_temperature.detach().cpu().numpy()
+    n, vocab = x.shape
+    out = np.empty(n, dtype=np.int64)
+    step = max(1, _REF_CHUNK_ELEMS // vocab)
+    for start in range(0, n, step):
+        rows = range(start, min(n, start + step))
+        scores = x[rows.start:rows.stop] * inv_t[rows.start:rows.stop, None] + race_noise(rows, vocab, seed, offset)
+        out[rows.start:rows.stop] = scores.argmax(axis=1)  # numpy, like torch: first max, NaN largest
+    greedy = inv_t == 0
+    out[greedy] = x[greedy].argmax(axis=1)
+    return torch.from_numpy(out).to(logits.device)
+
+
+def sample_exponential_race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
+                            offset: int) -> torch.Tensor:
+    """One token per row of float32 logits [N, V]: a draw from softmax(logits * inv_temperature), or the argmax
+    where inv_temperature is 0. inv_temperature must be >= 0 (not checked on the device: that would sync).
+    Returns int64 [N] on logits' device."""
+    _check_args(logits, inv_temperature, seed, offset)
+    if _cuda_ok(logits):
+        return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset)
+    return sample_exponential_race_ref(logits, inv_temperature, seed, offset)
