@@ -51,6 +51,13 @@ def test_greedy_rows_exact_in_mixed_batch():
         assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
 
 
+def test_tiny_temperature_is_greedy_and_empty_batch_is_fine():
+    logits = rand_logits(3)
+    tokens = sample([req(temperature=1e-7), req(temperature=0.0), req(temperature=1e-6)], logits).token_ids
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert sample([], torch.zeros(0, V)).token_ids.shape == (0,)
+
+
 def test_seeded_request_reproducible_across_batch_composition_and_order():
     row = rand_logits(1, seed=7)[0] * 0.2  # flat distribution: the noise decides
     alone, batched = [], []

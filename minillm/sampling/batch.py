@@ -17,6 +17,7 @@ from minillm.request import Request
 from minillm.sampling.penalties import PenaltyTensors, pad_token_arrays, token_history
 
 _MASK64 = (1 << 64) - 1
+_GREEDY_BELOW = 1e-5
 
 # Rows of the packed [len(_FIELDS), N] float32 parameter matrix.
 _FIELDS = ("temperature", "top_p", "min_p", "top_k", "presence", "frequency", "repetition")
@@ -60,7 +61,8 @@ class SamplingBatch:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         device = torch.device(device)
         params = _host_params(requests, vocab_size)
-        greedy = params[_T] == 0.0
+        # Temperatures this small overflow logits / T; like vLLM, treat them as greedy.
+        greedy = params[_T] < _GREEDY_BELOW
         sampling = ~greedy
         all_greedy = not sampling.any()
         # Greedy rows take the argmax before temperature and truncation: neutral values keep them out of both.
