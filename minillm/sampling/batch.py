@@ -70,17 +70,8 @@ class SamplingBatch:
         params[_P, greedy] = 1.0
         params[_MINP, greedy] = 0.0
         params[_K, greedy] = vocab_size
-        need = {
-            "temperature": not all_greedy and bool((params[_T] != 1.0).any()),
-            "top_k": bool((params[_K] < vocab_size).any()),
-            "top_p": bool((params[_P] < 1.0).any()),
-            "min_p": bool((params[_MINP] > 0.0).any()),
-            "presence": bool((params[_PRES] != 0.0).any()),
-            "frequency": bool((params[_FREQ] != 0.0).any()),
-            "repetition": bool((params[_REP] != 1.0).any()),
-        }
-        dev = torch.from_numpy(params).to(device) if any(need.values()) else None
-        row = lambda i, flag: dev[i] if need[flag] else None  # noqa: E731  (views of the one copy)
+        need = _needs(params, all_greedy, vocab_size)
+        dev = torch.from_numpy(params).to(device) if any(need.values()) else None  # one copy; rows are views
         banned_rows, banned_cols = _min_tokens_mask(requests, vocab_size, device)
         mixed = not all_greedy and bool(greedy.any())
         return cls(
@@ -91,8 +82,8 @@ class SamplingBatch:
             temperature=dev[_T].unsqueeze(1) if need["temperature"] else None,
             top_k=dev[_K].long() if need["top_k"] else None,
             max_top_k=int(params[_K][params[_K] < vocab_size].max()) if need["top_k"] else 0,
-            top_p=row(_P, "top_p"),
-            min_p=row(_MINP, "min_p"),
+            top_p=dev[_P] if need["top_p"] else None,
+            min_p=dev[_MINP] if need["min_p"] else None,
             penalties=_penalties(requests, dev, need, vocab_size, device),
             banned_rows=banned_rows,
             banned_cols=banned_cols,
@@ -100,6 +91,19 @@ class SamplingBatch:
             any_unseeded=any(s and r.sampling_params.seed is None for r, s in zip(requests, sampling)),
             logprobs=_logprobs(requests),
         )
+
+
+def _needs(params: np.ndarray, all_greedy: bool, vocab_size: int) -> dict[str, bool]:
+    """Which per-row tensors this batch needs (greedy rows already hold neutral values)."""
+    return {
+        "temperature": not all_greedy and bool((params[_T] != 1.0).any()),
+        "top_k": bool((params[_K] < vocab_size).any()),
+        "top_p": bool((params[_P] < 1.0).any()),
+        "min_p": bool((params[_MINP] > 0.0).any()),
+        "presence": bool((params[_PRES] != 0.0).any()),
+        "frequency": bool((params[_FREQ] != 0.0).any()),
+        "repetition": bool((params[_REP] != 1.0).any()),
+    }
 
 
 def _host_params(requests: Sequence[Request], vocab_size: int) -> np.ndarray:
