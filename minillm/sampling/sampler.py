@@ -45,6 +45,7 @@ class Sampler:
         self._generators: dict[torch.device, tuple[torch.Generator, torch.Generator]] = {}
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
+        """Sample one token per row. ``logits`` (float32 [N, V]) is used as scratch and modified in place."""
         _check_logits(logits, batch)
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
@@ -70,6 +71,7 @@ class Sampler:
         shared, scratch = self._generators_for(probs.device)
         if batch.any_unseeded:
             noise.exponential_(generator=shared)
+        # Greedy rows may keep uninitialised noise: their sampled token is replaced by the argmax afterwards.
         for row, seed in batch.seeded_rows:
             # NOTE: each seeded row draws its own [V] noise from (seed, k) alone; see seed_for_token.
             scratch.manual_seed(seed)
