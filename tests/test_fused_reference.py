@@ -1,0 +1,159 @@
+"""CPU checks of the references the fused CUDA kernels are tested against: each torch path in fused_ops.py
+against a straightforward float64 formula (or transformers' Qwen3 code), and the sampler's numpy reference
+against Philox known answers and the softmax it must sample from."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from minillm.ops import fused_ops
+from minillm.ops.sampling_ops import philox4x32_10, race_noise, sample_exponential_race, sample_exponential_race_ref
+
+
+def _rms_formula(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rms_norm_ref_matches_formula(dtype, atol):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    out = fused_ops.rms_norm_ref(x, w, 1e-6)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), _rms_formula(x, w, 1e-6), atol=atol, rtol=atol)
+
+
+def test_fused_add_rms_norm_rounds_the_sum_first():
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
+    w = torch.rand(64, generator=g).bfloat16()
+    normed, s = fused_ops.fused_add_rms_norm(x, r, w, 1e-6)
+    expected_sum = (x.float() + r.float()).bfloat16()  # HF's decoder layer adds in the activation dtype
+    assert torch.equal(s, expected_sum)
+    assert torch.equal(normed, fused_ops.rms_norm_ref(expected_sum, w, 1e-6))
+    first_normed, first_sum = fused_ops.fused_add_rms_norm(x, None, w, 1e-6)
+    assert first_sum is x and torch.equal(first_normed, fused_ops.rms_norm_ref(x, w, 1e-6))
+
+
+def test_silu_and_mul_matches_formula():
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(6, 2 * 40, generator=g)
+    gate, up = gate_up.double()[:, :40], gate_up.double()[:, 40:]
+    expected = gate / (1 + torch.exp(-gate)) * up
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up).double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def _qwen3_config(head_dim: int, theta: float) -> Qwen3Config:
+    return Qwen3Config(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                       max_position_embeddings=4096, rope_theta=theta)
+
+
+@pytest.mark.parametrize("head_dim,theta", [(64, 10000.0), (128, 1e6)])
+def test_rope_cache_is_bit_identical_to_transformers(head_dim, theta):
+    rope = Qwen3RotaryEmbedding(_qwen3_config(head_dim, theta))
+    positions = torch.tensor([[0, 1, 2, 17, 1000, 4095]])
+    cos, sin = rope(torch.zeros(1, dtype=torch.float32), positions)
+    cache = fused_ops.rope_cos_sin_cache(head_dim, 4096, theta)
+    half = head_dim // 2
+    assert cache.shape == (4096, head_dim) and cache.dtype == torch.float32
+    assert torch.equal(cache[positions[0], :half], cos[0, :, :half])
+    assert torch.equal(cache[positions[0], half:], sin[0, :, :half])
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope_ref_matches_transformers_qwen3(with_norm):
+    hq, hkv, d, t, eps = 4, 2, 64, 9, 1e-6
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    qw, kw = (1 + 0.1 * torch.randn(d, generator=g), 1 + 0.1 * torch.randn(d, generator=g)) if with_norm else (None,) * 2
+    cache = fused_ops.rope_cos_sin_cache(d, 4096, 1e6)
+    q, k, v = fused_ops.qk_norm_rope(qkv, positions, cache, hq, hkv, d, qw, kw, eps)
+
+    hq_in, hk_in, hv_in = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    hq_in, hk_in = hq_in.view(1, t, hq, d), hk_in.view(1, t, hkv, d)
+    if with_norm:
+        q_norm, k_norm = Qwen3RMSNorm(d, eps), Qwen3RMSNorm(d, eps)
+        q_norm.weight.data.copy_(qw)
+        k_norm.weight.data.copy_(kw)
+        hq_in, hk_in = q_norm(hq_in), k_norm(hk_in)
+    cos, sin = Qwen3RotaryEmbedding(_qwen3_config(d, 1e6))(qkv, positions[None])
+    q_hf, k_hf = apply_rotary_pos_emb(hq_in.transpose(1, 2), hk_in.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(q, q_hf[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, k_hf[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert torch.equal(v, hv_in.view(t, hkv, d))
+
+
+# Random123's published known answers for Philox4x32-10 (counter, key, output).
+_PHILOX_KAT = [
+    ([0, 0, 0, 0], (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+    ([0xFFFFFFFF] * 4, (0xFFFFFFFF, 0xFFFFFFFF), [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+    ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], (0xA4093822, 0x299F31D0),
+     [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", _PHILOX_KAT)
+def test_philox_known_answers(counter, key, expected):
+    assert philox4x32_10(np.array(counter, dtype=np.uint32), key).tolist() == expected
+
+
+def test_race_noise_is_gumbel_and_keyed():
+    noise = race_noise(range(8), 4096, seed=5, offset=3).astype(np.float64)
+    assert noise.shape == (8, 4096) and np.isfinite(noise).all()
+    # -log(E), E ~ Exp(1), is standard Gumbel: mean = Euler's gamma, variance = pi^2 / 6.
+    assert abs(noise.mean() - 0.5772) < 0.03
+    assert abs(noise.var() - math.pi**2 / 6) < 0.08
+    assert np.array_equal(noise, race_noise(range(8), 4096, seed=5, offset=3))
+    assert np.array_equal(noise[3:5], race_noise(range(3, 5), 4096, seed=5, offset=3))
+    for other in (race_noise(range(8), 4096, seed=6, offset=3), race_noise(range(8), 4096, seed=5, offset=4)):
+        assert np.mean(noise == other) < 0.01
+
+
+def test_greedy_rows_take_the_argmax():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50, generator=g)
+    logits[2, 7] = logits[2, 9] = 10.0  # a tie goes to the first column, as in torch.argmax
+    inv_t = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 0.5])
+    out = sample_exponential_race(logits, inv_t, seed=1, offset=0)
+    assert out.dtype == torch.int64 and out.shape == (6,)
+    greedy = inv_t == 0
+    assert torch.equal(out[greedy], logits.argmax(dim=1)[greedy])
+    assert out[2].item() == 7
+
+
+@pytest.mark.parametrize("inv_t", [1.0, 2.5])
+def test_sampled_frequencies_follow_softmax(inv_t):
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5, float("-inf"), -3.0, 1.5])
+    n = 20000  # one draw per row: every row has its own counters
+    tokens = sample_exponential_race_ref(logits.expand(n, -1).contiguous(), torch.full((n,), inv_t), 11, 0)
+    freq = torch.bincount(tokens, minlength=8).double() / n
+    p = torch.softmax(logits.double() * inv_t, dim=0)
+    assert freq[5] == 0  # a masked (-inf) logit is never drawn
+    assert (freq - p).abs().max() < 4 * math.sqrt(0.25 / n)
+
+
+def test_offsets_give_fresh_draws():
+    logits = torch.zeros(64, 1000)
+    inv_t = torch.ones(64)
+    a = sample_exponential_race(logits, inv_t, seed=0, offset=0)
+    assert torch.equal(a, sample_exponential_race(logits, inv_t, seed=0, offset=0))
+    assert (a != sample_exponential_race(logits, inv_t, seed=0, offset=1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(logits=torch.zeros(2, 4, dtype=torch.float64)), "logits"),
+    (dict(logits=torch.zeros(4)), "logits"),
+    (dict(inv_temperature=torch.ones(3)), "inv_temperature"),
+    (dict(seed=-1), "seed"),
+    (dict(offset=2**63), "offset"),
+])
+def test_bad_arguments_raise_value_error(kwargs, field):
+    args = dict(logits=torch.zeros(2, 4), inv_temperature=torch.ones(2), seed=0, offset=0) | kwargs
+    with pytest.raises(ValueError, match=field):
+        sample_exponential_race(**args)
