@@ -46,7 +46,7 @@ class ModelRunner:
         torch.manual_seed(cfg.runtime.seed)
         self.attn_backend = make_attention_backend(cfg.runtime.attention, cfg.runtime.attention_mode, self.device)
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
-                                                           self.device, self.attn_backend)
+                                                           self.device, self.attn_backend, seed=cfg.runtime.seed)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
         # A step never holds more tokens than the budget, but a prefill-first step holds one whole prompt.
