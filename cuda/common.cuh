@@ -15,8 +15,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Per-dtype conversions. Pair = the 2-element vector type that one 32-bit register holds.
 template <typename T> struct DType;
 
+// Conversions go through intrinsics: torch extension builds define __CUDA_NO_HALF_CONVERSIONS__ and friends,
+// which remove the implicit float <-> half/bf16 constructors.
 template <> struct DType<__nv_bfloat16> {
   using Pair = __nv_bfloat162;
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16(x); }
   static __device__ __forceinline__ float2 to_float2(uint32_t u) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
   }
@@ -28,6 +31,7 @@ template <> struct DType<__nv_bfloat16> {
 
 template <> struct DType<__half> {
   using Pair = __half2;
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
   static __device__ __forceinline__ float2 to_float2(uint32_t u) {
     return __half22float2(*reinterpret_cast<const __half2*>(&u));
   }

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     // CUDA-graph batch, say) gets a defined all-zero output instead of 0/0.
     if (partition_size == 0)
       for (int i = threadIdx.x; i < group * D; i += kWarps * 32)
-        static_cast<T*>(a.out)[s * a.out_stride_t + (kvh * group + i / D) * a.out_stride_h + i % D] = T(0.f);
+        static_cast<T*>(a.out)[s * a.out_stride_t + (kvh * group + i / D) * a.out_stride_h + i % D] = DType<T>::from_float(0.f);
     return;
   }
 
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int h = kvh * group + g;
     if (partition_size == 0) {
       T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
-      op[d] = static_cast<T>(o / lsum);
+      op[d] = DType<T>::from_float(o / lsum);
     } else {
       const int64_t row = ((int64_t)s * a.num_q_heads + h) * gridDim.x + part;
       ws_out[row * D + d] = o / lsum;
@@ -198,7 +198,7 @@ __global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int nu
       o += w * ws_out[(row0 + p) * D + d];
     }
     T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
-    op[d] = static_cast<T>(valid > 0 ? o / lsum : 0.f);  // empty context: zeros, as in v1
+    op[d] = DType<T>::from_float(valid > 0 ? o / lsum : 0.f);  // empty context: zeros, as in v1
   }
 }
 

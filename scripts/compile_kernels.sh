@@ -11,7 +11,10 @@ trap 'rm -rf "$tmp"' EXIT
 status=0
 for src in cuda/*.cu; do
   obj="$tmp/$(basename "${src%.cu}").o"
+  # The -D flags are the ones torch's extension builder adds: they remove implicit half/bf16 conversions.
   if nvcc -c -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo \
+      -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+      -D__CUDA_NO_HALF2_OPERATORS__ \
       -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80 \
       "${extra[@]}" "$src" -o "$obj"; then
     echo "ok      $src"
