@@ -8,6 +8,7 @@ sets max_model_len, and a preset model name gets random `dummy` weights.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -98,6 +99,16 @@ def _device(cfg: EngineConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _prepare_device(device: str) -> dict:
+    """Build/load the CUDA extension up front, so its compile time is reported on its own, not inside the first
+    configuration's load time. Returns the fields every results line of this process carries."""
+    from minillm.ops.build import cuda_ops_available
+
+    t0 = time.perf_counter()
+    ok = device.startswith("cuda") and cuda_ops_available()
+    return {"kernel_build_s": time.perf_counter() - t0, "cuda_ops": ok}
+
+
 def _offline_workload(workload: Path | None, num_requests: int | None):
     from minillm.bench.workloads import check_reference_totals, load_workload, reference_offline
 
@@ -141,13 +152,28 @@ def bench_command(
         cfgs = [(e.get("name"), _build(data, config, set_ or [], flags, e, w.max_model_len)) for e in entries]
     except ValueError as e:   # ConfigError included
         raise _fail(str(e)) from None
-    rates = measure_device(_device(cfgs[0][1]))   # before any engine takes the GPU memory
-    lines = []
+    dev = _device(cfgs[0][1])
+    extra = _prepare_device(dev) if engine == "minillm" else {}
+    rates = measure_device(dev)   # before any engine takes the GPU memory
+    lines, failed = [], []
     for name, cfg in cfgs:
-        line = _run_one(engine, cfg, name, w, rates, repeat, progress)
-        lines.append(append_jsonl(output, line))
-    print_table(bench_table(lines))
+        try:
+            line = _run_one(engine, cfg, name, w, rates, repeat, progress)
+        except Exception as e:   # one broken configuration must not cost the others their measurement
+            failed.append(f"{name or _label(cfg)}: {type(e).__name__}: {e}")
+            continue
+        lines.append(append_jsonl(output, {**line, **extra}))
+    if lines:
+        print_table(bench_table(lines))
     typer.echo(f"appended {len(lines)} line(s) to {output}")
+    _report_failures(failed)
+
+
+def _report_failures(failed: list[str]) -> None:
+    for message in failed:
+        typer.echo(f"failed: {message}", err=True)
+    if failed:
+        raise typer.Exit(1)
 
 
 def _run_one(engine: str, cfg: EngineConfig, name: str | None, w, rates, repeat: int, progress: bool) -> dict:
@@ -229,9 +255,25 @@ def latency_sweep_command(
                 for e in _pick_configs(data.get("configs"), configs)]
     except ValueError as e:   # ConfigError included
         raise _fail(str(e)) from None
-    lines = []
+    extra = _prepare_device(_device(cfgs[0][1]))
+    lines, failed = [], []
     for name, cfg in cfgs:
-        for line in run_sweep_config(cfg, name, w, rate_list, time_scale, progress):
-            lines.append(append_jsonl(output, line))
-    print_table(latency_table(lines))
-    typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
+        try:
+            new = run_sweep_config(cfg, name, w, rate_list, time_scale, progress)
+        except Exception as e:   # as in bench: keep the other configurations' results
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        lines += [append_jsonl(output, {**line, **extra}) for line in new]
+    if lines:
+        print_table(latency_table(lines))
+        typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
+    _report_failures(failed)
+
+
+if __name__ == "__main__":
+    # `python -m minillm.bench.commands bench ...`: the same commands without the package's console script
+    # (scripts/device_bench.sh uses it so a fresh machine needs only `pip install -e . --no-deps`).
+    _app = typer.Typer(add_completion=False)
+    _app.command("bench")(bench_command)
+    _app.command("latency-sweep")(latency_sweep_command)
+    _app()

@@ -52,8 +52,8 @@ def _engine_desc(line: dict) -> str:
         return f"{line['engine']} {line['config'].get('transformers', '')}".strip()
     sched, rt = line["config"]["scheduler"], line["config"]["runtime"]
     mode = "chunked" if sched["enable_chunked_prefill"] else "prefill-first"
-    return (f"{sched['policy']} {mode} budget {sched['max_num_batched_tokens']}, attn {rt['attention']}/"
-            f"{rt['attention_mode']}{', eager' if rt['enforce_eager'] else ''}")
+    return (f"{sched['policy']} {mode} {sched['max_num_batched_tokens']} {rt['attention']}/{rt['attention_mode']}"
+            f"{' eager' if rt['enforce_eager'] else ''}")
 
 
 def bench_table(lines: list[dict]) -> Table:
