@@ -44,6 +44,10 @@ class BlockPool:
         """Free queue from head (next to be reused) to tail; for tests and debugging."""
         return list(self._free)
 
+    def cached_blocks(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(block id, token ids) of every published block; for tests and debugging."""
+        return [(b, self._block_key[b][1]) for b in self._cached.values()]
+
     def block_hash(self, block_id: int) -> BlockHash | None:
         return self._block_hash[block_id]
 

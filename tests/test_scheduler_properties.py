@@ -1,0 +1,127 @@
+"""Property test: random add / step / abort sequences against every scheduler configuration.
+
+A fake runner samples random tokens from a tiny vocabulary (so prompts share prefixes and hit EOS / stop ids),
+the KV pool is small enough to force preemption, and the invariants are checked after every operation.
+"""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm.config import CacheConfig, SchedulerConfig
+from minillm.engine.outputs import ModelRunnerOutput
+from minillm.engine.scheduler import Scheduler
+from minillm.request import Request
+from minillm.sampling_params import SamplingParams
+
+BS = 8
+PROMPT_VOCAB = 3     # tiny: prompts share prefixes, so prefix-cache hits are common
+SAMPLE_VOCAB = 16    # sampled tokens: EOS (0) and the stop id (3) each come up 1 time in 16
+MAX_MODEL_LEN = 48
+
+configs = st.fixed_dictionaries({
+    "num_blocks": st.integers(3, 10),
+    "budget": st.integers(1, 40),
+    "max_num_seqs": st.integers(1, 6),
+    "threshold": st.sampled_from([0, 0, 3, 9]),
+    "chunked": st.booleans(),
+    "policy": st.sampled_from(["fcfs", "priority", "static"]),
+    "caching": st.booleans(),
+})
+
+requests = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(0, PROMPT_VOCAB - 1), min_size=1, max_size=30),
+    "max_tokens": st.integers(1, 18),
+    "priority": st.integers(0, 3),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.sampled_from([[], [3]]),
+})
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), requests),
+    st.tuples(st.just("step"), st.integers(0, 2**31)),
+    st.tuples(st.just("abort"), st.integers(0, 40)),
+), max_size=60)
+
+
+def check_step_output(sched: Scheduler, out) -> None:
+    assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled) <= sched.config.max_num_batched_tokens
+    lens = [s.num_tokens for s in out.scheduled]
+    assert lens == sorted(lens, key=lambda n: n != 1)
+    seen = set()
+    for s in out.scheduled:
+        r = s.request
+        assert r.request_id not in seen and r.request_id not in out.preempted_ids
+        seen.add(r.request_id)
+        assert s.start == r.num_computed_tokens and 1 <= s.num_tokens <= r.num_tokens - s.start
+        assert len(r.block_ids) * BS >= s.start + s.num_tokens          # KV slots exist for every row
+        assert s.sample == (s.start + s.num_tokens == r.num_tokens)
+
+
+def check_kv_reads(out, kv_store: dict[int, tuple[int, ...]]) -> None:
+    """Play the runner against a fake paged KV cache: each slot remembers which prefix its token's KV encodes.
+
+    Every row writes its new tokens, then must read back exactly its own prefix at every earlier position:
+    this catches a wrong prefix hit, a block reused while still referenced, and reads of unwritten slots.
+    """
+    for s in out.scheduled:
+        r = s.request
+        for t in range(s.start, s.start + s.num_tokens):
+            kv_store[r.block_ids[t // BS] * BS + t % BS] = tuple(r.all_token_ids[:t + 1])
+    for s in out.scheduled:
+        r = s.request
+        for t in range(s.start + s.num_tokens):
+            assert kv_store.get(r.block_ids[t // BS] * BS + t % BS) == tuple(r.all_token_ids[:t + 1]), \
+                f"{r.request_id} reads foreign KV at position {t}"
+
+
+def check_published_blocks(sched: Scheduler, kv_store: dict[int, tuple[int, ...]]) -> None:
+    """A block in the prefix cache must still hold the KV of the tokens it is published under."""
+    for block_id, tokens in sched.kv.pool.cached_blocks():
+        held = [kv_store.get(block_id * BS + off, (None,))[-1] for off in range(BS)]
+        assert held == list(tokens), f"block {block_id} is published for {tokens} but holds {held}"
+
+
+def run_step(sched: Scheduler, seed: int, kv_store: dict[int, tuple[int, ...]]) -> None:
+    out = sched.schedule()
+    check_step_output(sched, out)
+    check_kv_reads(out, kv_store)
+    ids = [s.request.request_id for s in out.scheduled if s.sample]
+    tokens = [(seed >> (4 * i) ^ i) % SAMPLE_VOCAB for i in range(len(ids))]
+    sched.update(out, ModelRunnerOutput(ids, tokens))
+    sched.check_integrity()
+    check_published_blocks(sched, kv_store)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cfg=configs, script=ops)
+def test_random_workloads_keep_invariants_and_drain(cfg, script):
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["budget"],
+                        enable_chunked_prefill=cfg["chunked"], long_prefill_token_threshold=cfg["threshold"],
+                        policy=cfg["policy"]),
+        CacheConfig(block_size=BS, enable_prefix_caching=cfg["caching"]), cfg["num_blocks"], MAX_MODEL_LEN)
+    added, kv_store = [], {}
+    for op, arg in script:
+        if op == "add":
+            rid = f"prop-{len(added)}"           # unique ids within the test
+            req = Request(rid, arg["prompt"], SamplingParams(max_tokens=arg["max_tokens"], ignore_eos=arg["ignore_eos"],
+                                                             stop_token_ids=arg["stop_token_ids"]),
+                          eos_token_ids=frozenset({0}), priority=arg["priority"])
+            added.append(rid)
+            try:
+                sched.add_request(req)
+            except ValueError:
+                assert len(arg["prompt"]) + arg["max_tokens"] - 1 > cfg["num_blocks"] * BS
+        elif op == "step":
+            run_step(sched, arg, kv_store)
+        elif added:
+            sched.abort(added[arg % len(added)])
+            sched.check_integrity()
+    # Every accepted request must finish: nothing may wait forever.
+    bound = sum(MAX_MODEL_LEN for _ in added) + 10
+    for i in range(bound):
+        if not sched.has_unfinished_requests():
+            break
+        run_step(sched, i * 7919, kv_store)
+    assert not sched.has_unfinished_requests(), "requests still pending: the scheduler stalled"
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks and all(c == 0 for c in sched.kv.pool.ref_cnt)
+    sched.check_integrity()
