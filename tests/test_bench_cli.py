@@ -2,16 +2,11 @@
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from minillm.bench.commands import bench_command, latency_sweep_command
 from minillm.bench.plots import plot_latency
 from minillm.bench.report import BENCH_KEYS, LATENCY_KEYS, read_jsonl
-
-app = typer.Typer()
-app.command("bench")(bench_command)
-app.command("latency-sweep")(latency_sweep_command)
+from minillm.cli import app
 
 OFFLINE = "kind: offline\nnum_requests: 8\nprompt_len: [8, 40]\noutput_len: [3, 6]\nmax_model_len: 128\n"
 ONLINE = ("kind: online\nnum_requests: 8\nshort_prompt_len: [8, 24]\nlong_prompt_len: [60, 90]\n"
@@ -82,7 +77,7 @@ def test_bad_flags_exit_2(tmp_path):
     runner = CliRunner()
     bad = [["bench", "--engine", "vllm"], ["bench", "--policy", "lifo"], ["bench", "--workload", tmp_path / "no.yaml"],
            ["latency-sweep", "--rates", "4,-1"], ["latency-sweep", "--configs", "chunked-3"],
-           ["latency-sweep", "--time-scale", "0"]]
+           ["latency-sweep", "--time-scale", "0"], ["bench", "--max-model-len", "512"]]
     for args in bad:
         result = runner.invoke(app, [str(a) for a in args])
         assert result.exit_code == 2, (args, result.output)

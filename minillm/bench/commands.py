@@ -1,12 +1,13 @@
 """`minillm bench` and `minillm latency-sweep`: typer-annotated command functions the CLI registers.
 
-Engine settings resolve like every other command (minillm.config_loader), lowest first: built-in defaults,
+The engine flags are the CLI's shared ones (minillm.cli.engine_options). Engine settings resolve like every
+other command (minillm.config_loader), lowest first: built-in defaults,
 --config FILE (or, without it, the `engine` section of the suite file), --set, explicit flags, then what a
 run/config entry of the suite names (so `--compare` still varies what it means to vary). The workload always
 sets max_model_len, and a preset model name gets random `dummy` weights.
 """
-from __future__ import annotations
-
+# NOTE: no `from __future__ import annotations`: engine_options re-exports these signatures from minillm.cli,
+# where string annotations naming this module's aliases could not be resolved.
 import json
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 import yaml
 
+from minillm.cli import EngineFlags, engine_options
 from minillm.config import ConfigError, EngineConfig
 from minillm.fingerprint import REPO_ROOT
 
@@ -22,18 +24,6 @@ PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 BENCH_SUITE = REPO_ROOT / "configs" / "bench.yaml"
 LATENCY_SUITE = REPO_ROOT / "configs" / "latency.yaml"
 
-# Engine flags shared by both commands (same names and meaning as the other commands' flags).
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Engine YAML (replaces the suite's engine section).")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory or preset name.")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
-DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="auto | float32 | bfloat16 | float16")]
-BudgetOpt = Annotated[Optional[int], typer.Option("--budget", help="max_num_batched_tokens per step.")]
-ChunkedOpt = Annotated[Optional[bool], typer.Option("--chunked/--no-chunked", help="Chunked prefill, or prefill-first.")]
-PolicyOpt = Annotated[Optional[str], typer.Option("--policy", help="fcfs | priority | static")]
-AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="auto | cuda | torch")]
-ModeOpt = Annotated[Optional[str], typer.Option("--attention-mode", help="split | unified")]
-EagerOpt = Annotated[Optional[bool], typer.Option("--eager/--graphs", help="Disable CUDA graphs.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="section.key=value (repeatable).")]
 NumRequestsOpt = Annotated[Optional[int], typer.Option("--num-requests", help="Run only the first N requests.")]
 WorkloadOpt = Annotated[Optional[Path], typer.Option("--workload", help="Workload YAML instead of the reference.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
@@ -60,20 +50,24 @@ def _section_sets(engine: dict) -> list[str]:
     return [f"{section}.{key}={json.dumps(value)}" for section, body in engine.items() for key, value in body.items()]
 
 
-def _flags(model, device, dtype, budget, chunked, policy, attention, attention_mode, eager) -> dict:
-    """CLI flags under their LLM(...) keyword names; None = not given."""
-    return {"model": model, "device": device, "dtype": dtype, "max_num_batched_tokens": budget,
-            "enable_chunked_prefill": chunked, "scheduling_policy": policy, "attention": attention,
-            "attention_mode": attention_mode, "enforce_eager": eager}
+def _flags(engine: EngineFlags) -> dict:
+    """The shared CLI engine flags under their LLM(...) keyword names; None = not given."""
+    if engine.max_model_len is not None:
+        raise ConfigError("--max-model-len: the workload sets max_model_len (2048 offline, 8192 online); "
+                          "use --workload FILE.yaml for another")
+    return {"model": engine.model, "device": engine.device, "dtype": engine.dtype,
+            "max_num_batched_tokens": engine.budget, "enable_chunked_prefill": engine.chunked,
+            "scheduling_policy": engine.policy, "attention": engine.attention,
+            "attention_mode": engine.attention_mode, "enforce_eager": True if engine.eager else None}
 
 
-def _build(suite: dict, config: Path | None, sets: list[str], flags: dict, entry: dict,
-           max_model_len: int) -> EngineConfig:
+def _build(suite: dict, engine: EngineFlags, entry: dict, max_model_len: int) -> EngineConfig:
     from minillm.config_loader import load_config
 
-    base = [] if config else _section_sets(suite.get("engine", {}))
+    base = [] if engine.config else _section_sets(suite.get("engine", {}))
     overrides = {k: v for k, v in entry.items() if k != "name"}
-    cfg, _ = load_config(config, [*base, *sets], **{**flags, **overrides, "max_model_len": max_model_len})
+    cfg, _ = load_config(engine.config, [*base, *(engine.set or [])],
+                         **{**_flags(engine), **overrides, "max_model_len": max_model_len})
     model = cfg.model.model
     if model and not Path(model).is_dir() and (PRESET_DIR / f"{model}.json").is_file() \
             and cfg.model.load_format == "auto":
@@ -120,45 +114,42 @@ def _offline_workload(workload: Path | None, num_requests: int | None):
     return w.head(num_requests)
 
 
+@engine_options
 def bench_command(
-    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    budget: BudgetOpt = None, chunked: ChunkedOpt = None, policy: PolicyOpt = None,
-    attention: AttentionOpt = None, attention_mode: ModeOpt = None, eager: EagerOpt = None, set_: SetOpt = None,
     num_requests: NumRequestsOpt = None, workload: WorkloadOpt = None,
-    engine: Annotated[str, typer.Option("--engine", help="minillm | hf (transformers continuous batching)")] = "minillm",
+    peer: Annotated[str, typer.Option("--engine", help="minillm | hf (transformers continuous batching)")] = "minillm",
     repeat: Annotated[int, typer.Option("--repeat", help="Timed passes per configuration (median reported).")] = 1,
     compare: Annotated[bool, typer.Option("--compare", help="Run every entry of the suite's runs list.")] = False,
-    suite: Annotated[Path, typer.Option("--suite", help="Base engine + --compare runs.")] = BENCH_SUITE,
+    suite: Annotated[Path, typer.Option("--suite", help="Base engine + --compare runs.", show_default="configs/bench.yaml")] = BENCH_SUITE,
     output: Annotated[Path, typer.Option("--output", help="JSONL file to append to.")] = Path("results/bench.jsonl"),
-    progress: ProgressOpt = True,
+    progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
     """Offline throughput on the reference workload (DESIGN 6), with % of the hardware floor (DESIGN 7)."""
     from minillm.bench.floor import measure_device
     from minillm.bench.report import append_jsonl, bench_table, print_table
 
     try:
-        if engine not in ("minillm", "hf"):
-            raise ConfigError(f"--engine={engine!r} is not allowed: minillm or hf")
-        if engine == "hf" and compare:
+        if peer not in ("minillm", "hf"):
+            raise ConfigError(f"--engine={peer!r} is not allowed: minillm or hf")
+        if peer == "hf" and compare:
             raise ConfigError("--compare runs minillm configurations; run --engine hf on its own")
         if not 1 <= repeat:
             raise ConfigError(f"--repeat={repeat!r} is not allowed: an integer >= 1")
         data = _read_suite(suite)
         w = _offline_workload(workload, num_requests)
-        flags = _flags(model, device, dtype, budget, chunked, policy, attention, attention_mode, eager)
         entries = data.get("runs", []) if compare else [{}]
         if not entries or not all(isinstance(e, dict) for e in entries):
             raise ConfigError(f"suite {suite}: 'runs' must be a non-empty list of mappings")
-        cfgs = [(e.get("name"), _build(data, config, set_ or [], flags, e, w.max_model_len)) for e in entries]
+        cfgs = [(e.get("name"), _build(data, engine, e, w.max_model_len)) for e in entries]
     except ValueError as e:   # ConfigError included
         raise _fail(str(e)) from None
     dev = _device(cfgs[0][1])
-    extra = _prepare_device(dev) if engine == "minillm" else {}
+    extra = _prepare_device(dev) if peer == "minillm" else {}
     rates = measure_device(dev)   # before any engine takes the GPU memory
     lines, failed = [], []
     for name, cfg in cfgs:
         try:
-            line = _run_one(engine, cfg, name, w, rates, repeat, progress)
+            line = _run_one(peer, cfg, name, w, rates, repeat, progress)
         except Exception as e:   # one broken configuration must not cost the others their measurement
             failed.append(f"{name or _label(cfg)}: {type(e).__name__}: {e}")
             continue
@@ -176,11 +167,11 @@ def _report_failures(failed: list[str]) -> None:
         raise typer.Exit(1)
 
 
-def _run_one(engine: str, cfg: EngineConfig, name: str | None, w, rates, repeat: int, progress: bool) -> dict:
+def _run_one(peer: str, cfg: EngineConfig, name: str | None, w, rates, repeat: int, progress: bool) -> dict:
     from minillm.bench.hf_peer import run_hf
     from minillm.bench.offline import run_config
 
-    if engine == "hf":
+    if peer == "hf":
         device = _device(cfg)
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device.startswith("cuda")
                                                                    else "float32")
@@ -220,19 +211,17 @@ def _online_workload(data: dict, workload: Path | None, num_requests: int | None
     return w.head(num_requests)
 
 
+@engine_options
 def latency_sweep_command(
-    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    budget: BudgetOpt = None, chunked: ChunkedOpt = None, policy: PolicyOpt = None,
-    attention: AttentionOpt = None, attention_mode: ModeOpt = None, eager: EagerOpt = None, set_: SetOpt = None,
     num_requests: NumRequestsOpt = None, workload: WorkloadOpt = None,
     rates: Annotated[Optional[str], typer.Option("--rates", help="Comma-separated req/s (default: suite's).")] = None,
     configs: Annotated[Optional[str], typer.Option("--configs", help="Comma-separated config names.")] = None,
     time_scale: Annotated[float, typer.Option("--time-scale", help="Multiply arrival gaps (tiny runs).")] = 1.0,
-    suite: Annotated[Path, typer.Option("--suite", help="Base engine, rates, workload, configs.")] = LATENCY_SUITE,
+    suite: Annotated[Path, typer.Option("--suite", help="Base engine, rates, workload, configs.", show_default="configs/latency.yaml")] = LATENCY_SUITE,
     output: Annotated[Path, typer.Option("--output", help="JSONL file to append to.")] = Path("results/latency.jsonl"),
     plot: Annotated[Path, typer.Option("--plot", help="PNG to write.")] = Path("results/latency.png"),
     plot_only: Annotated[Optional[Path], typer.Option("--plot-only", help="Redraw from a results JSONL.")] = None,
-    progress: ProgressOpt = True,
+    progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
     """Online latency under Poisson arrivals (DESIGN 6): TTFT and ITL percentiles per config and rate."""
     from minillm.bench.latency import run_sweep_config
@@ -250,8 +239,7 @@ def latency_sweep_command(
         data = _read_suite(suite)
         w = _online_workload(data, workload, num_requests)
         rate_list = _parse_rates(rates) if rates else _parse_rates(",".join(map(str, data.get("rates", []))))
-        flags = _flags(model, device, dtype, budget, chunked, policy, attention, attention_mode, eager)
-        cfgs = [(e["name"], _build(data, config, set_ or [], flags, e, w.max_model_len))
+        cfgs = [(e["name"], _build(data, engine, e, w.max_model_len))
                 for e in _pick_configs(data.get("configs"), configs)]
     except ValueError as e:   # ConfigError included
         raise _fail(str(e)) from None
