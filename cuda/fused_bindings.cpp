@@ -18,12 +18,10 @@ using at::Tensor;
 using minillm::ActDType;
 
 ActDType act_dtype(const Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ActDType::kFloat32;
-    case at::kHalf: return ActDType::kFloat16;
-    case at::kBFloat16: return ActDType::kBFloat16;
-    default: TORCH_CHECK_VALUE(false, name, ": dtype must be float32, float16 or bfloat16, got ", t.scalar_type());
-  }
+  const at::ScalarType s = t.scalar_type();
+  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, name,
+                    ": dtype must be float32, float16 or bfloat16, got ", s);
+  return s == at::kFloat ? ActDType::kFloat32 : s == at::kHalf ? ActDType::kFloat16 : ActDType::kBFloat16;
 }
 
 void check_launch(cudaError_t err, const char* op) {
@@ -57,6 +55,7 @@ void check_hidden(int64_t hidden, const char* name) {
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const ActDType dtype = act_dtype(x, "x");
   const Tensor x2 = as_rows(x, "x");
   const int64_t hidden = x2.size(1);
   check_hidden(hidden, "x");
@@ -64,7 +63,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor y = at::empty(x.sizes(), x.options());
   check_launch(minillm::launch_rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(), x2.size(0),
-                                       hidden, static_cast<float>(eps), act_dtype(x, "x"),
+                                       hidden, static_cast<float>(eps), dtype,
                                        at::cuda::getCurrentCUDAStream()),
                "rms_norm");
   return y;
@@ -75,6 +74,7 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
                     residual.sizes());
   check_like(residual, x, "residual", "x");
+  const ActDType dtype = act_dtype(x, "x");
   const Tensor x2 = as_rows(x, "x"), r2 = as_rows(residual, "residual");
   const int64_t hidden = x2.size(1);
   check_hidden(hidden, "x");
@@ -84,13 +84,13 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
   Tensor y = at::empty(x.sizes(), opts), sum = at::empty(x.sizes(), opts);
   check_launch(minillm::launch_fused_add_rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0),
                                                   weight.data_ptr(), y.data_ptr(), sum.data_ptr(), x2.size(0), hidden,
-                                                  static_cast<float>(eps), act_dtype(x, "x"),
-                                                  at::cuda::getCurrentCUDAStream()),
+                                                  static_cast<float>(eps), dtype, at::cuda::getCurrentCUDAStream()),
                "fused_add_rms_norm");
   return {y, sum};
 }
 
 Tensor silu_and_mul(const Tensor& gate_up) {
+  const ActDType dtype = act_dtype(gate_up, "gate_up");
   const Tensor g2 = as_rows(gate_up, "gate_up");
   TORCH_CHECK_VALUE(g2.size(1) % 2 == 0, "gate_up: last dim must be even (gate | up), got ", g2.size(1));
   const int64_t inter = g2.size(1) / 2;
@@ -99,7 +99,7 @@ Tensor silu_and_mul(const Tensor& gate_up) {
   sizes.back() = inter;
   Tensor out = at::empty(sizes, gate_up.options());
   check_launch(minillm::launch_silu_and_mul(g2.data_ptr(), g2.stride(0), out.data_ptr(), g2.size(0), inter,
-                                            act_dtype(gate_up, "gate_up"), at::cuda::getCurrentCUDAStream()),
+                                            dtype, at::cuda::getCurrentCUDAStream()),
                "silu_and_mul");
   return out;
 }
@@ -129,6 +129,7 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tens
                                                 int64_t head_dim, const std::optional<Tensor>& q_norm_weight,
                                                 const std::optional<Tensor>& k_norm_weight, double eps) {
   TORCH_CHECK_VALUE(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
+  const ActDType dtype = act_dtype(qkv_in, "qkv");
   check_heads(qkv_in, num_heads, num_kv_heads, head_dim);
   const Tensor qkv = qkv_in.stride(1) == 1 ? qkv_in : qkv_in.contiguous();
   const int64_t tokens = qkv.size(0);
@@ -154,7 +155,7 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tens
       k_norm_weight ? k_norm_weight->data_ptr() : nullptr, q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens,
       static_cast<int>(num_heads), static_cast<int>(num_kv_heads), static_cast<int>(head_dim),
       static_cast<float>(eps)};
-  check_launch(minillm::launch_qk_norm_rope(a, act_dtype(qkv, "qkv"), at::cuda::getCurrentCUDAStream()),
+  check_launch(minillm::launch_qk_norm_rope(a, dtype, at::cuda::getCurrentCUDAStream()),
                "qk_norm_rope");
   return {q, k, v};
 }

@@ -1,0 +1,187 @@
+"""GPU checks of the fused CUDA kernels (torch.ops.minillm.*) against the torch paths of fused_ops.py and the
+sampler's numpy reference. Outputs are NaN-poisoned first (the caching allocator hands the poisoned blocks
+back to the op), so an element a kernel forgets to write shows. Skipped without CUDA.
+
+The extension is the project build (minillm.ops.build.load_extension), or the library named by
+MINILLM_FUSED_EXT_LIB (a build of the fused sources alone, see scripts/device_fused.sh)."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from minillm.ops import fused_ops
+from minillm.ops.sampling_ops import race_noise, sample_exponential_race_ref
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+TOKENS = [1, 7, 256, 4096]
+DTYPES = [torch.bfloat16, torch.float16]
+GQA = [(8, 8), (16, 8), (16, 4), (12, 3), (16, 2), (8, 1)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    lib = os.environ.get("MINILLM_FUSED_EXT_LIB")
+    if lib:
+        torch.ops.load_library(lib)
+    else:
+        from minillm.ops.build import load_extension
+        load_extension()
+    fused_ops.set_cuda_fused_ops(False)  # fused_ops.* now runs the torch path: the reference
+    yield torch.ops.minillm
+    fused_ops.set_cuda_fused_ops(None)
+
+
+def _poison(*like: torch.Tensor) -> None:
+    """Fill blocks the size of the expected outputs with NaN and free them, so the op's empty() reuses them."""
+    blocks = [torch.full_like(t, float("nan")) for t in like]
+    del blocks
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "unwritten (NaN) elements in the kernel output"
+    tol = TOL[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if ref.dtype != torch.float32:
+        # The kernels round like the torch path; only the fp32 reduction order may move a value by one ulp,
+        # which a half-precision output rarely shows (in fp32 it shows everywhere, so no count there).
+        assert (out == ref).float().mean().item() >= 0.99
+
+
+def _randn(*shape, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("hidden", [1024, 896, 128])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rms_norm(ops, dtype, hidden, tokens):
+    g = torch.Generator("cuda").manual_seed(tokens * hidden)
+    x = _randn(tokens, hidden, dtype=dtype, gen=g, scale=3.0)
+    w = _randn(hidden, dtype=dtype, gen=g).abs() + 0.5
+    ref = fused_ops.rms_norm(x, w, 1e-6)
+    _poison(ref)
+    _check(ops.rms_norm(x, w, 1e-6), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("hidden", [1024, 896, 128])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_fused_add_rms_norm(ops, dtype, hidden, tokens):
+    g = torch.Generator("cuda").manual_seed(tokens + hidden)
+    x, res = _randn(tokens, hidden, dtype=dtype, gen=g), _randn(tokens, hidden, dtype=dtype, gen=g, scale=4.0)
+    w = _randn(hidden, dtype=dtype, gen=g).abs() + 0.5
+    ref_normed, ref_sum = fused_ops.fused_add_rms_norm(x, res, w, 1e-6)
+    _poison(ref_normed, ref_sum)
+    normed, s = ops.fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(s, ref_sum)  # one rounding of x + residual, same as torch
+    _check(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("inter", [3072, 896, 128])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_and_mul(ops, dtype, inter, tokens):
+    g = torch.Generator("cuda").manual_seed(tokens * 3 + inter)
+    gate_up = _randn(tokens, 2 * inter, dtype=dtype, gen=g, scale=3.0)
+    ref = fused_ops.silu_and_mul(gate_up)
+    _poison(ref)
+    _check(ops.silu_and_mul(gate_up), ref)
+
+
+def _rope_inputs(tokens, hq, hkv, d, dtype, with_norm, seed):
+    g = torch.Generator("cuda").manual_seed(seed)
+    qkv = _randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, gen=g, scale=2.0)
+    positions = torch.randint(0, 8192, (tokens,), generator=g, device="cuda")
+    cache = fused_ops.rope_cos_sin_cache(d, 8192, 1e6, device="cuda")
+    weights = ((_randn(d, dtype=dtype, gen=g).abs() + 0.5, _randn(d, dtype=dtype, gen=g).abs() + 0.5)
+               if with_norm else (None, None))
+    return qkv, positions, cache, weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope(ops, dtype, head_dim, hq, hkv, tokens, with_norm):
+    qkv, positions, cache, (qw, kw) = _rope_inputs(tokens, hq, hkv, head_dim, dtype, with_norm, tokens + hq)
+    refs = fused_ops.qk_norm_rope(qkv, positions, cache, hq, hkv, head_dim, qw, kw, 1e-6)
+    refs = [r.contiguous() for r in refs]
+    _poison(*refs)
+    outs = ops.qk_norm_rope(qkv, positions, cache, hq, hkv, head_dim, qw, kw, 1e-6)
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+    assert torch.equal(outs[2], refs[2])  # v is a plain copy
+
+
+def test_unaligned_and_strided_inputs_take_the_scalar_path(ops):
+    """Views that start one element off a 16-byte boundary, and rows further apart than their length."""
+    g = torch.Generator("cuda").manual_seed(7)
+    big = _randn(33, 2 * 1024 + 8, dtype=torch.bfloat16, gen=g)
+    x, res = big[:, 1:897], big[:, 1000:1896]
+    w = _randn(896, dtype=torch.bfloat16, gen=g).abs() + 0.5
+    _check(ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm(x, w, 1e-6))
+    for out, ref in zip(ops.fused_add_rms_norm(x, res, w, 1e-6), fused_ops.fused_add_rms_norm(x, res, w, 1e-6)):
+        _check(out, ref)
+    _check(ops.silu_and_mul(big[:, 1:2049]), fused_ops.silu_and_mul(big[:, 1:2049]))
+    qkv, positions, cache, (qw, kw) = _rope_inputs(33, 4, 2, 64, torch.bfloat16, True, 8)
+    wide = torch.zeros(33, qkv.shape[1] + 1, dtype=qkv.dtype, device="cuda")
+    wide[:, 1:] = qkv
+    outs = ops.qk_norm_rope(wide[:, 1:], positions, cache, 4, 2, 64, qw, kw, 1e-6)
+    for out, ref in zip(outs, fused_ops.qk_norm_rope(qkv, positions, cache, 4, 2, 64, qw, kw, 1e-6)):
+        _check(out, ref.contiguous())
+
+
+def test_out_of_range_position_gives_nan(ops):
+    qkv, positions, cache, (qw, kw) = _rope_inputs(4, 2, 1, 64, torch.bfloat16, True, 9)
+    positions[2] = cache.shape[0]
+    q, k, v = ops.qk_norm_rope(qkv, positions, cache, 2, 1, 64, qw, kw, 1e-6)
+    assert q[2].isnan().all() and k[2].isnan().all() and not v[2].isnan().any()
+    assert not q[[0, 1, 3]].isnan().any()
+
+
+def test_bad_arguments_raise_value_error(ops):
+    x = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm(x, torch.ones(32, device="cuda", dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.qk_norm_rope(torch.zeros(4, 3 * 63, device="cuda", dtype=torch.bfloat16),
+                         torch.zeros(4, dtype=torch.long, device="cuda"), torch.zeros(8, 63, device="cuda"),
+                         1, 1, 63, None, None, 1e-6)
+    with pytest.raises(ValueError, match="seed"):
+        ops.sample_exponential_race(x.float(), torch.ones(4, device="cuda"), -1, 0)
+
+
+@pytest.mark.parametrize("vocab,pad", [(151936, 0), (1001, 3)])
+def test_sampler_matches_reference(ops, vocab, pad):
+    """Same Philox words as the numpy reference: the same token except at float-rounding near-ties.
+    pad > 0 makes rows unaligned and further apart than vocab (the scalar-load path)."""
+    g = torch.Generator("cuda").manual_seed(vocab)
+    rows = 48
+    logits = torch.randn(rows, vocab + pad, generator=g, device="cuda")[:, pad // 2:pad // 2 + vocab] * 4
+    inv_t = torch.rand(rows, generator=g, device="cuda") * 3
+    inv_t[::4] = 0
+    out = ops.sample_exponential_race(logits, inv_t, 1234, 77)
+    ref = sample_exponential_race_ref(logits, inv_t, 1234, 77)
+    greedy = inv_t == 0
+    assert torch.equal(out[greedy], logits.argmax(dim=1)[greedy])
+    scores = logits.cpu().numpy() * inv_t.cpu().numpy()[:, None] + race_noise(range(rows), vocab, 1234, 77)
+    for r in np.flatnonzero((out != ref).cpu().numpy()):
+        a, b = scores[r, out[r].item()], scores[r, ref[r].item()]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"row {r}: kernel and reference disagree beyond a tie"
+    assert (out == ref).float().mean().item() >= 0.95
+
+
+def test_sampler_frequencies_follow_softmax(ops):
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5, float("-inf"), -3.0, 1.5], device="cuda")
+    n, inv_t = 200_000, 1.7
+    tokens = ops.sample_exponential_race(logits.expand(n, -1).contiguous(), torch.full((n,), inv_t, device="cuda"),
+                                         5, 0)
+    freq = torch.bincount(tokens, minlength=8).double() / n
+    p = torch.softmax(logits.double() * inv_t, dim=0)
+    assert freq[5] == 0
+    assert (freq - p).abs().max().item() < 4 * (0.25 / n) ** 0.5
