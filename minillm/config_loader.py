@@ -1,0 +1,166 @@
+"""YAML configs + `--set section.key=value` + CLI flags -> a validated EngineConfig and sampling defaults.
+
+Precedence, lowest first: the dataclass defaults, the YAML file, `--set` overrides (in order), explicit flags.
+Every mistake raises ConfigError naming the key, the value and what is allowed, before any engine work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from minillm.config import ConfigError, EngineConfig
+from minillm.sampling_params import SamplingParams
+
+# Sampling defaults for generate / serve-stdin when neither the config nor the input line sets a value.
+# NOTE: configs/default.yaml mirrors these; a test keeps the two equal.
+SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "max_tokens": 64}
+
+ENGINE_SECTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SECTIONS = ENGINE_SECTIONS + ("sampling",)
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "None": "null"}
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown(what: str, name: str, choices: Iterable[str]) -> ConfigError:
+    choices = list(choices)
+    return ConfigError(f"unknown {what} {name!r}{_suggest(name, choices)}; valid: {', '.join(choices)}")
+
+
+def _type_ok(value: Any, type_name: str) -> bool:
+    # bool is an int subclass in Python, so check it explicitly: `block_size: true` must be refused.
+    if type_name == "None":
+        return value is None
+    if type_name == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if type_name == "int":
+        return isinstance(value, int)
+    if type_name == "float":
+        return isinstance(value, (int, float))
+    if type_name == "str":
+        return isinstance(value, str)
+    raise AssertionError(f"config field type {type_name!r} has no checker")
+
+
+def _check_type(section: str, field: dataclasses.Field, value: Any) -> None:
+    """Field annotations are strings (postponed evaluation), e.g. "int | None": check against each part."""
+    allowed = [part.strip() for part in str(field.type).split("|")]
+    if not any(_type_ok(value, t) for t in allowed):
+        words = " or ".join(_TYPE_NAMES[t] for t in allowed)
+        raise ConfigError(f"{section}.{field.name}={value!r} has the wrong type: expected {words}")
+
+
+def _engine_field(section: str, key: str) -> dataclasses.Field:
+    cls = type(getattr(EngineConfig(), section))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if key not in fields:
+        raise _unknown(f"key in section {section!r}:", key, fields)
+    return fields[key]
+
+
+def _check_key(section: str, key: str) -> None:
+    """Check that section.key exists (type checks run once all values are in)."""
+    if section not in SECTIONS:
+        raise _unknown("config section", section, SECTIONS)
+    if section == "sampling":
+        if key not in SAMPLING_KEYS:
+            raise _unknown("key in section 'sampling':", key, SAMPLING_KEYS)
+    else:
+        _engine_field(section, key)
+
+
+def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections ({', '.join(SECTIONS)})")
+    out: dict[str, dict[str, Any]] = {}
+    for section, body in data.items():
+        section = str(section)
+        if section not in SECTIONS:
+            raise _unknown("config section", section, SECTIONS)
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"config section {section!r} in {path} must be a mapping of key: value")
+        for key, value in body.items():
+            _check_key(section, str(key))
+            out.setdefault(section, {})[str(key)] = value
+    return out
+
+
+def parse_set(item: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); the value is read as YAML (so `null`, `true`, `0.5` work)."""
+    name, sep, raw = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set expects section.key=value (e.g. scheduler.max_num_seqs=64), got {item!r}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {name}: value {raw!r} is not valid YAML: {e}") from None
+    return section, key, value
+
+
+def _flag_target(name: str) -> tuple[str, str]:
+    if name == "model":
+        return "model", "model"
+    if name not in EngineConfig.KWARGS:
+        raise _unknown("engine flag", name, ["model", *EngineConfig.KWARGS])
+    return EngineConfig.KWARGS[name]
+
+
+def _build_engine(values: dict[str, dict[str, Any]]) -> EngineConfig:
+    base = EngineConfig()
+    sections = {}
+    for section in ENGINE_SECTIONS:
+        given = values.get(section, {})
+        for key, value in given.items():
+            _check_type(section, _engine_field(section, key), value)
+        sections[section] = dataclasses.replace(getattr(base, section), **given)
+    return EngineConfig(**sections).validate()
+
+
+def _build_sampling(values: dict[str, Any]) -> dict[str, Any]:
+    merged = {**SAMPLING_DEFAULTS, **values}
+    try:
+        SamplingParams(**merged)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"sampling: {e}") from None
+    return merged
+
+
+def load_config(path: Path | None, sets: Iterable[str] = (), **flag_overrides: Any) -> tuple[EngineConfig, dict]:
+    """Build the engine config and the sampling defaults.
+
+    path: a YAML file, or None for the built-in defaults. sets: `section.key=value` strings.
+    flag_overrides: EngineConfig.KWARGS names (plus `model`); None means "flag not given" and is skipped.
+    """
+    values = _read_yaml(Path(path)) if path is not None else {}
+    for item in sets:
+        section, key, value = parse_set(item)
+        _check_key(section, key)
+        values.setdefault(section, {})[key] = value
+    for name, value in flag_overrides.items():
+        if value is not None:
+            section, key = _flag_target(name)
+            values.setdefault(section, {})[key] = value
+    return _build_engine(values), _build_sampling(values.get("sampling", {}))

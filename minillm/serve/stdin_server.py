@@ -1,0 +1,155 @@
+"""`minillm serve-stdin`: request lines arrive on stdin while the engine runs; events stream out as JSON lines.
+
+A reader thread turns stdin into (line number, raw bytes) items on a queue, so a slow or silent client never
+stalls generation. The main thread owns the engine: it admits whatever has arrived, steps while work exists, and
+blocks on the queue only when idle. Events per request:
+
+    {"id", "event": "token", "text": delta, "token_ids": [...]}        zero or more (n > 1 adds "index")
+    {"id", "event": "done", "finish_reason", "usage", "metrics": {"ttft_s", "itl_s"}}   exactly one, or
+    {"id", "event": "error", "error": {"type", "message"}}              exactly one instead of "done"
+
+`{"abort": ID}` aborts a request in flight (its "done" event has finish_reason "abort"). At EOF the requests in
+flight finish and the server exits 0; SIGINT aborts them all, emits their final events, and exits 130.
+"""
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+from typing import Any, BinaryIO
+
+from minillm.serve.generate_jsonl import logprobs_json, usage
+from minillm.serve.requests import AbortCommand, LineError, is_blank, iter_lines, parse_line, write_line
+
+_EOF = object()
+_IDLE_POLL_S = 0.5   # how often an idle server wakes up, so SIGINT is seen promptly on every platform
+
+
+def _reader(stream: BinaryIO, q: queue.Queue) -> None:
+    try:
+        for item in iter_lines(stream):
+            q.put(item)
+    except (OSError, ValueError) as e:   # stdin closed under us: treat like EOF, after saying why
+        q.put((0, e))
+    q.put(_EOF)
+
+
+class StdinServer:
+    def __init__(self, llm, defaults: dict, out: BinaryIO):
+        self.llm, self.defaults, self.out = llm, defaults, out
+        self.inflight: dict[str, tuple[Any, int]] = {}   # engine id -> (user id, n), until its final event
+        self.by_user: dict[Any, str] = {}    # user id -> engine id (abort lines name the user id)
+        self.eof = False
+        self.interrupted = False
+
+    # ---- input ----------------------------------------------------------------------------------------
+    def _handle(self, line_no: int, raw) -> None:
+        if isinstance(raw, Exception):
+            write_line(self.out, LineError(line_no, "read_error", f"stdin failed: {raw}").to_json())
+            return
+        if is_blank(raw):
+            return
+        try:
+            item = parse_line(line_no, raw, self.defaults, allow_abort=True)
+            if isinstance(item, AbortCommand):
+                self._abort(item.id)
+                return
+            if item.id in self.by_user:
+                raise LineError(item.id, "invalid_request", f"id {item.id!r} is already in flight")
+            eid = self.llm.add_request(item.prompt, item.params, request_id=str(line_no), priority=item.priority)
+        except LineError as e:
+            self._error(e)
+        except ValueError as e:   # the engine refused it (too long, ids outside the vocab, ...)
+            self._error(LineError(item.id, "invalid_request", str(e)))
+        else:
+            self.inflight[eid] = (item.id, item.params.n)
+            self.by_user[item.id] = eid
+
+    def _abort(self, user_id: Any) -> None:
+        eid = self.by_user.get(user_id)
+        if eid is None or not self.llm.abort(eid):
+            self._error(LineError(user_id, "unknown_id", f"no request with id {user_id!r} is in flight"))
+        # The engine emits the aborted request's final StepOutput on the next step().
+
+    def _error(self, err: LineError) -> None:
+        line = err.to_json()
+        write_line(self.out, {"id": line["id"], "event": "error", "error": line["error"]})
+
+    def _drain(self, block: bool) -> None:
+        """Admit every line that has arrived; when `block`, wait (in short polls) for at least one."""
+        while not self.interrupted:
+            try:
+                item = self.queue.get(timeout=_IDLE_POLL_S) if block else self.queue.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return
+            block = False
+            if item is _EOF:
+                self.eof = True
+                return
+            self._handle(*item)
+
+    # ---- output ---------------------------------------------------------------------------------------
+    def _emit(self, so) -> None:
+        if so.request_id not in self.inflight:
+            return
+        rid, n = self.inflight[so.request_id]
+        if so.new_token_ids or so.new_text:
+            event = {"id": rid, "event": "token", "text": so.new_text, "token_ids": so.new_token_ids}
+            if n > 1:
+                event["index"] = so.index
+            write_line(self.out, event)
+        if so.output is not None:   # the whole request (all n completions) has finished
+            write_line(self.out, self._done(rid, so.output))
+            del self.inflight[so.request_id]
+            del self.by_user[rid]
+
+    @staticmethod
+    def _done(rid: Any, out) -> dict:
+        m = out.metrics
+        event = {"id": rid, "event": "done", "finish_reason": out.finish_reason, "usage": usage(out),
+                 "metrics": {"ttft_s": m.ttft if m else None, "itl_s": m.itls if m else []}}
+        if out.logprobs is not None:
+            event["logprobs"] = logprobs_json(out.logprobs)
+        if len(out.outputs) > 1:
+            event["outputs"] = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+                                for c in out.outputs]
+        return event
+
+    # ---- loop -----------------------------------------------------------------------------------------
+    def serve(self, stream: BinaryIO) -> int:
+        """Run until EOF and every request has its final event (0), or until SIGINT (130)."""
+        self.queue: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(stream, self.queue), daemon=True, name="stdin-reader").start()
+        # SIGINT only sets a flag, checked between steps, so it never lands inside a step and the engine stays
+        # consistent for the aborts. A second SIGINT falls back to the default (KeyboardInterrupt).
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            self._loop()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if self.interrupted:
+            self._abort_all()
+            return 130
+        return 0
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _loop(self) -> None:
+        while not self.interrupted and not (self.eof and not self.llm.has_unfinished_requests()):
+            if not self.eof:
+                self._drain(block=not self.llm.has_unfinished_requests())
+            if self.llm.has_unfinished_requests() and not self.interrupted:
+                for so in self.llm.step():
+                    self._emit(so)
+
+    def _abort_all(self) -> None:
+        for eid in list(self.inflight):
+            self.llm.abort(eid)
+        # Aborts are reported by the next step(); with nothing left to schedule it runs no model work.
+        while self.inflight and self.llm.has_unfinished_requests():
+            for so in self.llm.step():
+                self._emit(so)
