@@ -6,10 +6,10 @@
 //             normalised output with its max and exp-sum; decode_reduce_kernel merges the partitions.
 // All query heads of a GQA group live in the same CTA, so each K/V chunk loaded from HBM serves all of them.
 //
-// Work split inside a CTA: 4 warps take 16-token chunks round-robin; in a warp, each lane owns one 16-byte
+// Work split inside a CTA: 4 warps take 8-token chunks round-robin; in a warp, each lane owns one 16-byte
 // piece (8 dims) of a head row, CH = D/8 lanes cover one token and 32/CH tokens are in flight per step. A lane
-// issues all its K and V loads of a chunk (8 or 4 x 16 bytes each) before it uses them, to keep many loads in
-// flight. Softmax is online (running max and sum per warp, fp32, exp2 with the scale folded into q), and the
+// issues all its K and V loads of the next chunk before it processes the current one (register double
+// buffering), so every warp keeps two chunks of loads in flight. Softmax is online (running max and sum per warp, fp32, exp2 with the scale folded into q), and the
 // warps are merged through shared memory at the end.
 #include <math_constants.h>
 
@@ -20,16 +20,80 @@ namespace minillm {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kChunk = 16;  // tokens handled together by one warp
+constexpr int kChunk = 8;  // tokens handled together by one warp (two chunks in flight per warp)
 
+// Load one chunk (kChunk tokens) of K and V: each lane its 16-byte piece of IT tokens.
+template <typename T, int BS, int IT, int TPI>
+__device__ __forceinline__ void load_chunk(const T* kc, const T* vc, const int* bt, int ch, int end, int sub,
+                                           int64_t tok_stride, uint4 (&kr)[IT], uint4 (&vr)[IT]) {
+  const int tok0 = ch * kChunk;
+  const int64_t slot0 = (int64_t)bt[tok0 / BS] * BS + tok0 % BS;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int t = it * TPI + sub;
+    // Tokens past the end are never loaded: their slots may hold another sequence's data or NaN.
+    if (tok0 + t < end) {
+      kr[it] = *reinterpret_cast<const uint4*>(kc + (slot0 + t) * tok_stride);
+      vr[it] = *reinterpret_cast<const uint4*>(vc + (slot0 + t) * tok_stride);
+    } else {
+      kr[it] = make_uint4(0, 0, 0, 0);
+      vr[it] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Scores of the chunk for every head of the group, then the online-softmax update of m, l and acc.
+template <typename T, int GP, int IT, int TPI, int CH>
+__device__ __forceinline__ void attend_chunk(const uint4 (&kr)[IT], const uint4 (&vr)[IT], int tok0, int end,
+                                             int sub, const float (&qf)[GP][8], float (&m)[GP], float (&l)[GP],
+                                             float (&acc)[GP][8]) {
+  float sc[GP][IT];
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    float kf[8];
+    unpack8<T>(kr[it], kf);
+#pragma unroll
+    for (int g = 0; g < GP; ++g) {
+      float d = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) d = fmaf(qf[g][j], kf[j], d);
+      d = warp_sum_xor(d, 1, CH);
+      sc[g][it] = (tok0 + it * TPI + sub < end) ? d : -CUDART_INF_F;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    float mx = sc[g][0];
+#pragma unroll
+    for (int it = 1; it < IT; ++it) mx = fmaxf(mx, sc[g][it]);
+    mx = warp_max_xor(mx, CH, 32);
+    const float m_new = fmaxf(m[g], mx);  // finite: every chunk holds at least one valid token
+    const float alpha = exp2f(m[g] - m_new);
+    m[g] = m_new;
+    l[g] *= alpha;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const float p = exp2f(sc[g][it] - m_new);
+      l[g] += p;
+      float vf[8];
+      unpack8<T>(vr[it], vf);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p, vf[j], acc[g][j]);
+    }
+  }
+}
+
+// No occupancy cap: at 128 registers (4 CTAs/SM) the D=128, group-2 variant spills (measured with -Xptxas -v).
 template <typename T, int D, int BS, int GP>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
                         float* __restrict__ ws_max, float* __restrict__ ws_sum) {
   constexpr int CH = D / 8;         // lanes per token
   constexpr int TPI = 32 / CH;      // tokens per warp step
-  constexpr int IT = kChunk / TPI;  // steps per 16-token chunk
-  static_assert(BS % kChunk == 0, "block size must be a multiple of 16");
+  constexpr int IT = kChunk / TPI;  // steps per chunk
+  static_assert(BS % kChunk == 0, "block size must be a multiple of the chunk");
 
   __shared__ float sm_acc[kWarps][GP][D];
   __shared__ float sm_m[kWarps][GP];
@@ -81,56 +145,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   const T* vc = static_cast<const T*>(a.v_cache) + kvh * D + c * 8;
   const int first = start / kChunk, last = (end + kChunk - 1) / kChunk;
 
-  for (int ch = first + warp; ch < last; ch += kWarps) {
-    const int tok0 = ch * kChunk;
-    const int64_t slot0 = (int64_t)bt[tok0 / BS] * BS + tok0 % BS;
-    uint4 kr[IT], vr[IT];
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      const int t = it * TPI + sub;
-      // Tokens past the end are never loaded: their slots may hold another sequence's data or NaN.
-      if (tok0 + t < end) {
-        kr[it] = *reinterpret_cast<const uint4*>(kc + (slot0 + t) * tok_stride);
-        vr[it] = *reinterpret_cast<const uint4*>(vc + (slot0 + t) * tok_stride);
-      } else {
-        kr[it] = make_uint4(0, 0, 0, 0);
-        vr[it] = make_uint4(0, 0, 0, 0);
-      }
-    }
-    float sc[GP][IT];
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      float kf[8];
-      unpack8<T>(kr[it], kf);
-#pragma unroll
-      for (int g = 0; g < GP; ++g) {
-        float d = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) d = fmaf(qf[g][j], kf[j], d);
-        d = warp_sum_xor(d, 1, CH);
-        sc[g][it] = (tok0 + it * TPI + sub < end) ? d : -CUDART_INF_F;
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < GP; ++g) {
-      float mx = sc[g][0];
-#pragma unroll
-      for (int it = 1; it < IT; ++it) mx = fmaxf(mx, sc[g][it]);
-      mx = warp_max_xor(mx, CH, 32);
-      const float m_new = fmaxf(m[g], mx);  // finite: every chunk holds at least one valid token
-      const float alpha = exp2f(m[g] - m_new);
-      m[g] = m_new;
-      l[g] *= alpha;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
+  uint4 kr[IT], vr[IT];
+  const int ch0 = first + warp;
+  if (ch0 < last) load_chunk<T, BS, IT, TPI>(kc, vc, bt, ch0, end, sub, tok_stride, kr, vr);
+  for (int ch = ch0; ch < last; ch += kWarps) {
+    // Software pipeline: the next chunk's loads are in flight while this chunk is processed.
+    uint4 kn[IT], vn[IT];
+    const bool more = ch + kWarps < last;
+    if (more) load_chunk<T, BS, IT, TPI>(kc, vc, bt, ch + kWarps, end, sub, tok_stride, kn, vn);
+    attend_chunk<T, GP, IT, TPI, CH>(kr, vr, ch * kChunk, end, sub, qf, m, l, acc);
+    if (more) {
 #pragma unroll
       for (int it = 0; it < IT; ++it) {
-        const float p = exp2f(sc[g][it] - m_new);
-        l[g] += p;
-        float vf[8];
-        unpack8<T>(vr[it], vf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p, vf[j], acc[g][j]);
+        kr[it] = kn[it];
+        vr[it] = vn[it];
       }
     }
   }

@@ -14,7 +14,7 @@ import torch
 
 from minillm.ops.build import load_extension
 
-PARTITION_QUANTUM = 256   # split-K partitions are multiples of this (the kernel walks 16-token chunks x 4 warps)
+PARTITION_QUANTUM = 256   # split-K partitions are multiples of this (a whole number of chunks per warp)
 CTAS_PER_SM_TARGET = 4    # aim for a few waves of decode CTAs so every SM keeps loads in flight
 
 
