@@ -144,6 +144,23 @@ def test_eviction_reuses_the_tail_of_a_freed_request_first():
     assert_empty(kv)
 
 
+def test_a_remembered_match_is_cut_where_a_block_was_evicted_since():
+    kv = KVCacheManager(3, BS, enable_caching=True, max_model_len=32)
+    a = make_req("gen-a", range(12))
+    compute(kv, a, 12)
+    kv.free(a)                                       # free queue: 2, 1, 0 (all cached)
+    b = make_req("gen-b", range(13))
+    assert kv.get_computed_blocks(b) == 12           # remembered as (block, generation) pairs
+    c = make_req("gen-c", [5] * 8)
+    assert kv.allocate_slots(c, 8) and c.block_ids == [2, 1]   # evicts the 3rd and then the 2nd block
+    assert kv.get_computed_blocks(b) == 4
+    assert not kv.allocate_slots(b, 9, 4)            # needs 3 new blocks, none free: refused, no change
+    assert b.block_ids == [] and kv.pool.ref_cnt == [0, 1, 1]
+    kv.free(c)
+    kv.free(b)
+    assert_empty(kv)
+
+
 def test_preempted_request_recovers_its_own_blocks():
     kv = KVCacheManager(6, BS, enable_caching=True, max_model_len=32)
     a = make_req("rec-a", range(9))

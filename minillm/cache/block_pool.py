@@ -31,6 +31,9 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._block_key: list[tuple[BlockHash, tuple[int, ...]] | None] = [None] * num_blocks
+        # Bumped when a block's cached content is evicted: a (block, generation) pair seen in an earlier lookup
+        # is still a verified hit iff the generation is unchanged, so callers can re-check a long match cheaply.
+        self.generation = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,6 +114,7 @@ class BlockPool:
         del self._cached[self._block_hash[block_id]]
         self._block_hash[block_id] = None
         self._block_key[block_id] = None
+        self.generation[block_id] += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only allowed when no block is in use (e.g. between benchmark runs)."""

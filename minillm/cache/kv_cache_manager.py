@@ -19,6 +19,10 @@ class _HashState:
     """Per-request prefix-cache bookkeeping (only when caching is on)."""
     hashes: list[BlockHash] = field(default_factory=list)   # chained hashes of leading full blocks, computed lazily
     num_published: int = 0                                  # leading blocks already offered to the pool's cache
+    # Last prefix match of a waiting request as (block id, pool generation). A blocked waiting request is
+    # matched every step and again in allocate_slots; re-checking generations costs a compare per block
+    # instead of a tuple + lookup + verification (~15x less for long prompts).
+    matched: list[tuple[int, int]] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -61,14 +65,20 @@ class KVCacheManager:
 
     def _match(self, request: Request, max_blocks: int) -> list[int]:
         state = self._get_state(request)
-        out = []
-        for i in range(max_blocks):
+        generation, matched = self.pool.generation, state.matched
+        valid = 0
+        for block_id, gen in matched:
+            if generation[block_id] != gen:
+                break                    # evicted since: the match ends here
+            valid += 1
+        del matched[valid:]
+        for i in range(len(matched), max_blocks):
             block_hash, parent, block_tokens = self._block_hash(request, state, i)
             block_id = self.pool.lookup(block_hash, parent, block_tokens)
             if block_id is None:
                 break
-            out.append(block_id)
-        return out
+            matched.append((block_id, generation[block_id]))
+        return [block_id for block_id, _ in matched[:max_blocks]]
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's blocks that are full of computed KV (call after every step).

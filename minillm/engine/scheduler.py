@@ -157,22 +157,24 @@ class Scheduler:
     def _schedule_decodes(self, plan: _StepPlan) -> list[Request]:
         """Give each running decode its one token; return the running requests that still prefill."""
         prefills = []
-        bs = self.block_size
+        bs, budget = self.block_size, plan.budget
         add_decode = plan.decodes.append
         # NOTE: iterating the live list is safe: during this loop preemption only pops its last element
-        # (an unvisited request or the current one), which just ends the iteration earlier.
+        # (an unvisited request or the current one), which just ends the iteration earlier. No row scheduled
+        # here is ever taken back, so the local budget stays exact.
         for req in self.running:
             start = req.num_computed_tokens
             if len(req.all_token_ids) - start != 1:
                 prefills.append(req)
                 continue
-            if plan.budget == 0:
+            if budget == 0:
                 break
             # Inline capacity test (the common case) saves a call per decode; allocate_slots re-checks.
             if len(req.block_ids) * bs <= start and not self._allocate(req, 1, plan):
                 break                    # req preempted itself: it was the last running request
             add_decode(ScheduledSeq(req, start, 1, True))
-            plan.budget -= 1
+            budget -= 1
+        plan.budget = budget
         return prefills
 
     def _schedule_prefills(self, plan: _StepPlan, prefills: list[Request], whole: bool) -> None:
