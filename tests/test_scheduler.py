@@ -3,6 +3,9 @@
 Every test ends with the engine-empty check: no request anywhere, every refcount 0, all blocks free.
 """
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -318,3 +321,11 @@ def test_add_request_rejects_a_request_larger_than_the_pool_and_duplicates():
         s.add_request(make_req("pool-b", 4))
     drain(s)
     assert_empty(s)
+
+
+def test_cpu_step_benchmark_runs():
+    # The figure itself depends on the machine; CI only checks that the benchmark runs and reports one.
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_scheduler_cpu.py"
+    res = subprocess.run([sys.executable, str(script), "--requests", "8", "--context", "40", "--steps", "30",
+                          "--prefix-caching"], capture_output=True, text=True, timeout=60, check=True)
+    assert "us/step" in res.stdout and "8 decodes" in res.stdout

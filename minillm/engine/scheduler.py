@@ -134,6 +134,7 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Decide this step's rows (module docstring: phases and modes). Mutates only scheduler state."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
         admit = self.config.policy != "static"
         if not admit and not self.running:
