@@ -2,38 +2,47 @@
 # On a CUDA machine: build the fused kernels (cuda/fused*.cu, cuda/sampling.cu, cuda/fused_bindings.cpp) into
 # their own library, run tests/test_fused_gpu.py against it, then time each kernel against the torch path of
 # minillm/ops/fused_ops.py at decode (T=256) and prefill (T=4096) shapes of Qwen3-0.6B.
-# Usage: scripts/device_fused.sh [out_dir]   (logs, pytest output and fused_bench.jsonl land in out_dir)
+# Usage: scripts/device_fused.sh [out_dir] [steps]   steps: any of "build test bench" (default: all three).
+# Logs, pytest output and fused_bench.jsonl land in out_dir. FUSED_BUILD_DIR picks the build folder and
+# FUSED_CXX_STD (e.g. c++17) overrides the C++ standard, which is otherwise torch's own default.
 set -euo pipefail
 OUT_DIR=${1:-${OUT:-/tmp/fused_out}}
+STEPS=${2:-build test bench}
 BUILD_DIR=${FUSED_BUILD_DIR:-/tmp/minillm_fused_build}
 mkdir -p "$OUT_DIR" "$BUILD_DIR"
 export PYTHONUNBUFFERED=1
+export MINILLM_FUSED_EXT_LIB="$BUILD_DIR/minillm_fused.so"
+step() { [[ " $STEPS " == *" $1 "* ]]; }
 
+if step build; then
 python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -3 || true
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT_DIR/gpu.txt"
-
 # Build only the fused sources (sm_90a), so this script does not depend on the state of other kernels.
-python3 - "$BUILD_DIR" <<'EOF' 2>&1 | tee "$OUT_DIR/build.log"
+python3 - "$BUILD_DIR" "${FUSED_CXX_STD:-}" <<'EOF' 2>&1 | tee -a "$OUT_DIR/build.log"
 import sys, time
 from pathlib import Path
 from torch.utils.cpp_extension import load
-build = Path(sys.argv[1])
+build, std = Path(sys.argv[1]), [f"-std={sys.argv[2]}"] if sys.argv[2] else []
 srcs = sorted(Path("cuda").glob("fused_*.cu")) + [Path("cuda/sampling.cu"), Path("cuda/fused_bindings.cpp")]
 t0 = time.time()
 load(name="minillm_fused", sources=[str(s) for s in srcs], build_directory=str(build), is_python_module=False,
-     extra_cflags=["-O3", "-std=c++17"], extra_include_paths=["cuda"],
-     extra_cuda_cflags=["-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v"])
-print(f"built {len(srcs)} sources in {time.time() - t0:.1f} s")
+     extra_cflags=["-O3"] + std, extra_include_paths=["cuda"],
+     extra_cuda_cflags=["-O3", "-gencode", "arch=compute_90a,code=sm_90a"] + std)
+print(f"built {len(srcs)} sources in {time.time() - t0:.1f} s into {build} (std: {std or 'torch default'})")
 EOF
-export MINILLM_FUSED_EXT_LIB="$BUILD_DIR/minillm_fused.so"
 # 16-byte accesses show as LDG.E.128 / STG.E.128 in the machine code.
 cuobjdump --dump-sass "$MINILLM_FUSED_EXT_LIB" > "$BUILD_DIR/sass.txt" || true
 echo "LDG.E.128: $(grep -c 'LDG.E.128' "$BUILD_DIR/sass.txt" || true)  STG.E.128: $(grep -c 'STG.E.128' "$BUILD_DIR/sass.txt" || true)" \
   | tee "$OUT_DIR/sass_summary.txt"
+fi
 
+if step test; then
 # A failing test must not stop the timings below: both are what the run is for.
 python3 -m pytest -m gpu tests/test_fused_gpu.py -q --tb=short --maxfail=20 -p no:cacheprovider 2>&1 \
   | tee "$OUT_DIR/pytest.log" | tail -5 || echo "pytest: FAILURES (see pytest.log)"
+fi
+
+if step bench; then
 
 python3 - "$OUT_DIR" <<'EOF' 2>&1 | tee "$OUT_DIR/bench.log"
 # Median time per call from CUDA-graph replays (so launch gaps of the multi-kernel torch path do not count),
@@ -44,6 +53,7 @@ from minillm.fingerprint import stamp
 from minillm.ops import fused_ops
 
 torch.ops.load_library(__import__("os").environ["MINILLM_FUSED_EXT_LIB"])
+fused_ops.set_cuda_fused_ops(False)  # fused_ops.* is the torch path below, never the kernels
 out_dir, ops, dt = sys.argv[1], torch.ops.minillm, torch.bfloat16
 H, I, HQ, HKV, D, V = 1024, 3072, 16, 8, 128, 151936
 cache = fused_ops.rope_cos_sin_cache(D, 40960, 1e6, device="cuda")
@@ -113,3 +123,4 @@ for r in rows:
     print(f"{r['op']:<20}{r['T']:>6}{r['kernel_us']:>11}{r['torch_us']:>10}{r['kernel_GBps']:>13}"
           f"{r['torch_GBps']:>12}{r['speedup']:>9}")
 EOF
+fi

@@ -144,18 +144,6 @@ def test_out_of_range_position_gives_nan(ops):
     assert not q[[0, 1, 3]].isnan().any()
 
 
-def test_bad_arguments_raise_value_error(ops):
-    x = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="weight"):
-        ops.rms_norm(x, torch.ones(32, device="cuda", dtype=torch.bfloat16), 1e-6)
-    with pytest.raises(ValueError, match="head_dim"):
-        ops.qk_norm_rope(torch.zeros(4, 3 * 63, device="cuda", dtype=torch.bfloat16),
-                         torch.zeros(4, dtype=torch.long, device="cuda"), torch.zeros(8, 63, device="cuda"),
-                         1, 1, 63, None, None, 1e-6)
-    with pytest.raises(ValueError, match="seed"):
-        ops.sample_exponential_race(x.float(), torch.ones(4, device="cuda"), -1, 0)
-
-
 @pytest.mark.parametrize("vocab,pad", [(151936, 0), (1001, 3)])
 def test_sampler_matches_reference(ops, vocab, pad):
     """Same Philox words as the numpy reference: the same token except at float-rounding near-ties.
@@ -185,3 +173,15 @@ def test_sampler_frequencies_follow_softmax(ops):
     p = torch.softmax(logits.double() * inv_t, dim=0)
     assert freq[5] == 0
     assert (freq - p).abs().max().item() < 4 * (0.25 / n) ** 0.5
+
+
+def test_bad_arguments_raise_value_error(ops):
+    x = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm(x, torch.ones(32, device="cuda", dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.qk_norm_rope(torch.zeros(4, 3 * 63, device="cuda", dtype=torch.bfloat16),
+                         torch.zeros(4, dtype=torch.long, device="cuda"), torch.zeros(8, 63, device="cuda"),
+                         1, 1, 63, None, None, 1e-6)
+    with pytest.raises(ValueError, match="seed"):
+        ops.sample_exponential_race(x.float(), torch.ones(4, device="cuda"), -1, 0)
