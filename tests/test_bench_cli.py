@@ -96,3 +96,15 @@ def test_plot_from_handmade_lines(tmp_path):
     (tmp_path / "r.jsonl").write_text(json.dumps(lines[0]) + "\nnot json\n")
     with pytest.raises(ValueError, match="r.jsonl:2"):
         read_jsonl(tmp_path / "r.jsonl")
+
+
+@pytest.mark.gpu
+def test_hf_peer_line(tiny, tmp_path):
+    wl = tmp_path / "wl.yaml"
+    wl.write_text(OFFLINE)
+    out = tmp_path / "hf.jsonl"
+    _invoke("bench", "--engine", "hf", "--model", tiny, "--num-requests", 2, "--workload", wl, "--output", out,
+            "--no-progress")
+    (line,) = read_jsonl(out)
+    assert set(BENCH_KEYS) <= set(line) and line["engine"] == "hf" and line["workload"]["num_requests"] == 2
+    assert line["floor"]["fraction_of_floor"] > 0

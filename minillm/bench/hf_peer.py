@@ -101,6 +101,10 @@ def run_hf(model: str, workload: Workload, rates: DeviceRates, device: str, dtyp
     load_s = time.perf_counter() - t0
     manager = net.init_continuous_batching(generation_config=_generation_config(workload))
     t0 = time.perf_counter()
+    # Newer releases pre-capture their CUDA graphs at the largest sizes here; without it the capture would land
+    # inside the timed pass. Releases without the method capture lazily, which the warm-up requests cover.
+    if hasattr(manager, "warmup"):
+        manager.warmup()
     manager.start()
     try:
         warm = {manager.add_request(input_ids=p[:64], request_id=f"warmup-{i}", max_new_tokens=4)

@@ -103,14 +103,14 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
                                    f"{workload.output_tokens} (is max_model_len too small?)")
             walls.append(wall)
             preemptions += preempted
-        shape, dbytes = ModelShape.from_arch(llm.model_arch), dtype_bytes(llm.dtype)
+        shape, dbytes, dtype = ModelShape.from_arch(llm.model_arch), dtype_bytes(llm.dtype), str(llm.dtype)
     finally:
         del llm
         free_device_memory()
     wall = statistics.median(walls)
     work = workload_work(shape, [len(p) for p in workload.prompts], workload.max_tokens, dbytes,
                          cfg.scheduler.max_num_seqs)
-    return {"kind": "bench", "engine": "minillm", "label": label, "config": dataclasses.asdict(cfg),
+    return {"kind": "bench", "engine": "minillm", "label": label, "config": dataclasses.asdict(cfg), "dtype": dtype,
             "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
             "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,
             "output_tok_s": workload.output_tokens / wall,
