@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 from functools import lru_cache
@@ -12,7 +13,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @lru_cache(maxsize=1)
 def git_commit() -> str:
-    """Short commit of the working tree, with '+dirty' when uncommitted changes exist; 'unknown' outside git."""
+    """Short commit of the working tree, with '+dirty' when uncommitted changes exist; 'unknown' outside git.
+    MINILLM_COMMIT overrides it, for copies of the tree that travel without their .git (a remote GPU box)."""
+    if os.environ.get("MINILLM_COMMIT"):
+        return os.environ["MINILLM_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
