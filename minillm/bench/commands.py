@@ -120,7 +120,8 @@ def bench_command(
     peer: Annotated[str, typer.Option("--engine", help="minillm | hf (transformers continuous batching)")] = "minillm",
     repeat: Annotated[int, typer.Option("--repeat", help="Timed passes per configuration (median reported).")] = 1,
     compare: Annotated[bool, typer.Option("--compare", help="Run every entry of the suite's runs list.")] = False,
-    suite: Annotated[Path, typer.Option("--suite", help="Base engine + --compare runs.", show_default="configs/bench.yaml")] = BENCH_SUITE,
+    suite: Annotated[Path, typer.Option("--suite", help="Base engine + --compare runs.",
+                                        show_default="configs/bench.yaml")] = BENCH_SUITE,
     output: Annotated[Path, typer.Option("--output", help="JSONL file to append to.")] = Path("results/bench.jsonl"),
     progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
@@ -131,8 +132,8 @@ def bench_command(
     try:
         if peer not in ("minillm", "hf"):
             raise ConfigError(f"--engine={peer!r} is not allowed: minillm or hf")
-        if peer == "hf" and compare:
-            raise ConfigError("--compare runs minillm configurations; run --engine hf on its own")
+        if peer == "hf" and (compare or repeat != 1):
+            raise ConfigError("--compare and --repeat apply to minillm runs; run --engine hf on its own")
         if not 1 <= repeat:
             raise ConfigError(f"--repeat={repeat!r} is not allowed: an integer >= 1")
         data = _read_suite(suite)
@@ -217,7 +218,8 @@ def latency_sweep_command(
     rates: Annotated[Optional[str], typer.Option("--rates", help="Comma-separated req/s (default: suite's).")] = None,
     configs: Annotated[Optional[str], typer.Option("--configs", help="Comma-separated config names.")] = None,
     time_scale: Annotated[float, typer.Option("--time-scale", help="Multiply arrival gaps (tiny runs).")] = 1.0,
-    suite: Annotated[Path, typer.Option("--suite", help="Base engine, rates, workload, configs.", show_default="configs/latency.yaml")] = LATENCY_SUITE,
+    suite: Annotated[Path, typer.Option("--suite", help="Base engine, rates, workload, configs.",
+                                        show_default="configs/latency.yaml")] = LATENCY_SUITE,
     output: Annotated[Path, typer.Option("--output", help="JSONL file to append to.")] = Path("results/latency.jsonl"),
     plot: Annotated[Path, typer.Option("--plot", help="PNG to write.")] = Path("results/latency.png"),
     plot_only: Annotated[Optional[Path], typer.Option("--plot-only", help="Redraw from a results JSONL.")] = None,

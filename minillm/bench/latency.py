@@ -21,7 +21,7 @@ def replay(llm, workload: Workload, rate: float, time_scale: float = 1.0,
     arrivals = [a * time_scale for a in workload.arrivals(rate)]
     params = sampling_params(workload)
     timelines: dict[str, RequestTimeline] = {}
-    n, added, done = workload.num_requests, 0, 0
+    n, added, done, tokens = workload.num_requests, 0, 0, 0
     with progress_bar(show_progress) as bar:
         task = bar.add_task(f"{rate:g} req/s", total=n, tokens=0) if bar else None
         t0 = time.perf_counter()
@@ -36,9 +36,10 @@ def replay(llm, workload: Workload, rate: float, time_scale: float = 1.0,
                 continue
             for out in llm.step():
                 timelines[out.request_id].token_times.extend([out.time] * len(out.new_token_ids))
+                tokens += len(out.new_token_ids)
                 done += out.finished
             if bar:
-                bar.update(task, completed=done, tokens=sum(len(t.token_times) for t in timelines.values()))
+                bar.update(task, completed=done, tokens=tokens)
     return list(timelines.values())
 
 

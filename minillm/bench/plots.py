@@ -15,6 +15,13 @@ def _latest(lines: list[dict]) -> dict[tuple[str, float], dict]:
     return {(line["label"], line["rate"]): line for line in lines if line.get("kind") == "latency"}
 
 
+def _provenance(lines: list[dict]) -> str:
+    """GPU, commit and date of the newest line, so a figure never travels without where it was measured."""
+    newest = max(lines, key=lambda ln: ln.get("date", ""))
+    gpu = (newest.get("fingerprint") or {}).get("gpu") or "no GPU"
+    return f"minillm latency-sweep on {gpu}, commit {newest.get('commit', '?')}, {newest.get('date', '?')}"
+
+
 def plot_latency(lines: list[dict], path: str | Path) -> Path:
     import matplotlib
 
@@ -25,7 +32,8 @@ def plot_latency(lines: list[dict], path: str | Path) -> Path:
     if not latest:
         raise ValueError("no latency lines to plot (kind == 'latency')")
     rates = sorted({line["rate"] for line in latest})
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(11, 4.2))
+    budgets = sorted({line["budget"] for line in latest if line["chunked"]})
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(11, 4.5))
     for ax, (key, title) in zip(axes, PANELS):
         for i, rate in enumerate(rates):
             color = f"C{i}"
@@ -42,11 +50,13 @@ def plot_latency(lines: list[dict], path: str | Path) -> Path:
                     ax.plot([ln["budget"]], [ln[key]], "x", color=color, markersize=10,
                             label=f"{rate:g} req/s unified")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_yscale("log")
         ax.set_xlabel("chunk budget (max_num_batched_tokens)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
+    fig.suptitle(_provenance(latest), fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
