@@ -19,17 +19,21 @@ HF_REQUESTS=${HF_REQUESTS:-32}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 
-# No network on the GPU machine: build the editable install with the tools already present.
-pip install --no-build-isolation -q -e . > "$OUT/install.log" 2>&1
+export PYTHONUNBUFFERED=1
+# Keep the compiled CUDA extension in the (git-ignored) .ext/ of this tree, so a later call on a warm machine
+# loads it instead of compiling again.
+export MINILLM_EXT_DIR=${MINILLM_EXT_DIR:-$PWD/.ext}
+# No network on the GPU machine: the dependencies are already there; only the package itself is installed.
+python3 -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/install.log" 2>&1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 git log -1 --format='%H %cI %s' > "$OUT/commit.txt" 2>/dev/null || true
 
 export COLUMNS=200   # rich tables in the logs at full width
 # Compile the CUDA extension once, before any (possibly parallel) run would race to build it.
-python -c "import time; t=time.perf_counter(); from minillm.ops.build import cuda_ops_available as ok; \
+python3 -c "import time; t=time.perf_counter(); from minillm.ops.build import cuda_ops_available as ok; \
 print('cuda ops:', ok(), f'build/load {time.perf_counter()-t:.1f} s')" > "$OUT/build.log" 2>&1
 
-mb() { python -m minillm.bench.commands "$@" --no-progress; }
+mb() { python3 -m minillm.bench.commands "$@" --no-progress; }
 
 run_bench() {   # $1: GPU index
     CUDA_VISIBLE_DEVICES=$1 mb bench --compare --output "$OUT/bench.jsonl" > "$OUT/bench.log" 2>&1 || echo "bench: some runs failed (see bench.log)"
