@@ -129,22 +129,30 @@ class KVCacheManager:
             return True
         if total > self.max_model_len:
             raise ValueError(f"request {request.request_id}: {total} tokens exceed max_model_len={self.max_model_len}")
-        hits: list[int] = []
-        if num_cached_tokens:
-            if block_ids or num_cached_tokens % self.block_size:
-                raise ValueError("num_cached_tokens must be whole blocks and only given at admission")
-            hits = self._match(request, num_cached_tokens // self.block_size)
-            if len(hits) * self.block_size != num_cached_tokens:
-                raise ValueError(f"request {request.request_id}: prefix hit changed since get_computed_blocks")
-        num_new_blocks = self.blocks_needed(total) - len(block_ids) - len(hits)
+        if not num_cached_tokens:
+            num_new_blocks = -(-total // self.block_size) - len(block_ids)
+            if num_new_blocks > self.pool.num_free_blocks:
+                return False
+            block_ids.extend(self.pool.allocate(num_new_blocks))
+            return True
+        return self._allocate_with_hits(request, total, num_cached_tokens)
+
+    def _allocate_with_hits(self, request: Request, total: int, num_cached_tokens: int) -> bool:
+        """Admission with a prefix hit: share the hit blocks, allocate the rest; all or nothing."""
+        if request.block_ids or num_cached_tokens % self.block_size:
+            raise ValueError("num_cached_tokens must be whole blocks and only given at admission")
+        hits = self._match(request, num_cached_tokens // self.block_size)
+        if len(hits) * self.block_size != num_cached_tokens:
+            raise ValueError(f"request {request.request_id}: prefix hit changed since get_computed_blocks")
+        num_new_blocks = self.blocks_needed(total) - len(hits)
         # Hit blocks that sit in the free queue stop being free once touched.
         free_after_touch = self.pool.num_free_blocks - sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
         if num_new_blocks > free_after_touch:
             return False
         # NOTE: touch before allocate, or allocation could evict the very blocks we hit.
         self.pool.touch(hits)
-        block_ids.extend(hits)
-        block_ids.extend(self.pool.allocate(num_new_blocks))
+        request.block_ids.extend(hits)
+        request.block_ids.extend(self.pool.allocate(num_new_blocks))
         return True
 
     def free(self, request: Request) -> None:
