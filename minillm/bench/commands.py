@@ -30,14 +30,17 @@ ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Sho
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"minillm: error: {message}", err=True)
     return typer.Exit(2)
 
 
 def _read_suite(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"suite file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"suite file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"suite file {path} must hold a mapping")
     return data
