@@ -1,7 +1,7 @@
 """Offline throughput: build the engine, warm it up, then time one pass over the workload.
 
-Only the pass itself is timed; model load (with kernel build and CUDA-graph capture) and the warm-up are
-timed separately and recorded next to it.
+Only the pass itself is timed; engine construction (weights, KV pool, CUDA-graph capture) and the warm-up are
+timed separately and recorded next to it (the kernel build is timed before any engine, in commands.py).
 """
 from __future__ import annotations
 
