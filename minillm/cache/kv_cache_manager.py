@@ -130,7 +130,7 @@ class KVCacheManager:
         if total > self.max_model_len:
             raise ValueError(f"request {request.request_id}: {total} tokens exceed max_model_len={self.max_model_len}")
         if not num_cached_tokens:
-            num_new_blocks = -(-total // self.block_size) - len(block_ids)
+            num_new_blocks = self.blocks_needed(total) - len(block_ids)
             if num_new_blocks > self.pool.num_free_blocks:
                 return False
             block_ids.extend(self.pool.allocate(num_new_blocks))
