@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,7 +245,16 @@ def serve_stdin(*, engine: EngineFlags) -> None:
     cfg, sampling = engine.load()
     llm = build_llm(cfg)
     typer.echo(f"minillm serve-stdin: ready (max_model_len {llm.max_model_len})", err=True)
-    raise typer.Exit(StdinServer(llm, sampling, sys.stdout.buffer).serve(sys.stdin.buffer))
+    raise typer.Exit(StdinServer(llm, sampling, sys.stdout.buffer).serve(_raw_stdin()))
+
+
+def _raw_stdin():
+    """stdin as an unbuffered file. The reader thread may still be blocked in read() when the server exits;
+    a BufferedReader would then abort the interpreter at shutdown (its lock is held), a raw FileIO does not."""
+    try:
+        return io.FileIO(sys.stdin.fileno(), "rb", closefd=False)
+    except (AttributeError, OSError, ValueError):   # no real descriptor (e.g. an in-memory test stdin)
+        return sys.stdin.buffer
 
 
 def main() -> None:
