@@ -158,7 +158,7 @@ def engine_options(fn):
     Typer reads a function's signature, so the wrapper advertises the command's own parameters plus the shared
     ones, and regroups the shared ones before the call.
     """
-    own = [p for p in inspect.signature(fn).parameters.values() if p.name != "engine"]
+    own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "engine"]
 
     @functools.wraps(fn)
     def wrapper(**kwargs):

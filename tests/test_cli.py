@@ -1,0 +1,160 @@
+"""The CLI: fast --help, lazy commands, flags reaching the config, generate matching the Python API."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from minillm import cli
+from minillm.cli import EngineFlags, app
+
+DEMO = Path(__file__).resolve().parent.parent / "minillm" / "demo_model"
+ENGINE_ARGS = ["--device", "cpu", "--set", "cache.num_kv_blocks=64"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), vocab=4096)   # the demo tokenizer's vocab
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(DEMO / name, path / name)
+    return path
+
+
+def run_cli(*args, input=None):
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def answers(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- help and lazy commands
+
+def test_help_lists_every_command_without_importing_torch():
+    code = ("import sys; from minillm.cli import app; from typer.testing import CliRunner; "
+            "r = CliRunner().invoke(app, ['--help']); print(r.output); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in ("generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"):
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"])
+def test_every_command_has_help(command):
+    result = run_cli(command, "--help")
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_engine_flags_on_engine_commands():
+    result = run_cli("generate", "--help")
+    for flag in ("--config", "--model", "--device", "--dtype", "--budget", "--max-model-len", "--no-chunked",
+                 "--policy", "--attention", "--attention-mode", "--eager", "--set", "--output"):
+        assert flag in result.output
+
+
+def test_command_whose_module_is_missing_says_not_built(monkeypatch):
+    monkeypatch.setitem(cli.LAZY_COMMANDS, "future-thing", ("minillm.no_such_module", "cmd", "Does a thing."))
+    help_result = run_cli("future-thing", "--help")
+    assert help_result.exit_code == 0 and "Does a thing." in help_result.output
+    result = run_cli("future-thing", "--some-flag", "3")
+    assert result.exit_code == 2 and "not built yet" in result.stderr
+
+
+def test_command_whose_function_is_missing_says_not_built(monkeypatch):
+    monkeypatch.setitem(cli.LAZY_COMMANDS, "future-thing", ("minillm.config", "no_such_command", "Thing."))
+    result = run_cli("future-thing")
+    assert result.exit_code == 2 and "not built yet" in result.stderr
+
+
+def test_flags_reach_the_engine_config(tmp_path):
+    flags = EngineFlags(model="m", device="cpu", dtype="float32", budget=96, max_model_len=128, chunked=False,
+                        policy="priority", attention="torch", attention_mode="unified", eager=True,
+                        set=["scheduler.max_num_seqs=3", "sampling.max_tokens=5"])
+    cfg, sampling = flags.load()
+    assert (cfg.model.model, cfg.model.dtype, cfg.model.max_model_len) == ("m", "float32", 128)
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.enable_chunked_prefill) == (96, False)
+    assert (cfg.scheduler.policy, cfg.scheduler.max_num_seqs) == ("priority", 3)
+    assert (cfg.runtime.attention, cfg.runtime.attention_mode, cfg.runtime.enforce_eager) == ("torch", "unified",
+                                                                                               True)
+    assert sampling["max_tokens"] == 5
+
+
+# ---------------------------------------------------------------- config errors: exit 2 before any work
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "cache.blok_size=16"], ["blok_size", "did you mean 'block_size'"]),
+    (["--set", "scheduler.max_num_seqs=0"], ["scheduler.max_num_seqs=0", ">= 1"]),
+    (["--policy", "lifo"], ["scheduler.policy='lifo'", "fcfs, priority, static"]),
+    (["--budget", "0"], ["scheduler.max_num_batched_tokens=0"]),
+    (["--config", "missing.yaml"], ["config file not found", "missing.yaml"]),
+    (["--set", "sampling.top_p=2"], ["top_p"]),
+])
+def test_config_errors_exit_2_naming_the_key(tmp_path, args, words):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    for command in (["generate", prompts], ["serve-stdin"]):
+        result = run_cli(*command, *args)
+        assert result.exit_code == 2 and result.stdout == ""
+        for word in words:
+            assert word in result.stderr
+
+
+# ---------------------------------------------------------------- generate = the Python API
+
+PROMPTS = [{"id": "t", "prompt": "The function returns"},
+           {"id": "ids", "prompt_token_ids": [11, 12, 13, 14]},
+           {"id": "chat", "messages": [{"role": "user", "content": "What is a list?"}]}]
+
+
+def test_generate_greedy_equals_python_api(tiny_model, tmp_path):
+    from minillm import LLM, SamplingParams
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out_file = tmp_path / "out.jsonl"
+    result = run_cli("generate", path, "-o", out_file, "--model", tiny_model, *ENGINE_ARGS,
+                     "--set", "sampling.temperature=0", "--set", "sampling.max_tokens=8")
+    assert result.exit_code == 0, result.output
+    assert "requests ok" in result.stderr            # the summary table
+    got = answers(out_file.read_text())
+    llm = LLM(str(tiny_model), device="cpu", num_kv_blocks=64)
+    ref = llm.generate([p.get("prompt") or p.get("prompt_token_ids") or p["messages"] for p in PROMPTS],
+                       SamplingParams(temperature=0, top_p=0.9, max_tokens=8), use_tqdm=False)
+    assert [a["id"] for a in got] == ["t", "ids", "chat"]
+    for a, r in zip(got, ref):
+        assert (a["token_ids"], a["text"], a["finish_reason"]) == (r.token_ids, r.text, r.finish_reason)
+        assert a["usage"] == {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(r.token_ids)}
+
+
+def test_generate_subprocess_from_stdin_with_logprobs(tiny_model):
+    lines = (json.dumps({"id": 1, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                         "logprobs": 2}) + "\n").encode()
+    out = subprocess.run([sys.executable, "-m", "minillm", "generate", "-", "--model", str(tiny_model),
+                          *ENGINE_ARGS, "--no-progress"], input=lines, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()
+    (answer,) = answers(out.stdout.decode())
+    assert answer["id"] == 1 and len(answer["token_ids"]) == 3
+    assert [lp["token_id"] for lp in answer["logprobs"]] == answer["token_ids"]
+    assert all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in answer["logprobs"])
+
+
+def test_generate_n_completions(tiny_model, tmp_path):
+    path = tmp_path / "n.jsonl"
+    path.write_text('{"id": "n", "prompt": "x", "n": 3, "max_tokens": 2, "ignore_eos": true, "seed": 1}\n')
+    result = run_cli("generate", path, "--model", tiny_model, *ENGINE_ARGS, "--no-progress")
+    (answer,) = answers(result.stdout)
+    assert [o["index"] for o in answer["outputs"]] == [0, 1, 2]
+    assert answer["usage"]["completion_tokens"] == 6 and answer["token_ids"] == answer["outputs"][0]["token_ids"]
+
+
+def test_serve_stdin_in_process_stdin(tiny_model):
+    lines = '{"id": "a", "prompt": "Hi", "max_tokens": 2, "ignore_eos": true}\n{"abort": "zzz"}\n'
+    result = run_cli("serve-stdin", "--model", tiny_model, *ENGINE_ARGS, input=lines)
+    assert result.exit_code == 0, result.output
+    events = answers(result.stdout)
+    assert [e["event"] for e in events if e["id"] == "a"][-1] == "done"
+    assert [e["event"] for e in events if e["id"] == "zzz"] == ["error"]
