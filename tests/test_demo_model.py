@@ -1,0 +1,54 @@
+"""The embedded demo model: its files and shape contract, and that `minillm generate` on it prints words."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "minillm" / "demo_model"
+# Words any English text about code is full of; noise from an untrained model would contain almost none.
+COMMON = {"the", "a", "an", "of", "to", "is", "and", "in", "or", "for", "be", "if", "it", "this", "that", "are",
+          "return", "returns", "object", "value", "string", "file", "list", "name", "with", "not", "by", "as"}
+
+
+def test_files_and_size():
+    names = {p.name for p in DEMO.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= names
+    assert sum(p.stat().st_size for p in DEMO.iterdir()) <= 8 * 1024 * 1024
+
+
+def test_config_is_qwen3_with_kernel_friendly_shape():
+    cfg = json.loads((DEMO / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg["head_dim"] == 64 and cfg["tie_word_embeddings"] is True
+    assert cfg["num_attention_heads"] == 2 * cfg["num_key_value_heads"]       # GQA ratio 2
+    with safe_open(str(DEMO / "model.safetensors"), "pt") as f:
+        dtypes = {str(f.get_slice(name).get_dtype()) for name in f.keys()}
+        assert "lm_head.weight" not in f.keys()                               # tied to the embedding
+    assert dtypes == {"BF16"}
+
+
+def test_tokenizer_chat_template_and_eos():
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(DEMO)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")} <= tok.eos_token_ids
+    assert tok.decode(tok.encode("Return the value.")) == "Return the value."
+
+
+def test_generate_examples_prints_english_words():
+    out = subprocess.run([sys.executable, "-m", "minillm", "generate", "examples/prompts.jsonl", "--device", "cpu",
+                          "--set", "sampling.temperature=0", "--no-progress"], cwd=ROOT, capture_output=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr.decode()
+    answers = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    n_prompts = sum(1 for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines() if line.strip())
+    assert len(answers) == n_prompts and all("error" not in a for a in answers)
+    words = re.findall(r"[A-Za-z']+", " ".join(a["text"] for a in answers).lower())
+    assert len(words) >= 20
+    assert sum(w in COMMON for w in words) / len(words) >= 0.15, words
