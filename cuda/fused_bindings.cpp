@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
 
 #include "fused.h"
@@ -17,40 +18,62 @@ namespace {
 using at::Tensor;
 using minillm::ActDType;
 
+// Error messages are assembled here (std::to_string) and handed to TORCH_CHECK as one string, which c10 passes
+// through untouched. Streaming an integer into c10::str's ostringstream from this library crashed (SIGSEGV in
+// basic_ostream::_M_insert<long>, resolved inside the .so) on the H200 image with torch 2.11.
+std::string text(const char* s) { return s; }
+std::string text(const std::string& s) { return s; }
+std::string text(int64_t v) { return std::to_string(v); }
+std::string text(at::ScalarType t) { return c10::toString(t); }
+std::string text(const c10::Device& d) { return d.str(); }
+std::string text(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+template <typename... Parts>
+std::string msg(const Parts&... parts) {
+  return (std::string() + ... + text(parts));
+}
+
+// Raises ValueError with the concatenated message parts.
+#define FUSED_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, msg(__VA_ARGS__))
+
 ActDType act_dtype(const Tensor& t, const char* name) {
   const at::ScalarType s = t.scalar_type();
-  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, name,
+  FUSED_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, name,
                     ": dtype must be float32, float16 or bfloat16, got ", s);
   return s == at::kFloat ? ActDType::kFloat32 : s == at::kHalf ? ActDType::kFloat16 : ActDType::kBFloat16;
 }
 
 void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "minillm.", op, ": CUDA error ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, msg("minillm.", op, ": CUDA error ", cudaGetErrorString(err)));
 }
 
 void check_like(const Tensor& t, const Tensor& ref, const char* name, const char* ref_name) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref_name, "'s device ",
+  FUSED_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref_name, "'s device ",
                     ref.device(), ", got ", t.device());
-  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), name, " must have ", ref_name, "'s dtype ",
+  FUSED_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have ", ref_name, "'s dtype ",
                     ref.scalar_type(), ", got ", t.scalar_type());
 }
 
 // x as [rows, hidden] with a unit last stride (a view when the leading dims allow one, else a copy).
 Tensor as_rows(const Tensor& x, const char* name) {
-  TORCH_CHECK_VALUE(x.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dim, got shape ", x.sizes());
+  FUSED_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
+  FUSED_CHECK(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dim, got shape ", x.sizes());
   const Tensor y = x.stride(-1) == 1 ? x : x.contiguous();
   return y.reshape({-1, y.size(-1)});
 }
 
 void check_weight(const Tensor& w, const Tensor& x, const char* name, int64_t size) {
   check_like(w, x, name, "the activation");
-  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == size && w.is_contiguous(), name, " must be contiguous [", size,
+  FUSED_CHECK(w.dim() == 1 && w.size(0) == size && w.is_contiguous(), name, " must be contiguous [", size,
                     "], got shape ", w.sizes());
 }
 
 void check_hidden(int64_t hidden, const char* name) {
-  TORCH_CHECK_VALUE(hidden <= minillm::kMaxNormHidden, name, ": last dim must be in [1, ", minillm::kMaxNormHidden,
+  FUSED_CHECK(hidden <= minillm::kMaxNormHidden, name, ": last dim must be in [1, ", minillm::kMaxNormHidden,
                     "], got ", hidden);
 }
 
@@ -71,7 +94,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 
 std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
                                               double eps) {
-  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
+  FUSED_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
                     residual.sizes());
   check_like(residual, x, "residual", "x");
   const ActDType dtype = act_dtype(x, "x");
@@ -92,7 +115,7 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
 Tensor silu_and_mul(const Tensor& gate_up) {
   const ActDType dtype = act_dtype(gate_up, "gate_up");
   const Tensor g2 = as_rows(gate_up, "gate_up");
-  TORCH_CHECK_VALUE(g2.size(1) % 2 == 0, "gate_up: last dim must be even (gate | up), got ", g2.size(1));
+  FUSED_CHECK(g2.size(1) % 2 == 0, "gate_up: last dim must be even (gate | up), got ", g2.size(1));
   const int64_t inter = g2.size(1) / 2;
   const c10::cuda::CUDAGuard guard(gate_up.device());
   auto sizes = gate_up.sizes().vec();
@@ -105,19 +128,19 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 }
 
 void check_heads(const Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK_VALUE(num_heads >= 1 && num_heads <= 65536, "num_heads must be in [1, 65536], got ", num_heads);
-  TORCH_CHECK_VALUE(num_kv_heads >= 1 && num_kv_heads <= 65536, "num_kv_heads must be in [1, 65536], got ",
+  FUSED_CHECK(num_heads >= 1 && num_heads <= 65536, "num_heads must be in [1, 65536], got ", num_heads);
+  FUSED_CHECK(num_kv_heads >= 1 && num_kv_heads <= 65536, "num_kv_heads must be in [1, 65536], got ",
                     num_kv_heads);
-  TORCH_CHECK_VALUE(head_dim >= 2 && head_dim <= minillm::kMaxHeadDim && head_dim % 2 == 0,
+  FUSED_CHECK(head_dim >= 2 && head_dim <= minillm::kMaxHeadDim && head_dim % 2 == 0,
                     "head_dim must be even and in [2, ", minillm::kMaxHeadDim, "], got ", head_dim);
-  TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+  FUSED_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
                     "qkv must be [tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [T, ",
                     (num_heads + 2 * num_kv_heads) * head_dim, "], got shape ", qkv.sizes());
 }
 
 void check_norm_weights(const std::optional<Tensor>& qw, const std::optional<Tensor>& kw, const Tensor& qkv,
                         int64_t head_dim) {
-  TORCH_CHECK_VALUE(qw.has_value() == kw.has_value(),
+  FUSED_CHECK(qw.has_value() == kw.has_value(),
                     "q_norm_weight and k_norm_weight must be given together (Qwen3) or both None (Qwen2)");
   if (!qw.has_value()) return;
   check_weight(*qw, qkv, "q_norm_weight", head_dim);
@@ -128,17 +151,17 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tens
                                                 const Tensor& cos_sin_cache, int64_t num_heads, int64_t num_kv_heads,
                                                 int64_t head_dim, const std::optional<Tensor>& q_norm_weight,
                                                 const std::optional<Tensor>& k_norm_weight, double eps) {
-  TORCH_CHECK_VALUE(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
+  FUSED_CHECK(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
   const ActDType dtype = act_dtype(qkv_in, "qkv");
   check_heads(qkv_in, num_heads, num_kv_heads, head_dim);
   const Tensor qkv = qkv_in.stride(1) == 1 ? qkv_in : qkv_in.contiguous();
   const int64_t tokens = qkv.size(0);
   check_norm_weights(q_norm_weight, k_norm_weight, qkv, head_dim);
-  TORCH_CHECK_VALUE(positions_in.dim() == 1 && positions_in.size(0) == tokens && positions_in.is_cuda() &&
+  FUSED_CHECK(positions_in.dim() == 1 && positions_in.size(0) == tokens && positions_in.is_cuda() &&
                         !at::isFloatingType(positions_in.scalar_type()),
                     "positions must be an integer CUDA tensor [", tokens, "], got ", positions_in.sizes(), " ",
                     positions_in.scalar_type());
-  TORCH_CHECK_VALUE(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+  FUSED_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
                         cos_sin_cache.size(1) == head_dim && cos_sin_cache.is_contiguous() &&
                         cos_sin_cache.device() == qkv.device(),
                     "cos_sin_cache must be contiguous float32 [max_positions, ", head_dim, "] on qkv's device, got ",
@@ -161,20 +184,20 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tens
 }
 
 Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset) {
-  TORCH_CHECK_VALUE(logits_in.is_cuda() && logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2,
+  FUSED_CHECK(logits_in.is_cuda() && logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2,
                     "logits must be a float32 CUDA tensor [N, V], got ", logits_in.sizes(), " ",
                     logits_in.scalar_type());
   const Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK_VALUE(vocab >= 1 && vocab <= minillm::kMaxVocab - 4, "logits: vocab size must be in [1, ",
+  FUSED_CHECK(vocab >= 1 && vocab <= minillm::kMaxVocab - 4, "logits: vocab size must be in [1, ",
                     minillm::kMaxVocab - 4, "], got ", vocab);
-  TORCH_CHECK_VALUE(inv_temperature.scalar_type() == at::kFloat && inv_temperature.dim() == 1 &&
+  FUSED_CHECK(inv_temperature.scalar_type() == at::kFloat && inv_temperature.dim() == 1 &&
                         inv_temperature.size(0) == rows && inv_temperature.is_contiguous() &&
                         inv_temperature.device() == logits.device(),
                     "inv_temperature must be contiguous float32 [", rows, "] on logits' device, got ",
                     inv_temperature.sizes(), " ", inv_temperature.scalar_type());
-  TORCH_CHECK_VALUE(seed >= 0, "seed must be in [0, 2**63), got ", seed);
-  TORCH_CHECK_VALUE(offset >= 0, "offset must be in [0, 2**63), got ", offset);
+  FUSED_CHECK(seed >= 0, "seed must be in [0, 2**63), got ", seed);
+  FUSED_CHECK(offset >= 0, "offset must be in [0, 2**63), got ", offset);
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   check_launch(minillm::launch_sample_exponential_race(

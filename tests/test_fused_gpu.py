@@ -40,11 +40,15 @@ def _poison(*like: torch.Tensor) -> None:
     del blocks
 
 
-def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+def _check(out: torch.Tensor, ref: torch.Tensor, cancels: bool = False) -> None:
+    """cancels: the output is a difference of rounded intermediates (RoPE after the q/k norm), where one ulp
+    of an intermediate (the kernel's fp32 sum runs in another order) is not small next to the result; the
+    absolute tolerance then grows to two ulps of the largest output."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not out.isnan().any(), "unwritten (NaN) elements in the kernel output"
     tol = TOL[ref.dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    atol = max(tol, 2 * torch.finfo(ref.dtype).eps * ref.abs().max().item()) if cancels else tol
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=tol)
     if ref.dtype != torch.float32:
         # The kernels round like the torch path; only the fp32 reduction order may move a value by one ulp,
         # which a half-precision output rarely shows (in fp32 it shows everywhere, so no count there).
@@ -114,7 +118,7 @@ def test_qk_norm_rope(ops, dtype, head_dim, hq, hkv, tokens, with_norm):
     _poison(*refs)
     outs = ops.qk_norm_rope(qkv, positions, cache, hq, hkv, head_dim, qw, kw, 1e-6)
     for out, ref in zip(outs, refs):
-        _check(out, ref)
+        _check(out, ref, cancels=with_norm)
     assert torch.equal(outs[2], refs[2])  # v is a plain copy
 
 
@@ -133,7 +137,7 @@ def test_unaligned_and_strided_inputs_take_the_scalar_path(ops):
     wide[:, 1:] = qkv
     outs = ops.qk_norm_rope(wide[:, 1:], positions, cache, 4, 2, 64, qw, kw, 1e-6)
     for out, ref in zip(outs, fused_ops.qk_norm_rope(qkv, positions, cache, 4, 2, 64, qw, kw, 1e-6)):
-        _check(out, ref.contiguous())
+        _check(out, ref.contiguous(), cancels=True)
 
 
 def test_out_of_range_position_gives_nan(ops):
