@@ -71,7 +71,9 @@ def test_qk_norm_rope_ref_matches_transformers_qwen3(with_norm):
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
     positions = torch.randint(0, 4096, (t,), generator=g)
-    qw, kw = (1 + 0.1 * torch.randn(d, generator=g), 1 + 0.1 * torch.randn(d, generator=g)) if with_norm else (None,) * 2
+    qw, kw = (None, None)
+    if with_norm:
+        qw, kw = 1 + 0.1 * torch.randn(d, generator=g), 1 + 0.1 * torch.randn(d, generator=g)
     cache = fused_ops.rope_cos_sin_cache(d, 4096, 1e6)
     q, k, v = fused_ops.qk_norm_rope(qkv, positions, cache, hq, hkv, d, qw, kw, eps)
 
