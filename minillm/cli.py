@@ -202,6 +202,8 @@ def generate(
     llm = build_llm(cfg)
     try:
         summary = run_generate(llm, lines, sampling, out, progress=progress)
+    except KeyboardInterrupt:
+        _fail("interrupted; the answers written so far are complete lines", code=130)
     finally:
         if output is not None:
             out.close()

@@ -173,3 +173,48 @@ def test_n_completions_are_indexed(llm):
     assert {ev["index"] for ev in events if ev["event"] == "token"} == {0, 1}
     (done,) = [ev for ev in events if ev["event"] == "done"]
     assert done["usage"]["completion_tokens"] == 6 and [o["index"] for o in done["outputs"]] == [0, 1]
+
+
+class FailingOnce:
+    """The real engine, except that its second step() raises, as a device error would."""
+
+    def __init__(self, llm):
+        self.llm, self.calls = llm, 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("device lost")
+        return self.llm.step()
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+
+def test_failed_step_ends_inflight_requests_with_one_error_each(llm):
+    out = io.BytesIO()
+    server = StdinServer(FailingOnce(llm), {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}, out)
+    server._handle(1, b'{"id": "x", "prompt": "a"}')
+    server._handle(2, b'{"id": "y", "prompt": "b"}')
+    assert server.serve(io.BytesIO(b"")) == 0
+    finals = finals_by_id([json.loads(line) for line in out.getvalue().splitlines()])
+    assert {k: [(e["event"], e["error"]["type"]) for e in v] for k, v in finals.items()} == {
+        "x": [("error", "engine_error")], "y": [("error", "engine_error")]}
+    assert "device lost" in finals["x"][0]["error"]["message"]
+    assert not llm.has_unfinished_requests()
+    # The engine keeps serving afterwards.
+    assert [e["event"] for e in serve_lines(llm, [b'{"id": "z", "prompt": "c"}'])][-1] == "done"
+
+
+def test_failed_step_in_generate_answers_every_line(llm):
+    from minillm.serve.generate_jsonl import run_generate
+    out = io.BytesIO()
+    lines = [(1, b'{"prompt": "a", "max_tokens": 6, "ignore_eos": true}'), (2, b'{"prompt": ""}'),
+             (3, b'{"prompt": "b", "max_tokens": 6, "ignore_eos": true}')]
+    summary = run_generate(FailingOnce(llm), lines, {"temperature": 0.0}, out, progress=False)
+    got = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(a["id"], a["error"]["type"]) for a in got] == [(1, "engine_error"), (2, "invalid_request"),
+                                                            (3, "engine_error")]
+    assert (summary.failed, summary.exit_code) == (3, 1)
+    while llm.has_unfinished_requests():   # the aborts are reported on the next step: leave the engine empty
+        llm.step()

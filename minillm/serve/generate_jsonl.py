@@ -106,6 +106,7 @@ def _run(llm, admitted: dict, writer: _OrderedWriter) -> None:
     except Exception as e:  # noqa: BLE001 - an engine failure must still answer every line it was serving
         for eid, (slot, rid) in sorted(admitted.items(), key=lambda kv: kv[1][0]):
             writer.put(slot, LineError(rid, "engine_error", f"{type(e).__name__}: {e}").to_json())
+            llm.abort(eid)
         admitted.clear()
 
 

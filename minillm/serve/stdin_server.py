@@ -143,8 +143,26 @@ class StdinServer:
             if not self.eof:
                 self._drain(block=not self.llm.has_unfinished_requests())
             if self.llm.has_unfinished_requests() and not self.interrupted:
-                for so in self.llm.step():
-                    self._emit(so)
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.llm.step()
+        except Exception as e:  # noqa: BLE001 - a failed step must still end every request it was serving
+            self._fail_inflight(f"{type(e).__name__}: {e}")
+            return
+        for so in outputs:
+            self._emit(so)
+
+    def _fail_inflight(self, message: str) -> None:
+        """Answer every request in flight with an engine_error, then drop them from the engine."""
+        failed = list(self.inflight.items())
+        self.inflight.clear()
+        self.by_user.clear()
+        for eid, (rid, _) in failed:
+            self._error(LineError(rid, "engine_error", message))
+        for eid, _ in failed:
+            self.llm.abort(eid)
 
     def _abort_all(self) -> None:
         for eid in list(self.inflight):
