@@ -22,36 +22,43 @@ def prompts(n=12, seed=0):
     return [[rng.randrange(512) for _ in range(rng.choice([1, 7, 16, 33, 70, 130]))] for _ in range(n)]
 
 
-def greedy(path, **kw):
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=256, **kw)
+def engine(path, **kw):
+    return LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=256, **kw)
+
+
+def greedy(llm):
     return [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
 
 
-def agreement(a, b) -> float:
-    """Fraction of tokens before each sequence's first divergence (bf16 near-ties may flip a token, after
-    which the continuation legitimately differs)."""
-    same = total = 0
-    for x, y in zip(a, b):
-        k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
-        same, total = same + k, total + len(x)
-    return same / total
+def assert_equal_up_to_near_ties(got, ref_llm, ref, tol=0.1):
+    """Token-exact, except where the reference itself sees a near-tie: at each sequence's first divergence
+    `got`'s token must be within `tol` nats of the reference's best (bf16 rounding differences between two
+    correct attention implementations can flip such a token; after it the continuations differ)."""
+    for prompt, a, b in zip(prompts(), got, ref):
+        k = next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), None)
+        if k is None:
+            continue
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1, logprobs=5)
+        lp = ref_llm.generate([prompt + a[:k]], sp, use_tqdm=False)[0].logprobs[0]
+        best = max(lp.top.values())
+        assert a[k] in lp.top and best - lp.top[a[k]] <= tol, (k, a[k], lp.top)
 
 
 def test_cuda_kernels_match_torch_path(tiny):
-    cuda = greedy(tiny, attention="cuda", enforce_eager=True)
-    ref = greedy(tiny, attention="torch", enforce_eager=True)
-    assert agreement(cuda, ref) >= 0.9, (cuda, ref)
+    ref_llm = engine(tiny, attention="torch", enforce_eager=True)
+    assert_equal_up_to_near_ties(greedy(engine(tiny, attention="cuda", enforce_eager=True)), ref_llm,
+                                 greedy(ref_llm))
 
 
 def test_cuda_graphs_match_eager(tiny):
-    graphs = greedy(tiny, attention="cuda", enforce_eager=False)
-    eager = greedy(tiny, attention="cuda", enforce_eager=True)
-    assert agreement(graphs, eager) >= 0.9, (graphs, eager)
+    ref_llm = engine(tiny, attention="cuda", enforce_eager=True)
+    assert_equal_up_to_near_ties(greedy(engine(tiny, attention="cuda")), ref_llm, greedy(ref_llm))
 
 
 def test_unified_mode_matches_split(tiny):
-    assert agreement(greedy(tiny, attention="cuda", attention_mode="unified", enforce_eager=True),
-                     greedy(tiny, attention="cuda", enforce_eager=True)) >= 0.9
+    ref_llm = engine(tiny, attention="cuda", enforce_eager=True)
+    assert_equal_up_to_near_ties(greedy(engine(tiny, attention="cuda", attention_mode="unified",
+                                               enforce_eager=True)), ref_llm, greedy(ref_llm))
 
 
 def test_logits_agree_on_qwen3_0_6b_shape():

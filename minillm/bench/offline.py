@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from minillm.bench.floor import DeviceRates, ModelShape, dtype_bytes, floor_record, workload_work
 from minillm.bench.workloads import Workload
+from minillm.engine.profile import StepProfile
 from minillm.sampling_params import SamplingParams
 
 WARMUP_REQUESTS = 8
@@ -96,6 +97,7 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
     try:
         warmup_s = warm_up(llm, workload)
         walls, preemptions = [], 0
+        llm.engine.profile = profile = StepProfile()
         for r in range(repeat):
             wall, tokens, preempted = timed_pass(llm, workload.salted(r), show_progress)
             if tokens != workload.output_tokens:
@@ -115,4 +117,5 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
             "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,
             "output_tok_s": workload.output_tokens / wall,
             "total_tok_s": (workload.input_tokens + workload.output_tokens) / wall,
-            "preemptions": preemptions, "floor": floor_record(work, rates, wall)}
+            "preemptions": preemptions, "floor": floor_record(work, rates, wall),
+            "step_profile": profile.summary()}

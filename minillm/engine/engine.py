@@ -55,6 +55,7 @@ class LLMEngine:
         self._child: dict[str, tuple[_Group, int]] = {}
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
+        self.profile = None   # a StepProfile (minillm.engine.profile) when a caller wants the breakdown
 
     # ---- admission -------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -96,10 +97,16 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         outs, self._pending = self._pending, []
+        prof = self.profile
+        if prof is not None:
+            prof.start()
         so = self.scheduler.schedule()
         if so.is_empty:
             return outs
-        runner_out = self.runner.execute(so)
+        if prof is not None:
+            prof.mark("schedule")
+            prof.count_step(len(so.scheduled), so.num_decodes == len(so.scheduled))
+        runner_out = self.runner.execute(so, prof)
         advanced = self.scheduler.update(so, runner_out)
         now = time.perf_counter()
         lps = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
@@ -113,6 +120,8 @@ class LLMEngine:
         self.runner.release(finished)
         if self.cfg.runtime.check_integrity:
             self.scheduler.check_integrity()
+        if prof is not None:
+            prof.mark("update")
         return outs
 
     def _advance(self, req: Request, now: float, logprob) -> StepOutput | None:

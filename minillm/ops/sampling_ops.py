@@ -42,6 +42,13 @@ def _cuda_ok(x: torch.Tensor) -> bool:
     return _USE_CUDA
 
 
+def cuda_sampler_available() -> bool:
+    """True when CUDA tensors would go to the sampling kernel (extension built and not switched off)."""
+    if not torch.cuda.is_available():
+        return False
+    return _cuda_ok(torch.empty(0, device="cuda"))
+
+
 def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
     """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1)."""
     c = np.asarray(counter, dtype=np.uint32).astype(np.uint64)

@@ -91,9 +91,11 @@ class ModelRunner:
         self.inputs.release(req_ids)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, prof=None) -> ModelRunnerOutput:
         step = self.inputs.build(so)
         meta = step.meta
+        if prof is not None:
+            prof.mark("build")
         if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.bucket(meta.num_seqs):
             hidden = self.graphs.replay(step.input_ids, step.positions, meta)
         else:
@@ -101,11 +103,16 @@ class ModelRunner:
         if not step.sample_seq_idx:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        if prof is not None:
+            prof.mark("forward")
         reqs = [so.scheduled[i].request for i in step.sample_seq_idx]
         batch = SamplingBatch.build(reqs, self.device, self.vocab_size)
         result = self.sampler(logits, batch)
-        return ModelRunnerOutput(req_ids=[r.request_id for r in reqs],
-                                 sampled_token_ids=result.token_ids.tolist(), logprobs=result.logprobs)
+        out = ModelRunnerOutput(req_ids=[r.request_id for r in reqs],
+                                sampled_token_ids=result.token_ids.tolist(), logprobs=result.logprobs)
+        if prof is not None:
+            prof.mark("sample_sync")
+        return out
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

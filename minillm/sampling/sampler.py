@@ -43,6 +43,7 @@ class Sampler:
         self.seed = seed
         # Per device: (shared generator of unseeded rows, scratch generator re-seeded for each seeded row).
         self._generators: dict[torch.device, tuple[torch.Generator, torch.Generator]] = {}
+        self._fused_steps = 0
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
         """Sample one token per row. ``logits`` (float32 [N, V]) is used as scratch and modified in place."""
@@ -54,6 +55,8 @@ class Sampler:
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
             return SamplerResult(tokens, _logprobs(logits, tokens, batch.logprobs))
+        if _fused_race_applies(logits, batch):
+            return SamplerResult(self._fused_race(logits, batch), None)
         greedy_tokens = logits.argmax(dim=-1) if batch.greedy_mask is not None else None
         if batch.temperature is not None:
             logits.div_(batch.temperature)
@@ -78,12 +81,35 @@ class Sampler:
             noise[row].exponential_(generator=scratch)
         return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
 
+    def _fused_race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature + exponential race + greedy rows in one pass of the CUDA kernel. Its noise is keyed by
+        (sampler seed, row, step, column), so unseeded rows stay reproducible run to run."""
+        from minillm.ops.sampling_ops import sample_exponential_race
+        n = batch.num_rows
+        inv_t = (1.0 / batch.temperature.view(n) if batch.temperature is not None
+                 else torch.ones(n, device=logits.device))
+        if batch.greedy_mask is not None:
+            inv_t = inv_t.masked_fill(batch.greedy_mask, 0.0)
+        self._fused_steps += 1
+        return sample_exponential_race(logits, inv_t.float().contiguous(), self.seed, self._fused_steps)
+
     def _generators_for(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
         if device not in self._generators:
             shared = torch.Generator(device=device)
             shared.manual_seed(self.seed)
             self._generators[device] = (shared, torch.Generator(device=device))
         return self._generators[device]
+
+
+def _fused_race_applies(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """The one-pass CUDA sampler covers plain temperature sampling: no truncation, no per-request seeds
+    (their noise is defined by seed_for_token) and no logprobs. Everything else takes the torch path."""
+    if not logits.is_cuda or batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+        return False
+    if batch.seeded_rows or batch.logprobs is not None:
+        return False
+    from minillm.ops.sampling_ops import cuda_sampler_available
+    return cuda_sampler_available()
 
 
 def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
