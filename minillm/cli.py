@@ -65,7 +65,7 @@ def _load_lazy(name: str):
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except ModuleNotFoundError as e:
-        if e.name is None or not module_name.startswith(e.name):
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
             raise   # the module exists but one of its own imports is broken: show that, do not hide it
         fn = _not_built(name, help_line)
     except AttributeError:

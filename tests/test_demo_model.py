@@ -52,3 +52,18 @@ def test_generate_examples_prints_english_words():
     words = re.findall(r"[A-Za-z']+", " ".join(a["text"] for a in answers).lower())
     assert len(words) >= 20
     assert sum(w in COMMON for w in words) / len(words) >= 0.15, words
+
+
+def test_default_llm_is_the_demo_model_and_cli_matches_it(tmp_path):
+    from minillm import LLM, SamplingParams
+    prompts = ["Return the", "This module"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out = subprocess.run([sys.executable, "-m", "minillm", "generate", str(path), "--device", "cpu", "--no-progress",
+                          "--set", "sampling.temperature=0", "--set", "sampling.max_tokens=12"], cwd=ROOT,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()
+    got = [json.loads(line)["token_ids"] for line in out.stdout.decode().splitlines()]
+    llm = LLM(device="cpu", num_kv_blocks=256)
+    ref = llm.generate(prompts, SamplingParams(temperature=0, top_p=0.9, max_tokens=12), use_tqdm=False)
+    assert got == [r.token_ids for r in ref]
