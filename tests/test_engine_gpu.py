@@ -23,7 +23,8 @@ def prompts(n=12, seed=0):
 
 
 def engine(path, **kw):
-    return LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=256, **kw)
+    # a fixed small pool: several engines live in this process at once, and each would take 90% of the GPU
+    return LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=256, num_kv_blocks=512, **kw)
 
 
 def greedy(llm):
