@@ -45,6 +45,7 @@ def test_good_lines_parse():
     req = parse({"id": "a", "prompt": "hi", "temperature": 0, "stop": ".", "priority": 2})
     assert req == ParsedRequest("a", "hi", SamplingParams(temperature=0, stop=["."], max_tokens=4), 2)
     assert parse({"prompt_token_ids": [1, 2]}).id == 7            # no id: the line number
+    assert parse(b'\xef\xbb\xbf{"prompt": "bom"}').prompt == "bom"  # a UTF-8 byte-order mark is tolerated
     msgs = [{"role": "user", "content": "x"}]
     assert parse({"id": 3, "messages": msgs, "max_tokens": 9}).params.max_tokens == 9
     assert parse({"abort": "a"}, allow_abort=True) == AbortCommand("a")

@@ -96,7 +96,8 @@ def decode_line(line_no: int, raw: bytes | TooLong) -> dict:
         raise LineError(line_no, "line_too_long", f"line {line_no} is {raw.size} bytes; the limit is "
                         f"{MAX_LINE_BYTES} bytes")
     try:
-        text = raw.decode("utf-8")
+        # A file saved by some editors starts with a byte-order mark; it is not part of the JSON.
+        text = raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise LineError(line_no, "invalid_encoding", f"line {line_no} is not valid UTF-8 ({e.reason} at byte "
                         f"{e.start})") from None
