@@ -1,9 +1,12 @@
-"""CPU cost of one scheduler step: schedule() + update() with 256 running decodes of ~1000-token contexts.
+"""CPU cost of one engine step with 256 running decodes of ~1000-token contexts, the model replaced by a stub.
 
-The model is replaced by a fake runner output (one token per sampled row), so the figure is pure scheduler
-bookkeeping: the part of the <= 250 us per-step CPU budget (DESIGN section 7) that is not input preparation.
+By default it times schedule() + update() (scheduler bookkeeping). With --with-inputs it also times the runner's
+host work for the same step: InputBuilder.build (token ids, positions, slot mapping, block tables, metadata) and
+SamplingBatch.build, i.e. everything the CPU does per step except launching GPU work. That sum is what the
+<= 250 us per-step budget of DESIGN section 7 is about.
 
     python scripts/bench_scheduler_cpu.py [--requests 256] [--context 1000] [--steps 3000] [--prefix-caching]
+                                          [--with-inputs]
 """
 from __future__ import annotations
 
@@ -42,6 +45,21 @@ def step(sched: Scheduler, rng: random.Random) -> None:
     sched.update(out, ModelRunnerOutput(ids, [rng.randrange(100_000) for _ in ids]))
 
 
+def runner_host_work(max_num_seqs: int, max_model_len: int, block_size: int):
+    """The runner's per-step host work on the CPU device: inputs + metadata, then the sampling batch."""
+    import torch
+
+    from minillm.runner.input_batch import InputBuilder
+    from minillm.sampling.batch import SamplingBatch
+
+    inputs = InputBuilder(max_num_seqs, 16384, max_model_len, block_size, torch.device("cpu"))
+
+    def run(out) -> None:
+        inputs.build(out)
+        SamplingBatch.build([s.request for s in out.scheduled if s.sample], "cpu", 151936)
+    return run
+
+
 def python_loop_ns() -> float:
     """ns per empty `for` iteration: a yardstick for how fast this CPU runs Python (~15-25 ns on a fast idle
     core), so figures from different or busy machines can be compared."""
@@ -57,14 +75,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--prefix-caching", action="store_true", help="publish full blocks to the prefix cache")
+    ap.add_argument("--with-inputs", action="store_true", help="also time the runner's input + sampling-batch build")
     args = ap.parse_args()
     sched = build(args.requests, args.context, args.steps, args.prefix_caching)
+    host_inputs = runner_host_work(args.requests, sched.max_model_len, 16) if args.with_inputs else None
     rng = random.Random(1)
     # The fake runner output is built outside the timed region: only schedule() + update() are measured.
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = sched.schedule()
+        if host_inputs is not None:
+            host_inputs(out)
         t1 = time.perf_counter()
         ids = [s.request.request_id for s in out.scheduled]
         runner_out = ModelRunnerOutput(ids, [rng.randrange(100_000) for _ in ids])
@@ -76,7 +98,8 @@ def main() -> None:
     med = statistics.median(times) * 1e6
     p90 = statistics.quantiles(times, n=10)[-1] * 1e6
     best = min(times) * 1e6      # least disturbed by other processes on a shared machine
-    print(f"schedule()+update(): {args.requests} decodes, ~{args.context}-token contexts, "
+    what = "schedule()+inputs+update()" if args.with_inputs else "schedule()+update()"
+    print(f"{what}: {args.requests} decodes, ~{args.context}-token contexts, "
           f"prefix caching {'on' if args.prefix_caching else 'off'}: median {med:.1f} us/step, "
           f"p90 {p90:.1f}, min {best:.1f} us "
           f"over {args.steps} steps (this CPU: {python_loop_ns():.0f} ns per empty Python loop iteration)")

@@ -327,5 +327,7 @@ def test_cpu_step_benchmark_runs():
     # The figure itself depends on the machine; CI only checks that the benchmark runs and reports one.
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_scheduler_cpu.py"
     res = subprocess.run([sys.executable, str(script), "--requests", "8", "--context", "40", "--steps", "30",
-                          "--prefix-caching"], capture_output=True, text=True, timeout=60, check=True)
-    assert "us/step" in res.stdout and "8 decodes" in res.stdout
+                          "--prefix-caching", "--with-inputs"], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert "schedule()+inputs+update()" in res.stdout and "8 decodes" in res.stdout
+    print(res.stdout)
