@@ -6,6 +6,7 @@ from typing import Sequence
 from minillm.config import EngineConfig
 from minillm.engine.engine import LLMEngine
 from minillm.engine.outputs import RequestOutput, StepOutput
+from minillm.progress import TokenProgress
 from minillm.sampling_params import SamplingParams
 
 
@@ -79,7 +80,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [self.engine.add_request(p, sp, priority=pr, stream=False) for p, sp, pr in zip(prompts, params, prios)]
         results: dict[str, RequestOutput] = {}
-        with _progress(len(ids), use_tqdm) as advance:
+        with TokenProgress(len(ids), use_tqdm, transient=True) as advance:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.output is not None:
@@ -97,31 +98,3 @@ def _per_prompt(value, n: int, name: str, default=None) -> list:
     if len(value) != n:
         raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
     return value
-
-
-class _progress:
-    """A rich progress bar (requests done, output tokens/s) on stderr, or nothing."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.tokens = total, enabled, 0
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda n: None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        self.bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[tps]}"), console=Console(stderr=True), transient=True)
-        self.bar.__enter__()
-        task = self.bar.add_task("gen", total=self.total, tps="")
-
-        def advance(n_tokens: int) -> None:
-            self.tokens += n_tokens
-            elapsed = self.bar.tasks[0].elapsed or 1e-9
-            self.bar.update(task, advance=1, tps=f"{self.tokens / elapsed:,.0f} out tok/s")
-        return advance
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.__exit__(*exc)
-        return False

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from minillm.progress import TokenProgress
 from minillm.serve.requests import LineError, TooLong, parse_line, write_line
 
 
@@ -115,39 +116,11 @@ def run_generate(llm, lines: list[tuple[int, bytes | TooLong]], defaults: dict, 
     """Serve every (line number, raw line) and write one answer per line to `out` (binary, flushed per line)."""
     summary = Summary()
     start = time.perf_counter()
-    with _Progress(len(lines), progress) as advance:
+    with TokenProgress(len(lines), progress) as advance:
         writer = _OrderedWriter(out, len(lines), summary, advance)
         _run(llm, _admit(llm, lines, defaults, writer), writer)
     summary.seconds = time.perf_counter() - start
     return summary
-
-
-class _Progress:
-    """rich progress bar on stderr: lines answered and output tokens/s."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.tokens = total, enabled, 0
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda n_tokens: None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        self.bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[rate]}"), console=Console(stderr=True))
-        self.bar.__enter__()
-        self.task = self.bar.add_task("generate", total=self.total, rate="")
-        return self._advance
-
-    def _advance(self, n_tokens: int) -> None:
-        self.tokens += n_tokens
-        elapsed = self.bar.tasks[0].elapsed or 1e-9
-        self.bar.update(self.task, advance=1, rate=f"{self.tokens / elapsed:,.1f} tok/s")
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.__exit__(*exc)
-        return False
 
 
 def summary_table(summary: Summary):
