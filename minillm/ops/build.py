@@ -92,3 +92,13 @@ def cuda_ops_available() -> bool:
         warnings.warn(f"minillm CUDA ops unavailable, using the torch path: {exc}", stacklevel=2)
         return False
     return True
+
+
+def has_op(name: str) -> bool:
+    """True when torch.ops.minillm.<name> is there to call (extension built and loaded, ops enabled)."""
+    if not cuda_ops_available():
+        return False
+    import torch
+
+    return hasattr(torch.ops.minillm, name)
+

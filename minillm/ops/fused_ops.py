@@ -17,8 +17,8 @@ def _cuda_ok(x: torch.Tensor) -> bool:
     if not x.is_cuda:
         return False
     if _USE_CUDA is None:
-        from minillm.ops.build import cuda_ops_available
-        _USE_CUDA = cuda_ops_available() and hasattr(torch.ops.minillm, "rms_norm")
+        from minillm.ops.build import has_op
+        _USE_CUDA = has_op("rms_norm")
     return _USE_CUDA
 
 

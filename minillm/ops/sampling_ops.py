@@ -37,8 +37,8 @@ def _cuda_ok(x: torch.Tensor) -> bool:
     if not x.is_cuda:
         return False
     if _USE_CUDA is None:
-        from minillm.ops.build import cuda_ops_available
-        _USE_CUDA = cuda_ops_available() and hasattr(torch.ops.minillm, "sample_exponential_race")
+        from minillm.ops.build import has_op
+        _USE_CUDA = has_op("sample_exponential_race")
     return _USE_CUDA
 
 
