@@ -75,6 +75,9 @@ class RuntimeConfig:
     enforce_eager: bool = False       # True = no CUDA graphs
     seed: int = 0
     check_integrity: bool = False     # run KV-cache invariant checks after every step (tests / debugging)
+    # Overlap the host work of step N+1 with the GPU work of step N (sampled tokens stay on the device and
+    # feed the next step; stop checks land one step later). Off until measured on a GPU: docs/perf-log.md.
+    async_scheduling: bool = False
 
     def validate(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "runtime.device",
@@ -112,6 +115,7 @@ class EngineConfig:
         "device": ("runtime", "device"), "attention": ("runtime", "attention"),
         "attention_mode": ("runtime", "attention_mode"), "enforce_eager": ("runtime", "enforce_eager"),
         "seed": ("runtime", "seed"), "check_integrity": ("runtime", "check_integrity"),
+        "async_scheduling": ("runtime", "async_scheduling"),
     }
 
     @classmethod

@@ -87,3 +87,9 @@ def test_logits_agree_on_qwen3_0_6b_shape():
     scale = logits["torch"].std().item()
     print(f"Qwen3-0.6B dummy logits: max |cuda - torch| = {diff:.4g} (logit std {scale:.4g})")
     assert diff < 0.05 * scale + 0.05
+
+
+def test_async_scheduling_same_tokens_on_gpu(tiny):
+    """Same kernels, same order of work: overlapping the host work must not change one token."""
+    sync = greedy(engine(tiny, attention="cuda"))
+    assert greedy(engine(tiny, attention="cuda", async_scheduling=True)) == sync

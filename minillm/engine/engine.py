@@ -11,12 +11,15 @@ import time
 from dataclasses import dataclass, field
 
 from minillm.config import EngineConfig
-from minillm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from minillm.engine.outputs import CompletionOutput, ModelRunnerOutput, RequestMetrics, RequestOutput, StepOutput
 from minillm.engine.prompts import PromptPreparer
 from minillm.engine.scheduler import Scheduler
 from minillm.request import Request, RequestStatus
 from minillm.runner.model_runner import ModelRunner
 from minillm.sampling_params import SamplingParams
+
+
+PLACEHOLDER = -1   # an output token still on the GPU (async scheduling); never a valid token id
 
 
 @dataclass(eq=False)
@@ -56,6 +59,8 @@ class LLMEngine:
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
         self.profile = None   # a StepProfile (minillm.engine.profile) when a caller wants the breakdown
+        self._inflight = None       # async scheduling: (placeholders written by update, launched step)
+        self._num_penalty_reqs = 0  # live completions whose sampling reads their own history on the host
 
     # ---- admission -------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -81,6 +86,7 @@ class LLMEngine:
             detok = self.prompts.detokenizer(params) if (stream or params.stop) else None
             group.completions.append(_Completion(req, detok, logprobs=[] if params.logprobs is not None else None))
             self._child[req.request_id] = (group, i)
+            self._num_penalty_reqs += params.needs_penalties
         self._groups[request_id] = group
         return request_id
 
@@ -93,24 +99,46 @@ class LLMEngine:
 
     # ---- stepping --------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return bool(self._pending) or self._inflight is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[StepOutput]:
+        """One engine step; returns what became visible. With async scheduling (and no request whose
+        sampling reads its previous token on the host, i.e. penalties) the step launched here is resolved
+        by the next call, so outputs trail the GPU by one step."""
+        if self.cfg.runtime.async_scheduling and self._num_penalty_reqs == 0:
+            return self._step_async()
+        self._drain()
         outs, self._pending = self._pending, []
+        so = self._schedule()
+        if so.is_empty:
+            return outs
+        runner_out = self.runner.execute(so, self.profile)
+        advanced = self.scheduler.update(so, runner_out)
+        outs += self._emit_tokens(advanced, runner_out)
+        self._after_step()
+        return outs
+
+    def _schedule(self):
         prof = self.profile
         if prof is not None:
             prof.start()
         so = self.scheduler.schedule()
-        if so.is_empty:
-            return outs
-        if prof is not None:
+        if prof is not None and not so.is_empty:
             prof.mark("schedule")
             prof.count_step(len(so.scheduled), so.num_decodes == len(so.scheduled))
-        runner_out = self.runner.execute(so, prof)
-        advanced = self.scheduler.update(so, runner_out)
+        return so
+
+    def _after_step(self) -> None:
+        if self.cfg.runtime.check_integrity:
+            self.scheduler.check_integrity()
+        if self.profile is not None:
+            self.profile.mark("update")
+
+    def _emit_tokens(self, advanced: list[Request], runner_out) -> list[StepOutput]:
+        """Stream the new tokens of the requests that advanced; release the rows of those that finished."""
         now = time.perf_counter()
         lps = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
-        finished = []
+        outs, finished = [], []
         for req in advanced:
             out = self._advance(req, now, lps.get(req.request_id))
             if out is not None:
@@ -118,11 +146,41 @@ class LLMEngine:
             if req.is_finished:
                 finished.append(req.request_id)
         self.runner.release(finished)
-        if self.cfg.runtime.check_integrity:
-            self.scheduler.check_integrity()
-        if prof is not None:
-            prof.mark("update")
         return outs
+
+    # ---- async scheduling ------------------------------------------------------------------------------
+    # Step N: schedule(N) and launch(N) while the GPU still runs N-1; then wait for N-1's tokens, write them
+    # over their placeholders and stream them; then update(N) with placeholders (counters, blocks, length
+    # stops). A request that stopped at N-1 was still computed in N: that token is dropped, never emitted.
+
+    def _step_async(self) -> list[StepOutput]:
+        outs, self._pending = self._pending, []
+        so = self._schedule()
+        prev = self._inflight[1] if self._inflight is not None else None
+        launched = None if so.is_empty else self.runner.launch(so, prev, self.profile)
+        outs += self._resolve()
+        if launched is not None:
+            placeholders = ModelRunnerOutput(launched.req_ids, [PLACEHOLDER] * len(launched.req_ids))
+            advanced = self.scheduler.update(so, placeholders)
+            self._inflight = ([(r, r.num_output_tokens - 1) for r in advanced], launched)
+            self._after_step()
+        return outs
+
+    def _resolve(self) -> list[StepOutput]:
+        """Wait for the step in flight, fill in its tokens (running the value-dependent stop checks), stream."""
+        if self._inflight is None:
+            return []
+        placed, launched = self._inflight
+        self._inflight = None
+        runner_out = self.runner.resolve(launched, self.profile)
+        token_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
+        for req, out_index in placed:
+            self.scheduler.apply_sampled_token(req, out_index, token_of[req.request_id])
+        return self._emit_tokens([req for req, _ in placed], runner_out)
+
+    def _drain(self) -> None:
+        """Resolve the step in flight (if any) into the pending outputs: before a synchronous step or abort."""
+        self._pending += self._resolve()
 
     def _advance(self, req: Request, now: float, logprob) -> StepOutput | None:
         group, idx = self._child[req.request_id]
@@ -157,6 +215,7 @@ class LLMEngine:
             full = self.prompts.decode(req.output_token_ids)
         reason = req.status.value
         group.outputs[idx] = CompletionOutput(idx, full, list(req.output_token_ids), reason, comp.logprobs)
+        self._num_penalty_reqs -= req.sampling_params.needs_penalties
         del self._child[req.request_id]
         final = None
         if group.done:
@@ -171,6 +230,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its completions). Its final StepOutput comes with the next step(). Returns
         False if the id is unknown or already finished."""
+        self._drain()   # no placeholder token may reach a final output
         group = self._groups.get(str(request_id))
         if group is None:
             return False

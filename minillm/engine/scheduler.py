@@ -306,6 +306,30 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
         return advanced
 
+    def apply_sampled_token(self, req: Request, out_index: int, token: int) -> bool:
+        """Async scheduling: update() appended a placeholder for a token still on the GPU; it is now known.
+
+        Writes it in, then runs the stop checks that depend on its value (EOS, stop ids; the length checks
+        already ran in update()). Returns True if the request finished here. Works for a request preempted
+        since (it is waiting then) and is a no-op check for one that already finished.
+        """
+        req.output_token_ids[out_index] = token
+        req.all_token_ids[req.num_prompt_tokens + out_index] = token
+        if req.is_finished:
+            return False
+        was_waiting = req.status is WAITING
+        # NOTE: a request has at most one placeholder (the step in flight), so this token is its last output
+        # and _check_stop sees exactly what a synchronous update() would have seen.
+        if not self._check_stop(req, token):
+            return False
+        del self.requests[req.request_id]
+        if was_waiting:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self.kv.free(req)
+        return True
+
     def _check_stop(self, req: Request, token: int) -> bool:
         """Set status and stop_reason if the token just appended ends the request."""
         sp = req.sampling_params

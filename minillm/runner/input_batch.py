@@ -29,6 +29,29 @@ class StepInputs:
     sample_seq_idx: list[int]     # index into scheduled of each sampled row
 
 
+@dataclass
+class PrevTokens:
+    """The previous step's sampled token ids on the device, and each sampled request's index into them."""
+    token_ids: torch.Tensor
+    index: dict[str, int]
+
+
+def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, seqs, num_decodes: int,
+                       prev: PrevTokens | None) -> None:
+    """Replace placeholder (-1) input tokens by the previous step's samples, device to device, no sync.
+
+    NOTE: only decode rows can hold one: a request sampled last step has exactly that token left to compute.
+    """
+    rows = np.flatnonzero(host_ids < 0)
+    if rows.size == 0:
+        return
+    if prev is None or rows[-1] >= num_decodes:
+        raise RuntimeError("a placeholder token reached the model outside a decode row after a sampling step")
+    src = [prev.index[seqs[i].request.request_id] for i in rows.tolist()]
+    dev = input_ids.device
+    input_ids[torch.from_numpy(rows).to(dev)] = prev.token_ids[torch.tensor(src, device=dev)]
+
+
 class BlockTableRows:
     """Persistent [max_num_seqs, max_blocks] block table; one row per live request."""
 
@@ -77,22 +100,32 @@ class InputBuilder:
         self.device = device
         self.rows = BlockTableRows(max_num_seqs, self.max_blocks)
         pin = device.type == "cuda"
-        self._host = {
-            "input_ids": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
-            "positions": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
-            "slot_mapping": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
-            "query_start_loc": torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin),
-            "seq_lens": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
-            "logits_indices": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
-        }
-        self._np = {k: v.numpy() for k, v in self._host.items()}
+
+        def staging() -> dict[str, torch.Tensor]:
+            return {
+                "input_ids": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
+                "positions": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
+                "slot_mapping": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
+                "query_start_loc": torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin),
+                "seq_lens": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
+                "logits_indices": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+            }
+        # NOTE: two staging sets used in turn. With async scheduling, step N+1 is built while step N's
+        # non-blocking host-to-device copies may still be queued behind step N-1; they read the other set.
+        self._sets = [staging(), staging()]
+        self._sets_np = [{k: v.numpy() for k, v in st.items()} for st in self._sets]
+        self._turn = 0
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
 
     def release(self, req_ids) -> None:
         for rid in req_ids:
             self.rows.release(rid)
 
-    def build(self, so: SchedulerOutput) -> StepInputs:
+    def build(self, so: SchedulerOutput, prev: PrevTokens | None = None) -> StepInputs:
+        """Step inputs for `so`. `prev`: the previous step's sampled tokens, still on the device, for the
+        decode rows whose input token is a placeholder (async scheduling)."""
+        self._turn ^= 1
+        self._host, self._np = self._sets[self._turn], self._sets_np[self._turn]
         self.release(so.preempted_ids)
         seqs = so.scheduled
         n = len(seqs)
@@ -125,8 +158,11 @@ class InputBuilder:
         sample_idx = [i for i, s in enumerate(seqs) if s.sample]
         h["logits_indices"][: len(sample_idx)] = qsl[1:][sample_idx] - 1
         block_tables = self.rows.table[rows, : cdiv(max_seq_len, bs)]
-        return self._to_device(so, n, total, num_decodes, int(counts.max()) if n else 0, max_seq_len,
+        step = self._to_device(so, n, total, num_decodes, int(counts.max()) if n else 0, max_seq_len,
                                block_tables, sample_idx)
+        if prev is not None or (ids < 0).any():
+            _fill_placeholders(step.input_ids, ids, seqs, num_decodes, prev)
+        return step
 
     def _to_device(self, so, n, total, num_decodes, max_query_len, max_seq_len, block_tables, sample_idx):
         dev, host = self.device, self._host

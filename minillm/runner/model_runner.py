@@ -6,6 +6,7 @@ ModelRunnerOutput (the sampled token of each sequence that asked for one).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +14,7 @@ from minillm.attention import make_attention_backend
 from minillm.config import ConfigError, EngineConfig
 from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
-from minillm.runner.input_batch import InputBuilder, cdiv
+from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import allocate_kv_cache, choose_num_blocks
 from minillm.sampling.batch import SamplingBatch
 from minillm.sampling.sampler import Sampler
@@ -21,6 +22,21 @@ from minillm.sampling.sampler import Sampler
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class InFlight:
+    """A launched step: its sampled tokens are on the device until resolve() waits for them."""
+    req_ids: list[str]
+    token_ids: torch.Tensor | None          # on the device: feeds the next step's placeholder inputs
+    logprobs: list | None
+    host_ids: torch.Tensor | None           # pinned host copy being filled (CPU: the tokens themselves)
+    done: object | None                     # torch.cuda.Event recorded after that copy (None on the CPU)
+
+    def prev_tokens(self) -> PrevTokens | None:
+        if self.token_ids is None:
+            return None
+        return PrevTokens(self.token_ids, {rid: i for i, rid in enumerate(self.req_ids)})
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,6 +73,11 @@ class ModelRunner:
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
         self.graphs = self._capture_graphs()
+        # Two pinned buffers for sampled ids, used in turn: the copy of step N's tokens may still be pending
+        # while step N-1's are read (async scheduling).
+        pin = self.device.type == "cuda"
+        self._out_host = [torch.zeros(sched.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._out_turn = 0
 
     def _capture_graphs(self):
         """Decode graphs only where they are safe: a GPU, our CUDA attention (host-sync free), not eager."""
@@ -90,9 +111,17 @@ class ModelRunner:
         """Forget finished/aborted requests' block-table rows."""
         self.inputs.release(req_ids)
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput, prof=None) -> ModelRunnerOutput:
-        step = self.inputs.build(so)
+        """One synchronous step: launch it and wait for its tokens."""
+        return self.resolve(self.launch(so, None, prof), prof)
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, prev: InFlight | None, prof=None) -> InFlight:
+        """Queue the step's GPU work (inputs, forward, sampling) and return without waiting for it.
+
+        `prev`: the step still in flight, whose sampled tokens feed this step's placeholder inputs.
+        """
+        step = self.inputs.build(so, prev.prev_tokens() if prev is not None else None)
         meta = step.meta
         if prof is not None:
             prof.mark("build")
@@ -100,19 +129,36 @@ class ModelRunner:
             hidden = self.graphs.replay(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-        if not step.sample_seq_idx:
-            return ModelRunnerOutput()
+        reqs = [so.scheduled[i].request for i in step.sample_seq_idx]
+        if not reqs:
+            return InFlight([], None, None, None, None)
         logits = self.model.compute_logits(hidden[step.logits_indices])
         if prof is not None:
             prof.mark("forward")
-        reqs = [so.scheduled[i].request for i in step.sample_seq_idx]
-        batch = SamplingBatch.build(reqs, self.device, self.vocab_size)
-        result = self.sampler(logits, batch)
-        out = ModelRunnerOutput(req_ids=[r.request_id for r in reqs],
-                                sampled_token_ids=result.token_ids.tolist(), logprobs=result.logprobs)
+        result = self.sampler(logits, SamplingBatch.build(reqs, self.device, self.vocab_size))
+        return InFlight([r.request_id for r in reqs], result.token_ids, result.logprobs,
+                        *self._copy_to_host(result.token_ids))
+
+    def _copy_to_host(self, token_ids: torch.Tensor):
+        """Start the device-to-host copy of the sampled ids right behind the sampler, so that waiting for
+        them later does not also wait for a step launched after this one."""
+        if self.device.type != "cuda":
+            return token_ids, None
+        self._out_turn ^= 1
+        host = self._out_host[self._out_turn][: token_ids.numel()]
+        host.copy_(token_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def resolve(self, inflight: InFlight, prof=None) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled tokens."""
+        if inflight.done is not None:
+            inflight.done.synchronize()
+        tokens = inflight.host_ids.tolist() if inflight.host_ids is not None else []
         if prof is not None:
             prof.mark("sample_sync")
-        return out
+        return ModelRunnerOutput(req_ids=inflight.req_ids, sampled_token_ids=tokens, logprobs=inflight.logprobs)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
