@@ -15,13 +15,13 @@ import torch
 from safetensors import safe_open
 
 from minillm.config import ConfigError
+from minillm.device import resolve_device, resolve_dtype  # noqa: F401 (part of the loader's API)
 from minillm.model.arch import ModelArchConfig
 from minillm.model.qwen3 import QwenForCausalLM
 from minillm.model.registry import get_model_class
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Packed module name -> {shard: the checkpoint module name whose weight (and bias) fills that shard's rows}.
 _PACKED = {
     "qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
@@ -33,24 +33,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype={dtype} is not allowed: one of {', '.join(_DTYPES)}")
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not allowed: one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype | str = "auto",

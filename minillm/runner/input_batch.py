@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from minillm.attention.metadata import AttentionMetadata
+from minillm.device import to_device
 from minillm.engine.outputs import SchedulerOutput
 
 
@@ -49,7 +50,7 @@ def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, seqs, num_
         raise RuntimeError("a placeholder token reached the model outside a decode row after a sampling step")
     src = [prev.index[seqs[i].request.request_id] for i in rows.tolist()]
     dev = input_ids.device
-    input_ids[torch.from_numpy(rows).to(dev)] = prev.token_ids[torch.tensor(src, device=dev)]
+    input_ids[to_device(rows, dev)] = prev.token_ids[to_device(np.array(src, dtype=np.int64), dev)]
 
 
 class BlockTableRows:
@@ -174,7 +175,7 @@ class InputBuilder:
             num_seqs=n, num_decodes=num_decodes, num_tokens=total, max_query_len=max_query_len,
             max_seq_len=max_seq_len, slot_mapping=put("slot_mapping", total),
             query_start_loc=put("query_start_loc", n + 1), seq_lens=put("seq_lens", n),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True), block_size=self.block_size,
+            block_tables=to_device(block_tables, dev), block_size=self.block_size,
             query_start_loc_cpu=self._np["query_start_loc"][: n + 1].tolist(),
             seq_lens_cpu=self._np["seq_lens"][:n].tolist())
         return StepInputs(input_ids=put("input_ids", total), positions=put("positions", total), meta=meta,

@@ -12,6 +12,7 @@ import torch
 
 from minillm.attention import make_attention_backend
 from minillm.config import ConfigError, EngineConfig
+from minillm.device import resolve_device, resolve_dtype
 from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
@@ -20,9 +21,6 @@ from minillm.sampling.batch import SamplingBatch
 from minillm.sampling.sampler import Sampler
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class InFlight:
@@ -37,21 +35,6 @@ class InFlight:
         if self.token_ids is None:
             return None
         return PrevTokens(self.token_ids, {rid: i for i, rid in enumerate(self.req_ids)})
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"runtime.device={name!r} is not available: no CUDA GPU found; use cpu or auto")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' = bfloat16 on a GPU, float32 on the CPU (CPU bf16 matmuls are slow and only emulated)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class ModelRunner:

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from minillm.device import to_device
 from minillm.request import Request
 from minillm.sampling.penalties import PenaltyTensors, pad_token_arrays, token_history
 
@@ -71,14 +72,14 @@ class SamplingBatch:
         params[_MINP, greedy] = 0.0
         params[_K, greedy] = vocab_size
         need = _needs(params, all_greedy, vocab_size)
-        dev = torch.from_numpy(params).to(device) if any(need.values()) else None  # one copy; rows are views
+        dev = to_device(params, device) if any(need.values()) else None  # one copy; rows are views
         banned_rows, banned_cols = _min_tokens_mask(requests, vocab_size, device)
         mixed = not all_greedy and bool(greedy.any())
         return cls(
             num_rows=len(requests),
             vocab_size=vocab_size,
             all_greedy=all_greedy,
-            greedy_mask=torch.from_numpy(greedy).to(device) if mixed else None,
+            greedy_mask=to_device(greedy, device) if mixed else None,
             temperature=dev[_T].unsqueeze(1) if need["temperature"] else None,
             top_k=dev[_K].long() if need["top_k"] else None,
             max_top_k=int(params[_K][params[_K] < vocab_size].max()) if need["top_k"] else 0,
@@ -126,7 +127,7 @@ def _penalties(requests: Sequence[Request], dev: torch.Tensor | None, need: dict
 
     def ids(select) -> torch.Tensor:
         # Only rows that use the penalty ship their tokens; the others are pure padding.
-        return torch.from_numpy(pad_token_arrays([select(r) for r in requests], vocab_size)).to(device)
+        return to_device(pad_token_arrays([select(r) for r in requests], vocab_size), device)
 
     def outputs(r: Request) -> np.ndarray | None:
         sp = r.sampling_params
@@ -163,8 +164,7 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
                 cols.append(t)
     if not rows:
         return None, None
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(cols, dtype=torch.int64, device=device))
+    return (to_device(np.array(rows, dtype=np.int64), device), to_device(np.array(cols, dtype=np.int64), device))
 
 
 def _seeded_rows(requests: Sequence[Request], sampling: np.ndarray) -> list[tuple[int, int]]:
