@@ -145,6 +145,27 @@ def test_n_completions_share_prompt(qwen3_dir):
                                                             ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert not llm.engine._groups and not llm.engine._child   # nothing left behind
+
+
+def test_n_siblings_hit_the_prompt_blocks(qwen3_dir):
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN, check_integrity=True)
+    rid = llm.add_request(prompts_mixed()[4], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4,
+                                                             ignore_eos=True))
+    children = [c.request for c in llm.engine._groups[rid].completions]
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert [c.num_cached_tokens for c in children] == [0, 32, 32]
+
+
+def test_abort_n_before_siblings_start(qwen3_dir):
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN, check_integrity=True)
+    rid = llm.add_request(prompts_mixed()[4], SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    assert llm.abort(rid)
+    outs = [o for _ in range(3) for o in llm.step()]
+    assert [o.finish_reason for o in outs] == ["abort"] * 3 and outs[-1].output is not None
+    assert not llm.has_unfinished_requests()
+    llm.engine.scheduler.check_integrity()
 
 
 def test_abort_running_and_waiting(qwen3_dir):

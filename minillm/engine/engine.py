@@ -40,6 +40,10 @@ class _Group:
     metrics: RequestMetrics
     stream: bool
     outputs: list[CompletionOutput | None] = field(default_factory=list)
+    # NOTE: completions 1..n-1 wait here until completion 0 has sampled its first token: by then the
+    # prompt's full blocks are computed and published, so the siblings take them from the prefix cache
+    # instead of computing the same prompt n times.
+    held: list[Request] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -76,12 +80,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self.prompts.prepare(prompt, params)
         children = [self._make_request(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
-        for req in children:
-            # NOTE: the first add validates the fit and raises before any state changes; the others have the
-            # same prompt and params, so they cannot fail after it.
-            self.scheduler.add_request(req)
+        self.scheduler.add_request(children[0])   # validates the fit; raises before any state changes
         group = _Group(request_id, prompt_ids, [], RequestMetrics(arrival_time=time.perf_counter()), stream,
-                       [None] * params.n)
+                       [None] * params.n, held=children[1:])
         for i, req in enumerate(children):
             detok = self.prompts.detokenizer(params) if (stream or params.stop) else None
             group.completions.append(_Completion(req, detok, logprobs=[] if params.logprobs is not None else None))
@@ -187,6 +188,10 @@ class LLMEngine:
         comp = group.completions[idx]
         new_ids = req.output_token_ids[comp.num_reported:]
         comp.num_reported = req.num_output_tokens
+        if group.held and idx == 0 and (new_ids or req.is_finished):
+            for sibling in group.held:
+                self.scheduler.add_request(sibling)
+            group.held = []
         if new_ids:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
@@ -237,9 +242,12 @@ class LLMEngine:
         now = time.perf_counter()
         for idx, comp in enumerate(group.completions):
             if group.outputs[idx] is None:
+                if comp.request in group.held:       # never reached the scheduler
+                    comp.request.status = RequestStatus.FINISHED_ABORTED
                 self.scheduler.finish_request(comp.request.request_id, RequestStatus.FINISHED_ABORTED)
                 self.runner.release([comp.request.request_id])
                 self._pending.append(self._emit(group, idx, [], "", now))
+        group.held = []
         return True
 
     @property
