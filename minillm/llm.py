@@ -51,8 +51,9 @@ class LLM:
 
     # ---- streaming primitives ----
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
-        return self.engine.add_request(prompt, params, request_id, priority)
+                    priority: int = 0, enable_thinking: bool | None = None) -> str:
+        """enable_thinking: passed to the chat template when the prompt is a list of chat messages (Qwen3)."""
+        return self.engine.add_request(prompt, params, request_id, priority, enable_thinking=enable_thinking)
 
     def step(self) -> list[StepOutput]:
         return self.engine.step()
@@ -65,7 +66,8 @@ class LLM:
 
     # ---- offline ----
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priorities: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 priorities: Sequence[int] | None = None, use_tqdm: bool = True,
+                 enable_thinking: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. All prompts are validated before any runs:
         a bad one raises ValueError naming its index and nothing is admitted."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -75,10 +77,11 @@ class LLM:
         prios = _per_prompt(priorities, len(prompts), "priorities", default=0)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                self.engine.prompts.prepare(p, sp)
+                self.engine.prompts.prepare(p, sp, enable_thinking)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp, priority=pr, stream=False) for p, sp, pr in zip(prompts, params, prios)]
+        ids = [self.engine.add_request(p, sp, priority=pr, stream=False, enable_thinking=enable_thinking)
+               for p, sp, pr in zip(prompts, params, prios)]
         results: dict[str, RequestOutput] = {}
         with TokenProgress(len(ids), use_tqdm, transient=True) as advance:
             while self.engine.has_unfinished_requests():

@@ -68,7 +68,7 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, stream: bool = True) -> str:
+                    priority: int = 0, stream: bool = True, enable_thinking: bool | None = None) -> str:
         """Validate, then admit. Raises ValueError naming the problem; a rejected request leaves no state."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -78,7 +78,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = self.prompts.prepare(prompt, params)
+        prompt_ids = self.prompts.prepare(prompt, params, enable_thinking)
         children = [self._make_request(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
         self.scheduler.add_request(children[0])   # validates the fit; raises before any state changes
         group = _Group(request_id, prompt_ids, [], RequestMetrics(arrival_time=time.perf_counter()), stream,

@@ -21,8 +21,8 @@ class PromptPreparer:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
-    def prepare(self, prompt, params: SamplingParams) -> list[int]:
-        ids = self._to_ids(prompt)
+    def prepare(self, prompt, params: SamplingParams, enable_thinking: bool | None = None) -> list[int]:
+        ids = self._to_ids(prompt, enable_thinking)
         if not ids:
             raise ValueError("prompt is empty")
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
@@ -36,13 +36,14 @@ class PromptPreparer:
             raise ValueError("stop strings need a tokenizer, and this model directory has no tokenizer.json")
         return ids
 
-    def _to_ids(self, prompt) -> list[int]:
+    def _to_ids(self, prompt, enable_thinking: bool | None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             return self._need_tokenizer("a text prompt").encode(prompt)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self._need_tokenizer("chat messages").apply_chat_template(list(prompt), add_generation_prompt=True)
+            text = self._need_tokenizer("chat messages").apply_chat_template(
+                list(prompt), add_generation_prompt=True, enable_thinking=enable_thinking)
             return self.tokenizer.encode(text)
         if isinstance(prompt, (list, tuple)):
             return list(prompt)

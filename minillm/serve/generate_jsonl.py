@@ -87,7 +87,8 @@ def _admit(llm, lines, defaults: dict, writer: _OrderedWriter) -> dict[str, tupl
             req = parse_line(line_no, raw, defaults)
             rid = req.id
             # The engine id is the line number: user ids may repeat or collide; line numbers cannot.
-            eid = llm.add_request(req.prompt, req.params, request_id=str(line_no), priority=req.priority)
+            eid = llm.add_request(req.prompt, req.params, request_id=str(line_no), priority=req.priority,
+                                  enable_thinking=req.enable_thinking)
         except LineError as e:
             writer.put(slot, e.to_json())
         except ValueError as e:   # the engine's verdict: too long for max_model_len, ids outside the vocab, ...

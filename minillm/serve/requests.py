@@ -17,7 +17,7 @@ _READ_CHUNK = 1 << 16
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 PARAM_KEYS = tuple(f.name for f in fields(SamplingParams))
-ALLOWED_KEYS = ("id", *PROMPT_KEYS, *PARAM_KEYS, "priority")
+ALLOWED_KEYS = ("id", *PROMPT_KEYS, *PARAM_KEYS, "priority", "enable_thinking")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class ParsedRequest:
     prompt: str | list[int] | list[dict]      # text, token ids, or chat messages
     params: SamplingParams
     priority: int = 0
+    enable_thinking: bool | None = None       # chat template switch (Qwen3); only with messages
 
 
 @dataclass
@@ -186,7 +187,11 @@ def parse_request(obj: dict, line_no: int, defaults: dict) -> ParsedRequest:
         _check_finite(value, rid)
     prompt = _prompt(obj, rid)
     params, priority = _params(obj, rid, defaults)
-    return ParsedRequest(rid, prompt, params, priority)
+    thinking = obj.get("enable_thinking")
+    if thinking is not None and (not isinstance(thinking, bool) or "messages" not in obj):
+        raise LineError(rid, "invalid_request", f"enable_thinking must be true or false and comes with messages, "
+                        f"got {_short(thinking)}")
+    return ParsedRequest(rid, prompt, params, priority, thinking)
 
 
 def parse_line(line_no: int, raw: bytes | TooLong, defaults: dict, allow_abort: bool = False

@@ -56,7 +56,8 @@ class StdinServer:
                 return
             if item.id in self.by_user:
                 raise LineError(item.id, "invalid_request", f"id {item.id!r} is already in flight")
-            eid = self.llm.add_request(item.prompt, item.params, request_id=str(line_no), priority=item.priority)
+            eid = self.llm.add_request(item.prompt, item.params, request_id=str(line_no), priority=item.priority,
+                                       enable_thinking=item.enable_thinking)
         except LineError as e:
             self._error(e)
         except ValueError as e:   # the engine refused it (too long, ids outside the vocab, ...)

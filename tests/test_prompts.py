@@ -1,0 +1,48 @@
+"""Prompt preparation: chat messages through the model's template, with Qwen3's enable_thinking switch."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.serve.requests import LineError, parse_line
+from tiny_models import make_tiny_checkpoint
+
+DEMO = Path(__file__).resolve().parents[1] / "minillm" / "demo_model"
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("chat"), vocab=4096, seed=5)
+    shutil.copy(DEMO / "tokenizer.json", path / "tokenizer.json")
+    cfg = json.loads((DEMO / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = THINKING_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return LLM(str(path), device="cpu", dtype="float32", max_model_len=128)
+
+
+MESSAGES = [{"role": "user", "content": "Open the file."}]
+
+
+def test_enable_thinking_reaches_the_template(llm):
+    prep = llm.engine.prompts.prepare
+    on, off, default = (prep(MESSAGES, SamplingParams(), t) for t in (True, False, None))
+    assert on == default and len(off) > len(on)
+    assert llm.tokenizer.decode(off[len(on):], skip_special_tokens=False).strip().startswith("<think>")
+    out = llm.generate([MESSAGES], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False,
+                       enable_thinking=False)[0]
+    assert out.prompt_token_ids == off
+
+
+def test_jsonl_enable_thinking_is_validated():
+    ok = parse_line(1, json.dumps({"messages": MESSAGES, "enable_thinking": False}).encode(), {})
+    assert ok.enable_thinking is False
+    for bad in ({"prompt": "x", "enable_thinking": True}, {"messages": MESSAGES, "enable_thinking": "no"}):
+        with pytest.raises(LineError, match="enable_thinking"):
+            parse_line(2, json.dumps(bad).encode(), {})
