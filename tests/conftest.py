@@ -10,3 +10,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random Qwen3 checkpoint with the demo model's tokenizer (text prompts, chat template)."""
+    from tiny_models import make_tiny_checkpoint, with_demo_tokenizer
+    return with_demo_tokenizer(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), vocab=4096))
+

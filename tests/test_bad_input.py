@@ -13,19 +13,9 @@ from minillm.sampling_params import SamplingParams
 from minillm.serve.requests import (MAX_LINE_BYTES, AbortCommand, LineError, ParsedRequest, TooLong, iter_lines,
                                     parse_line)
 
-DEMO = Path(__file__).resolve().parent.parent / "minillm" / "demo_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 SMALL = ["--device", "cpu", "--set", "cache.num_kv_blocks=64", "--set", "sampling.temperature=0",
          "--set", "sampling.max_tokens=3", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_checkpoint
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), vocab=4096)   # the demo tokenizer's vocab
-    for name in TOKENIZER_FILES:
-        shutil.copy(DEMO / name, path / name)
-    return path
 
 
 def parse(line, allow_abort: bool = False, line_no: int = 7):

@@ -1,9 +1,7 @@
 """The CLI: fast --help, lazy commands, flags reaching the config, generate matching the Python API."""
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -11,17 +9,7 @@ from typer.testing import CliRunner
 from minillm import cli
 from minillm.cli import EngineFlags, app
 
-DEMO = Path(__file__).resolve().parent.parent / "minillm" / "demo_model"
 ENGINE_ARGS = ["--device", "cpu", "--set", "cache.num_kv_blocks=64"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_checkpoint
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), vocab=4096)   # the demo tokenizer's vocab
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(DEMO / name, path / name)
-    return path
 
 
 def run_cli(*args, input=None):

@@ -1,15 +1,12 @@
 """Prompt preparation: chat messages through the model's template, with Qwen3's enable_thinking switch."""
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 
 from minillm import LLM, SamplingParams
 from minillm.serve.requests import LineError, parse_line
-from tiny_models import make_tiny_checkpoint
+from tiny_models import DEMO_MODEL, make_tiny_checkpoint, with_demo_tokenizer
 
-DEMO = Path(__file__).resolve().parents[1] / "minillm" / "demo_model"
 THINKING_TEMPLATE = (
     "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
@@ -19,9 +16,9 @@ THINKING_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("chat"), vocab=4096, seed=5)
-    shutil.copy(DEMO / "tokenizer.json", path / "tokenizer.json")
-    cfg = json.loads((DEMO / "tokenizer_config.json").read_text())
+    path = with_demo_tokenizer(make_tiny_checkpoint(tmp_path_factory.mktemp("chat"), vocab=4096, seed=5),
+                               files=("tokenizer.json",))
+    cfg = json.loads((DEMO_MODEL / "tokenizer_config.json").read_text())
     cfg["chat_template"] = THINKING_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return LLM(str(path), device="cpu", dtype="float32", max_model_len=128)

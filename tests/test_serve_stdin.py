@@ -7,7 +7,6 @@ import io
 import json
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,18 +18,8 @@ import pytest
 
 from minillm.serve.stdin_server import StdinServer
 
-DEMO = Path(__file__).resolve().parent.parent / "minillm" / "demo_model"
 ENGINE_ARGS = ["--device", "cpu", "--set", "cache.num_kv_blocks=128", "--set", "sampling.temperature=0"]
 FINAL = ("done", "error")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_checkpoint
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), vocab=4096)   # the demo tokenizer's vocab
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(DEMO / name, path / name)
-    return path
 
 
 class Server:

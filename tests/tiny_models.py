@@ -128,3 +128,16 @@ def hf_greedy(path: str | Path, prompt_ids: list[int], max_new_tokens: int) -> l
                          dtype=torch.long), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "minillm" / "demo_model"
+
+
+def with_demo_tokenizer(path: Path, files=("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+                        ) -> Path:
+    """Give a tiny checkpoint (vocab 4096) the demo model's tokenizer files, for text and chat prompts."""
+    import shutil
+    for name in files:
+        shutil.copy(DEMO_MODEL / name, Path(path) / name)
+    return Path(path)
+
