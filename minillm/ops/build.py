@@ -94,6 +94,25 @@ def cuda_ops_available() -> bool:
     return True
 
 
+class CudaOpSwitch:
+    """Whether CUDA tensors go to torch.ops.minillm.<probe>: decided once, on first use (the extension is
+    built then), or forced with set() for tests and A/B timings (None = decide again)."""
+
+    def __init__(self, probe: str):
+        self.probe = probe
+        self.enabled: bool | None = None
+
+    def set(self, enabled: bool | None) -> None:
+        self.enabled = enabled
+
+    def __call__(self, x) -> bool:
+        if not x.is_cuda:
+            return False
+        if self.enabled is None:
+            self.enabled = has_op(self.probe)
+        return self.enabled
+
+
 def has_op(name: str) -> bool:
     """True when torch.ops.minillm.<name> is there to call (extension built and loaded, ops enabled)."""
     if not cuda_ops_available():

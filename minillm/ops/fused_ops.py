@@ -9,23 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_USE_CUDA: bool | None = None
+from minillm.ops.build import CudaOpSwitch
 
-
-def _cuda_ok(x: torch.Tensor) -> bool:
-    global _USE_CUDA
-    if not x.is_cuda:
-        return False
-    if _USE_CUDA is None:
-        from minillm.ops.build import has_op
-        _USE_CUDA = has_op("rms_norm")
-    return _USE_CUDA
-
-
-def set_cuda_fused_ops(enabled: bool | None) -> None:
-    """Force the CUDA kernels on/off (None = decide on first use). For tests and A/B timings."""
-    global _USE_CUDA
-    _USE_CUDA = enabled
+_cuda_ok = CudaOpSwitch("rms_norm")
+set_cuda_fused_ops = _cuda_ok.set   # force the CUDA kernels on/off (None = decide on first use)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minillm.ops.build import CudaOpSwitch
+
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
@@ -23,23 +25,8 @@ _MAX_U63 = 2**63 - 1
 # Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
 _REF_CHUNK_ELEMS = 1 << 22
 
-_USE_CUDA: bool | None = None
-
-
-def set_cuda_sampler(enabled: bool | None) -> None:
-    """Force the CUDA sampling kernel on/off (None = decide on first use). For tests and A/B timings."""
-    global _USE_CUDA
-    _USE_CUDA = enabled
-
-
-def _cuda_ok(x: torch.Tensor) -> bool:
-    global _USE_CUDA
-    if not x.is_cuda:
-        return False
-    if _USE_CUDA is None:
-        from minillm.ops.build import has_op
-        _USE_CUDA = has_op("sample_exponential_race")
-    return _USE_CUDA
+_cuda_ok = CudaOpSwitch("sample_exponential_race")
+set_cuda_sampler = _cuda_ok.set   # force the CUDA sampling kernel on/off (None = decide on first use)
 
 
 def cuda_sampler_available() -> bool:
