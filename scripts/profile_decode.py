@@ -90,6 +90,9 @@ def main() -> None:
     ap.add_argument("--output", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     res = run(args)
+    if args.output:   # first, so that a reader closing the pipe early cannot lose it
+        with open(args.output, "w") as f:
+            json.dump(res, f, indent=1)
     print(f"{res['device']}: batch {res['batch']}, context {res['context']}, async {res['async_scheduling']}: "
           f"wall {res['wall_ms_per_step']:.3f} ms/step, device busy {res['device_ms_per_step']:.3f} ms/step")
     for cat, ms in sorted(res["by_category_ms"].items(), key=lambda kv: -kv[1]):
@@ -97,9 +100,6 @@ def main() -> None:
     for name, ms in res["top_kernels_ms"].items():
         print(f"    {ms:8.3f}  {name[:110]}")
     print("  host phases (ms/step):", {k: round(v, 3) for k, v in res["host_phases"]["ms_per_step"].items()})
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
