@@ -3,7 +3,8 @@
 Everything a batch does not need is left as None, so the sampler skips its pass over the vocabulary:
 an all-greedy batch without penalties or min_tokens is a single argmax; no penalty tensors unless some row
 uses a penalty; no top-k/top-p tensors unless a sampling row uses them. The per-row scalars travel in one
-packed host->device copy; host work is one Python loop over the requests plus numpy.
+packed host->device copy. Host work is a join of each request's pre-packed float32 row (Request.sampling_row)
+plus numpy; per-row Python loops run only over the rows that need them (min_tokens, seeds, logprobs).
 """
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ from minillm.sampling.penalties import PenaltyTensors, pad_token_arrays, token_h
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5
 
-# Rows of the packed [len(_FIELDS), N] float32 parameter matrix.
-_FIELDS = ("temperature", "top_p", "min_p", "top_k", "presence", "frequency", "repetition")
-_T, _P, _MINP, _K, _PRES, _FREQ, _REP = range(len(_FIELDS))
+# Rows of the packed [len(_FIELDS), N] float32 parameter matrix: Request.sampling_row, transposed. The last
+# three are host-only flags (min_tokens, seeded, wants logprobs) that say which per-row loops are needed.
+_FIELDS = ("temperature", "top_p", "min_p", "top_k", "presence", "frequency", "repetition",
+           "min_tokens", "seeded", "logprobs")
+_T, _P, _MINP, _K, _PRES, _FREQ, _REP, _MINTOK, _SEEDED, _LOGPROBS = range(len(_FIELDS))
+_DEVICE_FIELDS = _REP + 1   # rows [0, _DEVICE_FIELDS) are shipped to the device
 
 
 def seed_for_token(seed: int, k: int) -> int:
@@ -72,8 +76,8 @@ class SamplingBatch:
         params[_MINP, greedy] = 0.0
         params[_K, greedy] = vocab_size
         need = _needs(params, all_greedy, vocab_size)
-        dev = to_device(params, device) if any(need.values()) else None  # one copy; rows are views
-        banned_rows, banned_cols = _min_tokens_mask(requests, vocab_size, device)
+        dev = to_device(params[:_DEVICE_FIELDS], device) if any(need.values()) else None  # one copy; views
+        banned_rows, banned_cols = _min_tokens_mask(requests, params[_MINTOK], vocab_size, device)
         mixed = not all_greedy and bool(greedy.any())
         return cls(
             num_rows=len(requests),
@@ -88,9 +92,9 @@ class SamplingBatch:
             penalties=_penalties(requests, dev, need, vocab_size, device),
             banned_rows=banned_rows,
             banned_cols=banned_cols,
-            seeded_rows=_seeded_rows(requests, sampling),
-            any_unseeded=any(s and r.sampling_params.seed is None for r, s in zip(requests, sampling)),
-            logprobs=_logprobs(requests),
+            seeded_rows=_seeded_rows(requests, sampling & (params[_SEEDED] > 0)),
+            any_unseeded=bool((sampling & (params[_SEEDED] == 0)).any()),
+            logprobs=_logprobs(requests) if params[_LOGPROBS].any() else None,
         )
 
 
@@ -108,15 +112,13 @@ def _needs(params: np.ndarray, all_greedy: bool, vocab_size: int) -> dict[str, b
 
 
 def _host_params(requests: Sequence[Request], vocab_size: int) -> np.ndarray:
-    """[len(_FIELDS), N] float32 matrix of the per-row scalars (top_k <= 0 or > V becomes V = disabled)."""
-    rows = []
-    for r in requests:
-        sp = r.sampling_params
-        k = sp.top_k if 0 < sp.top_k < vocab_size else vocab_size
-        rows.append((sp.temperature, sp.top_p, sp.min_p, k,
-                     sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty))
-    arr = np.array(rows, dtype=np.float32).reshape(len(rows), len(_FIELDS))
-    return np.ascontiguousarray(arr.T)
+    """[len(_FIELDS), N] float32 matrix of the per-row scalars (top_k <= 0 or >= V becomes V = disabled)."""
+    packed = b"".join([r.sampling_row for r in requests])
+    arr = np.frombuffer(packed, dtype=np.float32).reshape(len(requests), len(_FIELDS))
+    params = arr.T.copy()   # writable, row-major [fields, N]
+    k = params[_K]
+    params[_K] = np.where((k > 0) & (k < vocab_size), k, vocab_size)
+    return params
 
 
 def _penalties(requests: Sequence[Request], dev: torch.Tensor | None, need: dict, vocab_size: int,
@@ -145,13 +147,14 @@ def _penalties(requests: Sequence[Request], dev: torch.Tensor | None, need: dict
     )
 
 
-def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
+def _min_tokens_mask(requests: Sequence[Request], min_tokens: np.ndarray, vocab_size: int,
                      device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(row, token) pairs to forbid: EOS (unless ignore_eos) and stop_token_ids while fewer than min_tokens
     outputs exist. Ids outside the logits' width cannot be sampled anyway and are dropped."""
     rows: list[int] = []
     cols: list[int] = []
-    for i, r in enumerate(requests):
+    for i in np.flatnonzero(min_tokens > 0).tolist():
+        r = requests[i]
         sp = r.sampling_params
         if len(r.output_token_ids) >= sp.min_tokens:
             continue
@@ -167,10 +170,9 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
     return (to_device(np.array(rows, dtype=np.int64), device), to_device(np.array(cols, dtype=np.int64), device))
 
 
-def _seeded_rows(requests: Sequence[Request], sampling: np.ndarray) -> list[tuple[int, int]]:
-    return [(i, seed_for_token(r.sampling_params.seed, len(r.output_token_ids)))
-            for i, (r, s) in enumerate(zip(requests, sampling))
-            if s and r.sampling_params.seed is not None]
+def _seeded_rows(requests: Sequence[Request], seeded_sampling: np.ndarray) -> list[tuple[int, int]]:
+    return [(i, seed_for_token(requests[i].sampling_params.seed, len(requests[i].output_token_ids)))
+            for i in np.flatnonzero(seeded_sampling).tolist()]
 
 
 def _logprobs(requests: Sequence[Request]) -> list[int | None] | None:
