@@ -163,6 +163,9 @@ class LLMEngine:
         if launched is not None:
             placeholders = ModelRunnerOutput(launched.req_ids, [PLACEHOLDER] * len(launched.req_ids))
             advanced = self.scheduler.update(so, placeholders)
+            # NOTE: requests that update() ended on length left the scheduler's running set, so the next
+            # schedule may admit others in their place: free their block-table rows now, not at resolve.
+            self.runner.release([r.request_id for r in advanced if r.is_finished])
             self._inflight = ([(r, r.num_output_tokens - 1) for r in advanced], launched)
             self._after_step()
         return outs

@@ -315,6 +315,10 @@ class Scheduler:
         """
         req.output_token_ids[out_index] = token
         req.all_token_ids[req.num_prompt_tokens + out_index] = token
+        if req.status is RequestStatus.FINISHED_LENGTH:
+            # update() ended it on length at this very token; as in _check_stop, a stop by value wins.
+            self._value_stop(req, token)
+            return False
         if req.is_finished:
             return False
         was_waiting = req.status is WAITING
@@ -332,17 +336,24 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> bool:
         """Set status and stop_reason if the token just appended ends the request."""
-        sp = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if num_out >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-                return True
-            if token in sp.stop_token_ids:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                return True
-        if num_out >= sp.max_tokens or len(req.all_token_ids) >= self.max_model_len:
+        if self._value_stop(req, token):
+            return True
+        if len(req.output_token_ids) >= req.sampling_params.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    @staticmethod
+    def _value_stop(req: Request, token: int) -> bool:
+        """EOS (unless ignore_eos) or a stop token id, once min_tokens outputs exist: set status and reason."""
+        sp = req.sampling_params
+        if len(req.output_token_ids) < sp.min_tokens:
+            return False
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+            return True
+        if token in sp.stop_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
             return True
         return False
 
