@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
 @dataclass(eq=False)
@@ -67,7 +67,9 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        # NOTE: identity tests, not status.finished: this runs several times per request per step.
+        status = self.status
+        return status is not RequestStatus.WAITING and status is not RequestStatus.RUNNING
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
