@@ -216,10 +216,9 @@ class LLMEngine:
         return self._emit(group, idx, new_ids, text, now)
 
     def _emit(self, group: _Group, idx: int, new_ids, text: str, now: float) -> StepOutput:
+        """The final StepOutput of a finished completion (and the RequestOutput once all n are done)."""
         comp = group.completions[idx]
         req = comp.request
-        if not req.is_finished:
-            return StepOutput(group.request_id, list(new_ids), text, False, None, now, index=idx)
         if comp.detok is not None:
             text += comp.detok.flush()
             full = comp.detok.text

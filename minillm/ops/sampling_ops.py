@@ -29,11 +29,9 @@ _cuda_ok = CudaOpSwitch("sample_exponential_race")
 set_cuda_sampler = _cuda_ok.set   # force the CUDA sampling kernel on/off (None = decide on first use)
 
 
-def cuda_sampler_available() -> bool:
-    """True when CUDA tensors would go to the sampling kernel (extension built and not switched off)."""
-    if not torch.cuda.is_available():
-        return False
-    return _cuda_ok(torch.empty(0, device="cuda"))
+def uses_cuda_kernel(logits: torch.Tensor) -> bool:
+    """True when these logits would go to the sampling kernel (CUDA tensor, extension built, not switched off)."""
+    return _cuda_ok(logits)
 
 
 def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:

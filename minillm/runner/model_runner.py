@@ -143,12 +143,6 @@ class ModelRunner:
             prof.mark("sample_sync")
         return ModelRunnerOutput(req_ids=inflight.req_ids, sampled_token_ids=tokens, logprobs=inflight.logprobs)
 
-    @torch.inference_mode()
-    def profile_peak_bytes(self) -> int:
-        """Peak GPU memory of the largest step (a budget-sized prefill + max_num_seqs sampled rows), KV excluded."""
-        from minillm.runner.kv_sizing import profile_run
-        return profile_run(self)
-
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         return 2 * a.num_hidden_layers * self.cfg.cache.block_size * a.num_key_value_heads * a.head_dim * \

@@ -108,8 +108,8 @@ def _fused_race_applies(logits: torch.Tensor, batch: SamplingBatch) -> bool:
         return False
     if batch.seeded_rows or batch.logprobs is not None:
         return False
-    from minillm.ops.sampling_ops import cuda_sampler_available
-    return cuda_sampler_available()
+    from minillm.ops.sampling_ops import uses_cuda_kernel
+    return uses_cuda_kernel(logits)
 
 
 def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
