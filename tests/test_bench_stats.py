@@ -28,6 +28,8 @@ def test_latency_summary_on_known_timestamps():
     assert s["ttft_p99_s"] == pytest.approx(0.1 + 0.4 * 0.99)
     assert s["itl_p50_s"] == pytest.approx(0.2)
     assert s["itl_max_s"] == pytest.approx(0.4)
+    # the worst gaps, largest first, each with the time of its end from the first arrival (0.0)
+    assert s["itl_worst_s"] == [pytest.approx([0.4, 1.5]), pytest.approx([0.2, 0.8]), pytest.approx([0.1, 0.6])]
     assert s["itl_p99_s"] == pytest.approx(0.2 + 0.2 * 0.98)
     assert s["output_tokens"] == 5
     assert s["output_tok_s"] == pytest.approx(5 / 1.5)

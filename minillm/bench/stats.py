@@ -35,9 +35,19 @@ class RequestTimeline:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+def worst_gaps(timelines: list[RequestTimeline], n: int = 3) -> list[list[float]]:
+    """The n largest inter-token gaps as [gap seconds, seconds from the first arrival to the gap's end]: a stall
+    at the start of a run points at first-use costs (kernel loading, allocation), one later at the work itself."""
+    if not timelines:
+        return []
+    t0 = min(t.arrival for t in timelines)
+    gaps = [(b - a, b - t0) for t in timelines for a, b in zip(t.token_times, t.token_times[1:])]
+    return [list(g) for g in sorted(gaps, reverse=True)[:n]]
+
+
 def latency_summary(timelines: list[RequestTimeline]) -> dict:
-    """TTFT p50/p99, ITL p50/p99/max (seconds), and output tokens per second over the whole run
-    (first arrival to last token)."""
+    """TTFT p50/p99, ITL p50/p99/max (seconds), the worst ITL gaps and when they ended, and output tokens per
+    second over the whole run (first arrival to last token)."""
     ttfts = [t.ttft for t in timelines if t.ttft is not None]
     itls = [x for t in timelines for x in t.itls]
     tokens = sum(len(t.token_times) for t in timelines)
@@ -45,5 +55,6 @@ def latency_summary(timelines: list[RequestTimeline]) -> dict:
     span = max(ends) - min(t.arrival for t in timelines) if ends else 0.0
     return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
-            "itl_max_s": max(itls) if itls else None, "output_tokens": tokens,
+            "itl_max_s": max(itls) if itls else None, "itl_worst_s": worst_gaps(timelines),
+            "output_tokens": tokens,
             "output_tok_s": tokens / span if span > 0 else None}
