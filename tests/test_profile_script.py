@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
 
 
@@ -12,6 +14,11 @@ def test_profile_decode_smoke(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--batch", "4", "--context", "24", "--steps",
                     "3", "--output", str(out)], check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
-    assert res["wall_ms_per_step"] > 0 and res["device_ms_per_step"] > 0
-    assert abs(sum(res["by_category_ms"].values()) - res["device_ms_per_step"]) < 1e-6
+    assert res["wall_ms_per_step"] > 0 and res["profiled_wall_ms_per_step"] > 0
+    assert 0 < res["busy_ms_per_step"] <= res["profiled_wall_ms_per_step"]
+    assert res["idle_ms_per_step"] == pytest.approx(res["profiled_wall_ms_per_step"] - res["busy_ms_per_step"])
+    assert res["idle_est_ms_per_step"] == pytest.approx(res["wall_ms_per_step"] - res["busy_ms_per_step"])
+    # categories add up to the kernel sum (each event once), not to the busy time (a union)
+    assert sum(res["by_category_ms"].values()) == pytest.approx(res["kernel_sum_ms_per_step"])
+    assert res["kernels"]["source"] == "cpu aten ops" and res["kernels"]["steps"] == 3
     assert res["host_phases"]["steps"] == 3
