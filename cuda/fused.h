@@ -61,9 +61,11 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ActDType dtype, cuda
 // out[r] = argmax_c(logits[r, c] * inv_temperature[r] - log(E[r, c])), E ~ Exp(1) drawn by Philox4x32-10
 // with key = seed and counter = (c / 4, r, offset low, offset high), word c % 4; rows with
 // inv_temperature 0 take the plain argmax. Ties go to the lowest column, NaN counts as largest (torch.argmax).
-cudaError_t launch_sample_exponential_race(const float* logits, int64_t row_stride, const float* inv_temperature,
+// logits (fp32, fp16 or bf16 per logits_dtype) are widened to fp32 exactly: a value gives the same token
+// whichever of the three holds it.
+cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
                                            int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, cudaStream_t stream);
+                                           uint64_t offset, ActDType logits_dtype, cudaStream_t stream);
 
 }  // namespace minillm
 

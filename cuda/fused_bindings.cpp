@@ -183,10 +183,11 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tens
   return {q, k, v};
 }
 
+// logits: float32, float16 or bfloat16 (the lm_head output as it is); the kernel widens each value to fp32.
 Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset) {
-  FUSED_CHECK(logits_in.is_cuda() && logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2,
-                    "logits must be a float32 CUDA tensor [N, V], got ", logits_in.sizes(), " ",
-                    logits_in.scalar_type());
+  FUSED_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
+                    logits_in.sizes(), " on ", logits_in.device());
+  const ActDType dtype = act_dtype(logits_in, "logits");
   const Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   FUSED_CHECK(vocab >= 1 && vocab <= minillm::kMaxVocab - 4, "logits: vocab size must be in [1, ",
@@ -201,8 +202,8 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   check_launch(minillm::launch_sample_exponential_race(
-                   logits.data_ptr<float>(), logits.stride(0), inv_temperature.data_ptr<float>(),
-                   out.data_ptr<int64_t>(), rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                   logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), out.data_ptr<int64_t>(),
+                   rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), dtype,
                    at::cuda::getCurrentCUDAStream()),
                "sample_exponential_race");
   return out;

@@ -11,7 +11,10 @@
 // offset, column): the torch reference in minillm/ops/sampling_ops.py recomputes the same 32-bit words.
 // Word x -> u = float(x) * 2^-32 + 2^-33 (fp32) in (0, 1]; E = -log1p(-u), so a small E (a likely winner)
 // keeps full relative precision; u == 1 gives E = inf, a column that cannot win.
-// Variants: float4 loads (vocab and row stride multiples of 4, aligned) or scalar loads.
+// Logits may be fp32, fp16 or bf16 (the lm_head output as it is, no fp32 copy); each is widened to fp32
+// exactly, so the score of a column is the same fp32 number whichever of them holds the same value.
+// Variants: 16-byte loads (4 fp32 or 8 half-precision columns; vocab and row stride multiples of that,
+// aligned) or scalar loads.
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/sampling.cu
 #include <cmath>
 
@@ -75,62 +78,90 @@ __device__ __forceinline__ Best block_argmax(Best b) {
   return b;
 }
 
-template <bool VEC4>
+// The score of one column: l * inv_t + (-log E), each step rounded to fp32, or l itself on a greedy row.
+__device__ __forceinline__ float race_score(float l, float inv_t, bool greedy, uint32_t word) {
+  return greedy ? l : __fadd_rn(__fmul_rn(l, inv_t), neg_log_exponential(word));
+}
+
+// T: logit element type (float, __half or __nv_bfloat16), widened to fp32 exactly before any arithmetic.
+// VEC: 16-byte loads of 16 / sizeof(T) columns per thread and iteration (vocab and row stride multiples of
+// that, row pointers 16-byte aligned), i.e. one Philox group of 4 columns for fp32, two for 2-byte types; the
+// noise of column c stays word c % 4 of group c / 4 either way. Otherwise one group of 4 scalar loads.
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads)
-    exponential_race_kernel(const float* __restrict__ logits, int64_t row_stride,
+    exponential_race_kernel(const T* __restrict__ logits, int64_t row_stride,
                             const float* __restrict__ inv_temperature, int64_t* __restrict__ out, int vocab,
                             uint2 key, uint32_t offset_lo, uint32_t offset_hi) {
+  constexpr int kCols = VEC ? 16 / static_cast<int>(sizeof(T)) : 4;  // columns per thread and iteration
+  constexpr int kGroups = kCols / 4;                                   // Philox calls per iteration
   const uint32_t row = blockIdx.x;
-  const float* x = logits + row * row_stride;
+  const T* x = logits + row * row_stride;
   const float inv_t = inv_temperature[row];
   const bool greedy = inv_t == 0.f;
   // Index `vocab` is past every column: any real column, even at -inf, beats this start on the tie rule.
   Best best{-INFINITY, vocab};
-  const int groups = (vocab + 3) / 4;
-  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-    float l[4];
-    if constexpr (VEC4) {
-      const float4 f = *reinterpret_cast<const float4*>(x + 4 * g);
-      l[0] = f.x, l[1] = f.y, l[2] = f.z, l[3] = f.w;
+  const int chunks = (vocab + kCols - 1) / kCols;
+  for (int k = threadIdx.x; k < chunks; k += blockDim.x) {
+    float l[kCols];
+    if constexpr (VEC) {
+      fused_detail::load_vec<T, kCols>(x + kCols * k, l);
     } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) l[e] = 4 * g + e < vocab ? x[4 * g + e] : -INFINITY;
+      for (int e = 0; e < kCols; ++e) {
+        l[e] = kCols * k + e < vocab ? fused_detail::to_float(x[kCols * k + e]) : -INFINITY;
+      }
     }
-    uint4 r{0, 0, 0, 0};
-    if (!greedy) r = philox4x32_10(make_uint4(static_cast<uint32_t>(g), row, offset_lo, offset_hi), key);
-    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int col = 4 * g + e;
-      if (!VEC4 && col >= vocab) break;
-      const float s = greedy ? l[e] : __fadd_rn(__fmul_rn(l[e], inv_t), neg_log_exponential(words[e]));
-      if (beats(s, col, best)) best = {s, col};
+    for (int j = 0; j < kGroups; ++j) {
+      const int g = kGroups * k + j;
+      uint4 r{0, 0, 0, 0};
+      if (!greedy) r = philox4x32_10(make_uint4(static_cast<uint32_t>(g), row, offset_lo, offset_hi), key);
+      const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 4 * g + e;
+        if (!VEC && col >= vocab) break;
+        const float s = race_score(l[4 * j + e], inv_t, greedy, words[e]);
+        if (beats(s, col, best)) best = {s, col};
+      }
     }
   }
   best = block_argmax(best);
   if (threadIdx.x == 0) out[row] = best.i;
 }
 
+template <typename T>
+cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_temperature, int64_t* out,
+                        int64_t rows, int64_t vocab, uint2 key, uint32_t lo, uint32_t hi, cudaStream_t stream) {
+  constexpr int kVecCols = 16 / static_cast<int>(sizeof(T));
+  const bool vec = vocab % kVecCols == 0 && row_stride % kVecCols == 0 &&
+                   reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  const int64_t chunks = vec ? vocab / kVecCols : (vocab + 3) / 4;
+  const int threads = chunks >= kThreads ? kThreads : static_cast<int>((chunks + 31) / 32 * 32);
+  if (vec) {
+    exponential_race_kernel<T, true><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
+                                                                    static_cast<int>(vocab), key, lo, hi);
+  } else {
+    exponential_race_kernel<T, false><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
+                                                                     static_cast<int>(vocab), key, lo, hi);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
-cudaError_t launch_sample_exponential_race(const float* logits, int64_t row_stride, const float* inv_temperature,
+cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
                                            int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, cudaStream_t stream) {
+                                           uint64_t offset, ActDType logits_dtype, cudaStream_t stream) {
   if (rows < 0 || rows > INT32_MAX || vocab <= 0 || vocab > kMaxVocab - 4) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
   const uint32_t lo = static_cast<uint32_t>(offset), hi = static_cast<uint32_t>(offset >> 32);
-  const bool vec4 = vocab % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  const int groups = static_cast<int>((vocab + 3) / 4);
-  const int threads = groups >= kThreads ? kThreads : (groups + 31) / 32 * 32;
-  if (vec4) {
-    exponential_race_kernel<true><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
-                                                                 static_cast<int>(vocab), key, lo, hi);
-  } else {
-    exponential_race_kernel<false><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
-                                                                  static_cast<int>(vocab), key, lo, hi);
-  }
-  return cudaGetLastError();
+  return fused_detail::dispatch_dtype(logits_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return launch_race(static_cast<const T*>(logits), row_stride, inv_temperature, out, rows, vocab, key, lo, hi,
+                       stream);
+  });
 }
 
 }  // namespace minillm

@@ -168,6 +168,80 @@ def test_sampler_matches_reference(ops, vocab, pad):
     assert (out == ref).float().mean().item() >= 0.95
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,pad", [(151936, 0), (4096, 16), (1001, 0), (1001, 3), (4100, 0), (4096, 8)])
+def test_sampler_half_precision_logits_pick_the_fp32_tokens(ops, dtype, vocab, pad):
+    """bf16 / fp16 logits read directly give exactly the tokens the kernel gives for the same values in fp32
+    (widening is exact, the fp32 score of each column is the same), hence the reference's too, up to its
+    float near-ties (test_sampler_matches_reference). Loads: (151936, 0) 16-byte vectors of 8 columns;
+    (4096, 16) the same on rows 4112 apart; the others scalar: odd vocab (1001), unaligned rows (1001, 3),
+    vocab a multiple of 4 but not 8 (4100), rows starting 8 bytes off a 16-byte boundary (4096, 8)."""
+    g = torch.Generator("cuda").manual_seed(vocab + pad)
+    rows = 40
+    base = torch.randn(rows, vocab + pad, generator=g, device="cuda") * 4
+    logits = base.to(dtype)[:, pad // 2:pad // 2 + vocab]
+    wide = logits.float()
+    inv_t = torch.rand(rows, generator=g, device="cuda") * 3
+    inv_t[::5] = 0
+    greedy = inv_t == 0
+    for offset in (0, 77, 2**40 + 3):
+        out = ops.sample_exponential_race(logits, inv_t, 99, offset)
+        assert torch.equal(out, ops.sample_exponential_race(wide, inv_t, 99, offset))
+        assert torch.equal(out[greedy], wide.argmax(dim=1)[greedy])
+        ref = sample_exponential_race_ref(logits, inv_t, 99, offset)   # the reference widens to fp32 itself
+        scores = wide.cpu().numpy() * inv_t.cpu().numpy()[:, None] + race_noise(range(rows), vocab, 99, offset)
+        for r in np.flatnonzero((out != ref).cpu().numpy()):
+            a, b = scores[r, out[r].item()], scores[r, ref[r].item()]
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"row {r}: kernel and reference disagree beyond a tie"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampler_half_precision_ties_and_specials(ops, dtype):
+    """Columns equal in half precision (a tie on a greedy row goes to the lowest index), -inf and NaN, as the
+    fp32 copy of the same logits gives them."""
+    vocab = 4096
+    logits = torch.zeros(6, vocab, device="cuda", dtype=dtype)
+    logits[0, [17, 4000]] = 9.0                    # greedy tie: column 17
+    logits[1, :] = float("-inf")
+    logits[1, 4095] = 0.0                          # the only finite column wins at any temperature
+    logits[2, 123] = float("nan")                  # NaN counts as largest, as in torch.argmax
+    logits[3, 8:16] = 5.0                          # one 16-byte vector of equal values
+    inv_t = torch.tensor([0.0, 1.0, 0.0, 0.0, 2.0, 0.5], device="cuda")
+    out = ops.sample_exponential_race(logits, inv_t, 1, 2)
+    assert out.tolist()[:4] == [17, 4095, 123, 8]
+    assert torch.equal(out, ops.sample_exponential_race(logits.float(), inv_t, 1, 2))
+
+
+def test_sampler_passes_bf16_logits_unconverted(ops, monkeypatch):
+    """The engine's sampler gives the kernel the lm_head's bf16 logits as they are when nothing modifies them,
+    and the tokens equal those of the same logits in fp32 (fused path both times, same sampler seed/step)."""
+    from minillm.ops import sampling_ops
+    from minillm.request import Request
+    from minillm.sampling.batch import SamplingBatch
+    from minillm.sampling.sampler import Sampler
+    from minillm.sampling_params import SamplingParams
+
+    kernel, seen = sampling_ops.sample_exponential_race, []
+
+    def recording(logits, *args):
+        seen.append(logits.dtype)
+        return kernel(logits, *args)
+
+    monkeypatch.setattr(sampling_ops, "sample_exponential_race", recording)
+    monkeypatch.setattr(sampling_ops._cuda_ok, "enabled", True)
+    vocab = 151936
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=8, temperature=t), eos_token_ids=frozenset())
+            for i, t in enumerate([0.0, 0.6, 1.0, 1.7] * 8)]
+    g = torch.Generator("cuda").manual_seed(0)
+    logits = (torch.randn(len(reqs), vocab, generator=g, device="cuda") * 3).bfloat16()
+    kept = logits.clone()
+    got = Sampler(5)(logits, SamplingBatch.build(reqs, "cuda", vocab)).token_ids
+    ref = Sampler(5)(logits.float(), SamplingBatch.build(reqs, "cuda", vocab)).token_ids
+    assert seen == [torch.bfloat16, torch.float32]
+    assert torch.equal(got, ref)
+    assert torch.equal(logits, kept)
+
+
 def test_sampler_frequencies_follow_softmax(ops):
     logits = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5, float("-inf"), -3.0, 1.5], device="cuda")
     n, inv_t = 200_000, 1.7
@@ -189,3 +263,5 @@ def test_bad_arguments_raise_value_error(ops):
                          1, 1, 63, None, None, 1e-6)
     with pytest.raises(ValueError, match="seed"):
         ops.sample_exponential_race(x.float(), torch.ones(4, device="cuda"), -1, 0)
+    with pytest.raises(ValueError, match="logits"):
+        ops.sample_exponential_race(x.double(), torch.ones(4, device="cuda"), 0, 0)

@@ -1,5 +1,5 @@
 """Sampler tests on CPU: greedy, seeds, top-k/top-p/min-p masks vs sort-based references, penalties,
-min_tokens, the exponential race's distribution and logprobs."""
+min_tokens, the exponential race's distribution, logprobs, and half-precision logits (same tokens as fp32)."""
 import itertools
 import math
 
@@ -254,9 +254,63 @@ def test_bad_inputs_rejected():
     batch = SamplingBatch.build([req()], "cpu", V)
     with pytest.raises(ValueError, match="logits must have shape"):
         Sampler()(torch.zeros(2, V), batch)
-    with pytest.raises(ValueError, match="float32"):
-        Sampler()(torch.zeros(1, V, dtype=torch.float16), batch)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        Sampler()(torch.zeros(1, V, dtype=torch.float64), batch)
     with pytest.raises(ValueError, match="vocab_size"):
         SamplingBatch.build([req()], "cpu", 0)
     with pytest.raises(ValueError, match="seed"):
         Sampler(seed="x")
+
+
+def _mixed_requests():
+    """Every path of the sampler: greedy, plain temperature, top-k/top-p/min-p, seeds, penalties, min_tokens,
+    logprobs."""
+    return [req(temperature=0.0), req(temperature=0.7), req(temperature=1.3, top_k=5), req(top_p=0.8),
+            req(min_p=0.1, temperature=0.9), req(seed=7, temperature=1.1), req(temperature=0.8, logprobs=2),
+            req(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.2, output=[3, 3, 5]),
+            req(temperature=0.6, min_tokens=4, output=[1]), req(temperature=0.0, presence_penalty=0.5, output=[9])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_give_the_fp32_tokens(dtype):
+    """The runner hands the sampler the lm_head's own dtype; widening to fp32 is exact, so every path (here
+    the torch path: CPU) picks exactly the tokens of the same values in fp32, and never writes the input."""
+    requests = _mixed_requests()
+    for seed in range(4):
+        half = rand_logits(len(requests), seed=seed).to(dtype)
+        kept = half.clone()
+        for batch_reqs in (requests, requests[1:2] * 3, requests[:1] * 3, requests[6:7]):
+            n = len(batch_reqs)
+            got = Sampler(seed)(half[:n], SamplingBatch.build(batch_reqs, "cpu", V))
+            ref = sample(batch_reqs, half[:n].float(), seed)
+            assert torch.equal(got.token_ids, ref.token_ids)
+            assert got.logprobs == ref.logprobs
+        assert torch.equal(half, kept)
+
+
+def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(monkeypatch):
+    """Where the CUDA kernel applies, half-precision logits reach it as they are unless penalties or the
+    min_tokens ban must first change them (then in fp32, as before). Tokens equal those of fp32 logits.
+    Simulated on CPU: the kernel is replaced by its numpy reference, which widens to fp32 like the kernel."""
+    from minillm.ops import sampling_ops
+    from minillm.sampling import sampler as sampler_mod
+
+    seen = []
+
+    def fake_kernel(logits, inv_t, seed, offset):
+        seen.append(logits.dtype)
+        return sampling_ops.sample_exponential_race_ref(logits, inv_t, seed, offset)
+
+    monkeypatch.setattr(sampler_mod, "_fused_race_applies", lambda logits, batch: True)
+    monkeypatch.setattr(sampling_ops, "sample_exponential_race", fake_kernel)
+    plain = [req(temperature=0.0), req(temperature=0.7), req(temperature=1.5)]
+    penalised = plain[:2] + [req(temperature=1.0, repetition_penalty=1.5, output=[2, 2])]
+    banned = plain[:2] + [req(temperature=0.9, min_tokens=3)]
+    for requests, kernel_dtype in ((plain, torch.bfloat16), (penalised, torch.float32), (banned, torch.float32)):
+        half = rand_logits(3, seed=5).bfloat16()
+        seen.clear()
+        got = Sampler(3)(half, SamplingBatch.build(requests, "cpu", V)).token_ids
+        assert seen == [kernel_dtype]
+        ref = Sampler(3)(half.float(), SamplingBatch.build(requests, "cpu", V)).token_ids
+        assert seen == [kernel_dtype, torch.float32]
+        assert torch.equal(got, ref)

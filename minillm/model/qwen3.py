@@ -56,7 +56,8 @@ class QwenModel(nn.Module):
 
 class QwenForCausalLM(nn.Module):
     """forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, H]; compute_logits(hidden[N]) ->
-    fp32 logits[N, vocab]. The runner picks the rows that need logits (last token of each sequence)."""
+    fp32 logits[N, vocab] (model-dtype ones with keep_dtype=True). The runner picks the rows that need logits
+    (last token of each sequence)."""
 
     def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -80,5 +81,8 @@ class QwenForCausalLM(nn.Module):
                              f"{self.arch.num_hidden_layers} layers")
         return self.model(input_ids, positions, self.cos_sin_cache, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, *, keep_dtype: bool = False) -> torch.Tensor:
+        """Logits [N, vocab] of hidden [N, H]: float32, or with keep_dtype the lm_head GEMM's output as it is
+        (the model dtype, no float32 copy: the engine's sampler takes it so and widens it only where needed)."""
+        logits = F.linear(hidden, self.lm_head_weight)
+        return logits if keep_dtype else logits.float()

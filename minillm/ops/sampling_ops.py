@@ -3,7 +3,9 @@
 token[r] = argmax_c(logits[r, c] * inv_temperature[r] - log(E[r, c])) with E ~ Exp(1) is a draw from
 softmax(logits[r] * inv_temperature[r]) (the Gumbel-max trick); rows with inv_temperature 0 take the plain
 argmax. On CUDA tensors, when the extension is built, this is one kernel (cuda/sampling.cu) that reads each
-logit once; elsewhere the numpy reference below runs.
+logit once; elsewhere the numpy reference below runs. Logits may be float32, bfloat16 or float16 (the lm_head
+output as it is): both paths widen each value to float32 exactly first, so a value gives the same token
+whichever of the three dtypes holds it.
 
 The noise is counter-based, so a draw depends only on (seed, row, offset, column): Philox4x32-10 with
 key = seed (low 32 bits, high 32 bits) and counter = (column // 4, row, offset low, offset high), output
@@ -22,6 +24,7 @@ _MASK32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 _MAX_U63 = 2**63 - 1
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
 _REF_CHUNK_ELEMS = 1 << 22
 
@@ -65,8 +68,9 @@ def race_noise(rows: range, vocab: int, seed: int, offset: int) -> np.ndarray:
 
 
 def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, offset: int) -> None:
-    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] < 1:
-        raise ValueError(f"logits must be float32 [N, V] with V >= 1, got {logits.dtype} {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.dtype not in LOGIT_DTYPES or logits.shape[1] < 1:
+        raise ValueError(f"logits must be float32, bfloat16 or float16 [N, V] with V >= 1, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
     if inv_temperature.shape != (logits.shape[0],) or inv_temperature.dtype != torch.float32:
         raise ValueError(f"inv_temperature must be float32 [{logits.shape[0]}], got "
                          f"{inv_temperature.dtype} {tuple(inv_temperature.shape)}")
@@ -79,9 +83,10 @@ def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, 
 
 def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
                                 offset: int) -> torch.Tensor:
-    """Reference of the kernel in numpy fp32: the same noise words, the same fp32 steps. int64 [N]."""
+    """Reference of the kernel in numpy fp32: the same noise words, the same fp32 steps. int64 [N].
+    Half-precision logits are widened to fp32 first (exact), as the kernel does."""
     _check_args(logits, inv_temperature, seed, offset)
-    x = logits.detach().cpu().numpy()
+    x = logits.detach().float().cpu().numpy()
     inv_t = inv_temperature.detach().cpu().numpy()
     n, vocab = x.shape
     out = np.empty(n, dtype=np.int64)
@@ -97,9 +102,9 @@ def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Ten
 
 def sample_exponential_race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
                             offset: int) -> torch.Tensor:
-    """One token per row of float32 logits [N, V]: a draw from softmax(logits * inv_temperature), or the argmax
-    where inv_temperature is 0. inv_temperature must be >= 0 (not checked on the device: that would sync).
-    Returns int64 [N] on logits' device."""
+    """One token per row of logits [N, V] (float32, bfloat16 or float16): a draw from
+    softmax(logits * inv_temperature), or the argmax where inv_temperature is 0. inv_temperature must be >= 0
+    (not checked on the device: that would sync). Returns int64 [N] on logits' device."""
     _check_args(logits, inv_temperature, seed, offset)
     if _cuda_ok(logits):
         return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset)

@@ -85,8 +85,10 @@ def profile_run(runner) -> int:
     ids = torch.randint(0, runner.arch.vocab_size, (total,), device=dev)
     hidden = runner.model(ids, positions.to(dev), scratch, meta)
     rows = torch.arange(runner.cfg.scheduler.max_num_seqs, device=dev) % total
-    logits = runner.model.compute_logits(hidden[rows])
-    scratch_sampler = [torch.empty_like(logits) for _ in range(2)]   # softmax + noise buffers of the sampler
+    logits = runner.model.compute_logits(hidden[rows], keep_dtype=True)   # as the runner asks for them
+    # The sampler's torch path: softmax + noise buffers, plus its float32 copy of half-precision logits.
+    n_scratch = 2 if logits.dtype == torch.float32 else 3
+    scratch_sampler = [torch.empty(logits.shape, dtype=torch.float32, device=dev) for _ in range(n_scratch)]
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del hidden, logits, scratch, scratch_sampler

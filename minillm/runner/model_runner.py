@@ -115,7 +115,7 @@ class ModelRunner:
         reqs = [so.scheduled[i].request for i in step.sample_seq_idx]
         if not reqs:
             return InFlight([], None, None, None, None)
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+        logits = self.model.compute_logits(hidden[step.logits_indices], keep_dtype=True)
         if prof is not None:
             prof.mark("forward")
         result = self.sampler(logits, SamplingBatch.build(reqs, self.device, self.vocab_size))

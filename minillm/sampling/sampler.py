@@ -1,6 +1,11 @@
 """Token sampler: greedy argmax or exponential-race sampling with top-k / top-p / min-p, penalties,
 min_tokens, per-request seeds and logprobs.
 
+Logits arrive as the lm_head produced them (bf16 / fp16 / fp32). The one-pass CUDA kernel reads half-precision
+logits directly when it covers the whole batch unchanged (plain temperature sampling, no penalties or bans);
+every other path first widens them to float32 (exact), and then works on that float32 copy, or on fp32 input
+itself, in place. Either way a row gets the same token as from its float32 logits.
+
 Order of operations on a batch of float32 logits [N, V] (modified in place):
   1. penalties (repetition, then frequency/presence) and the min_tokens mask: greedy rows see them too;
   2. greedy rows: argmax (an all-greedy batch stops here);
@@ -28,6 +33,7 @@ from minillm.sampling.penalties import apply_penalties
 # Exp(1) draws can be exactly 0 (the uniform hit its endpoint); 0 would turn masked tokens into 0/0 = NaN,
 # which argmax prefers. Clamping to the smallest normal float changes nothing else.
 _TINY = torch.finfo(torch.float32).tiny
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -46,8 +52,12 @@ class Sampler:
         self._fused_steps = 0
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
-        """Sample one token per row. ``logits`` (float32 [N, V]) is used as scratch and modified in place."""
+        """Sample one token per row. ``logits`` [N, V] is float32, bfloat16 or float16; float32 logits are used
+        as scratch and modified in place, half-precision ones are never modified (a float32 copy is)."""
         _check_logits(logits, batch)
+        fused = not batch.all_greedy and _fused_race_applies(logits, batch)
+        if logits.dtype != torch.float32 and not (fused and batch.penalties is None and batch.banned_rows is None):
+            logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
         if batch.banned_rows is not None:
@@ -55,7 +65,7 @@ class Sampler:
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
             return SamplerResult(tokens, _logprobs(logits, tokens, batch.logprobs))
-        if _fused_race_applies(logits, batch):
+        if fused:
             return SamplerResult(self._fused_race(logits, batch), None)
         greedy_tokens = logits.argmax(dim=-1) if batch.greedy_mask is not None else None
         if batch.temperature is not None:
@@ -116,8 +126,8 @@ def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
     if logits.dim() != 2 or logits.shape[0] != batch.num_rows or logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits must have shape [{batch.num_rows}, {batch.vocab_size}] (rows x vocab_size "
                          f"of the SamplingBatch), got {list(logits.shape)}")
-    if logits.dtype != torch.float32:
-        raise ValueError(f"logits must be float32, got {logits.dtype}")
+    if logits.dtype not in _LOGIT_DTYPES:
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
 
 
 def truncate_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
