@@ -40,6 +40,7 @@ struct PagedAttnArgs {
 // partition_size > 0 (a multiple of 256): split-K v2, num_partitions CTAs per (seq, kv head) write partial
 // results to the fp32 workspace (ws_out [S, Hq, num_partitions, D], ws_max/ws_sum [S, Hq, num_partitions],
 // max in log2 units) and a reduce kernel merges them into `out`. num_partitions must cover the longest context.
+// partition_size = -P (P = num_partitions): split-K with every sequence cut into P equal partitions.
 cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
                                 float* ws_max, float* ws_sum, cudaStream_t stream);
 

@@ -96,9 +96,10 @@ void paged_decode(Tensor& out, const Tensor& q, const Tensor& k_cache, const Ten
   int num_partitions = 0;
   Tensor ws;
   float* ws_out = nullptr;
-  if (partition_size > 0) {
-    // Sized from host-side maxima only, so a captured CUDA graph replays with the same workspace.
-    num_partitions = (int)((max_seq_len + partition_size - 1) / partition_size);
+  if (partition_size != 0) {
+    // Sized from host-side values only, so a captured CUDA graph replays with the same workspace.
+    num_partitions = partition_size < 0 ? (int)-partition_size
+                                        : (int)((max_seq_len + partition_size - 1) / partition_size);
     const int64_t rows = (int64_t)a.num_seqs * a.num_q_heads * num_partitions;
     ws = at::empty({rows * (a.head_dim + 2)}, q.options().dtype(at::kFloat));
     ws_out = ws.data_ptr<float>();

@@ -2,15 +2,22 @@
 //
 // Variants (one kernel body, chosen by the launcher's partition_size):
 //   v1        grid (1, kv_heads, seqs): one CTA per (sequence, KV head) walks the whole context.
-//   v2 split  grid (partitions, kv_heads, seqs): each CTA covers `partition_size` tokens and stores its
-//             normalised output with its max and exp-sum; decode_reduce_kernel merges the partitions.
+//   v2 split  grid (partitions, kv_heads, seqs): each CTA covers one partition of its sequence's context and
+//             stores its normalised output with its max and exp-sum; decode_reduce_kernel merges them.
+//             partition_size > 0: fixed partitions of that many tokens (the grid covers the longest context);
+//             partition_size = -P: every sequence is cut into P equal partitions (a whole number of 32-token
+//             steps each), so a ragged batch has no CTA much longer than the others and a CUDA graph's grid does
+//             not depend on max_model_len.
 // All query heads of a GQA group live in the same CTA, so each K/V chunk loaded from HBM serves all of them.
 //
 // Work split inside a CTA: 4 warps take 8-token chunks round-robin; in a warp, each lane owns one 16-byte
-// piece (8 dims) of a head row, CH = D/8 lanes cover one token and 32/CH tokens are in flight per step. A lane
-// issues all its K and V loads of the next chunk before it processes the current one (register double
-// buffering), so every warp keeps two chunks of loads in flight. Softmax is online (running max and sum per warp, fp32, exp2 with the scale folded into q), and the
-// warps are merged through shared memory at the end.
+// piece (8 dims) of a head row, CH = D/8 lanes cover one token and 32/CH tokens are in flight per step. Each
+// warp streams its chunks through a ring of kStages chunk buffers in shared memory with cp.async, so up to
+// kStages - 1 chunks (12 KB at D = 128) of its loads are in flight while it computes on the oldest: with three
+// CTAs per SM that keeps ~150 KB per SM outstanding, what HBM needs to run near its peak (register double
+// buffering, the previous scheme, held half of that and used 64 more registers). A lane reads back only the
+// pieces it copied itself, so the ring needs no barrier. Softmax is online (running max and sum per warp, fp32,
+// exp2 with the scale folded into q), and the warps are merged through shared memory at the end.
 #include <math_constants.h>
 
 #include "attention.h"
@@ -22,23 +29,31 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kChunk = 8;  // tokens handled together by one warp (two chunks in flight per warp)
 
-// Load one chunk (kChunk tokens) of K and V: each lane its 16-byte piece of IT tokens.
+constexpr int kStages = 4;  // chunk buffers per warp in the shared-memory ring
+constexpr int kSplitQuantum = kWarps * kChunk;  // equal partitions are multiples of this: whole steps of all warps
+
+// Tokens per partition of a sequence of `ctx` tokens (0 for v1); see the header for the two split modes.
+__device__ __forceinline__ int partition_len(int partition_size, int num_partitions, int ctx) {
+  if (partition_size >= 0) return partition_size;
+  const int per = (ctx + num_partitions - 1) / num_partitions;
+  return max(kSplitQuantum, (per + kSplitQuantum - 1) / kSplitQuantum * kSplitQuantum);
+}
+
+// Start the copy of one chunk (kChunk tokens) of K and V into a ring slot [2][IT][32] of 16-byte pieces: each
+// lane its own piece of IT tokens. Tokens past the end are zero-filled, never read: their slots may hold another
+// sequence's data or NaN, and a zero V times a zero weight keeps the accumulator finite.
 template <typename T, int BS, int IT, int TPI>
-__device__ __forceinline__ void load_chunk(const T* kc, const T* vc, const int* bt, int ch, int end, int sub,
-                                           int64_t tok_stride, uint4 (&kr)[IT], uint4 (&vr)[IT]) {
+__device__ __forceinline__ void issue_chunk(const T* kc, const T* vc, const int* bt, int ch, int end, int sub,
+                                            int lane, int64_t tok_stride, uint4* slot) {
   const int tok0 = ch * kChunk;
   const int64_t slot0 = (int64_t)bt[tok0 / BS] * BS + tok0 % BS;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
     const int t = it * TPI + sub;
-    // Tokens past the end are never loaded: their slots may hold another sequence's data or NaN.
-    if (tok0 + t < end) {
-      kr[it] = *reinterpret_cast<const uint4*>(kc + (slot0 + t) * tok_stride);
-      vr[it] = *reinterpret_cast<const uint4*>(vc + (slot0 + t) * tok_stride);
-    } else {
-      kr[it] = make_uint4(0, 0, 0, 0);
-      vr[it] = make_uint4(0, 0, 0, 0);
-    }
+    const bool valid = tok0 + t < end;
+    const int64_t off = valid ? (slot0 + t) * tok_stride : 0;
+    cp_async16(slot + it * 32 + lane, kc + off, valid ? 16 : 0);
+    cp_async16(slot + (IT + it) * 32 + lane, vc + off, valid ? 16 : 0);
   }
 }
 
@@ -85,7 +100,11 @@ __device__ __forceinline__ void attend_chunk(const uint4 (&kr)[IT], const uint4 
   }
 }
 
-// No occupancy cap: at 128 registers (4 CTAs/SM) the D=128, group-2 variant spills (measured with -Xptxas -v).
+template <int D>
+constexpr int ring_bytes() {  // dynamic shared memory of one CTA: kWarps rings of kStages [2][IT][32] pieces
+  return kWarps * kStages * 2 * (kChunk / (32 / (D / 8))) * 32 * 16;
+}
+
 template <typename T, int D, int BS, int GP>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
@@ -93,7 +112,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int CH = D / 8;         // lanes per token
   constexpr int TPI = 32 / CH;      // tokens per warp step
   constexpr int IT = kChunk / TPI;  // steps per chunk
+  constexpr int SLOT = 2 * IT * 32; // 16-byte pieces per ring slot (K and V of one chunk)
   static_assert(BS % kChunk == 0, "block size must be a multiple of the chunk");
+  extern __shared__ uint4 ring_smem[];
 
   __shared__ float sm_acc[kWarps][GP][D];
   __shared__ float sm_m[kWarps][GP];
@@ -104,12 +125,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int c = lane % CH, sub = lane / CH;
   const int group = a.num_q_heads / a.num_kv_heads;
   const int ctx = a.seq_lens[s];
-  const int start = partition_size > 0 ? part * partition_size : 0;
-  const int end = partition_size > 0 ? min(ctx, start + partition_size) : ctx;
+  const int psz = partition_len(partition_size, gridDim.x, ctx);
+  const int start = psz > 0 ? part * psz : 0;
+  const int end = psz > 0 ? min(ctx, start + psz) : ctx;
   if (start >= end) {
     // A partition past the context is never read by the reduce kernel. An empty context (a padding row of a
     // CUDA-graph batch, say) gets a defined all-zero output instead of 0/0.
-    if (partition_size == 0)
+    if (psz == 0)
       for (int i = threadIdx.x; i < group * D; i += kWarps * 32)
         static_cast<T*>(a.out)[s * a.out_stride_t + (kvh * group + i / D) * a.out_stride_h + i % D] = DType<T>::from_float(0.f);
     return;
@@ -145,22 +167,29 @@ __global__ void __launch_bounds__(kWarps * 32)
   const T* vc = static_cast<const T*>(a.v_cache) + kvh * D + c * 8;
   const int first = start / kChunk, last = (end + kChunk - 1) / kChunk;
 
-  uint4 kr[IT], vr[IT];
+  uint4* ring = ring_smem + warp * kStages * SLOT;
   const int ch0 = first + warp;
-  if (ch0 < last) load_chunk<T, BS, IT, TPI>(kc, vc, bt, ch0, end, sub, tok_stride, kr, vr);
-  for (int ch = ch0; ch < last; ch += kWarps) {
-    // Software pipeline: the next chunk's loads are in flight while this chunk is processed.
-    uint4 kn[IT], vn[IT];
-    const bool more = ch + kWarps < last;
-    if (more) load_chunk<T, BS, IT, TPI>(kc, vc, bt, ch + kWarps, end, sub, tok_stride, kn, vn);
-    attend_chunk<T, GP, IT, TPI, CH>(kr, vr, ch * kChunk, end, sub, qf, m, l, acc);
-    if (more) {
+  const int mine = ch0 < last ? (last - ch0 + kWarps - 1) / kWarps : 0;  // chunks of this warp
 #pragma unroll
-      for (int it = 0; it < IT; ++it) {
-        kr[it] = kn[it];
-        vr[it] = vn[it];
-      }
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < mine) issue_chunk<T, BS, IT, TPI>(kc, vc, bt, ch0 + i * kWarps, end, sub, lane, tok_stride, ring + i * SLOT);
+    cp_async_commit();  // empty groups too: the wait count below stays uniform
+  }
+  for (int i = 0; i < mine; ++i) {
+    // Refill the slot consumed in the previous iteration: its values were read into registers and used there.
+    const int j = i + kStages - 1;
+    if (j < mine)
+      issue_chunk<T, BS, IT, TPI>(kc, vc, bt, ch0 + j * kWarps, end, sub, lane, tok_stride, ring + (j % kStages) * SLOT);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // chunk i has landed
+    const uint4* slot = ring + (i % kStages) * SLOT;
+    uint4 kr[IT], vr[IT];
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      kr[it] = slot[it * 32 + lane];
+      vr[it] = slot[(IT + it) * 32 + lane];
     }
+    attend_chunk<T, GP, IT, TPI, CH>(kr, vr, (ch0 + i * kWarps) * kChunk, end, sub, qf, m, l, acc);
   }
 
   // Lanes with the same chunk but different tokens hold partial sums: fold them, then stage per warp.
@@ -194,7 +223,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       o += sm_acc[w][g][d] * f;
     }
     const int h = kvh * group + g;
-    if (partition_size == 0) {
+    if (psz == 0) {
       T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
       op[d] = DType<T>::from_float(o / lsum);
     } else {
@@ -214,7 +243,8 @@ __global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int nu
                                      const float* __restrict__ ws_out, const float* __restrict__ ws_max,
                                      const float* __restrict__ ws_sum) {
   const int s = blockIdx.y, h = blockIdx.x;
-  const int valid = (a.seq_lens[s] + partition_size - 1) / partition_size;
+  const int psz = partition_len(partition_size, num_partitions, a.seq_lens[s]);
+  const int valid = (a.seq_lens[s] + psz - 1) / psz;
   const int64_t row0 = ((int64_t)s * a.num_q_heads + h) * num_partitions;
   float mmax = -CUDART_INF_F;
   for (int p = 0; p < valid; ++p) mmax = fmaxf(mmax, ws_max[row0 + p]);
@@ -233,9 +263,15 @@ __global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int nu
 template <typename T, int D, int BS, int GP>
 cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
                          float* ws_max, float* ws_sum, cudaStream_t stream) {
-  const dim3 grid(partition_size > 0 ? num_partitions : 1, a.num_kv_heads, a.num_seqs);
-  paged_decode_kernel<T, D, BS, GP><<<grid, kWarps * 32, 0, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
-  if (partition_size > 0) {
+  const dim3 grid(partition_size != 0 ? num_partitions : 1, a.num_kv_heads, a.num_seqs);
+  constexpr int smem = ring_bytes<D>();
+  // Above 48 KB of dynamic shared memory a kernel must opt in. Set on every launch, so that it holds on whichever
+  // device is current; it is a function attribute, not a stream operation, so launches can still be captured.
+  const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS, GP>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (opt_in != cudaSuccess) return opt_in;
+  paged_decode_kernel<T, D, BS, GP><<<grid, kWarps * 32, smem, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
+  if (partition_size != 0) {
     decode_reduce_kernel<T, D><<<dim3(a.num_q_heads, a.num_seqs), D, 0, stream>>>(a, partition_size, num_partitions,
                                                                                    ws_out, ws_max, ws_sum);
   }
@@ -268,8 +304,10 @@ cudaError_t dispatch_shape(const PagedAttnArgs& a, int ps, int np, float* wo, fl
 
 cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
                                 float* ws_max, float* ws_sum, cudaStream_t stream) {
-  if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || partition_size < 0 ||
-      partition_size % 256 != 0 || (partition_size > 0 && (num_partitions <= 0 || ws_out == nullptr)))
+  const bool fixed_ok = partition_size >= 0 && partition_size % 256 == 0;
+  const bool equal_ok = partition_size < 0 && num_partitions == -partition_size;
+  if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !(fixed_ok || equal_ok) ||
+      (partition_size != 0 && (num_partitions <= 0 || ws_out == nullptr)))
     return cudaErrorInvalidValue;
   if (a.num_seqs == 0) return cudaSuccess;
   if (a.dtype == kBF16)

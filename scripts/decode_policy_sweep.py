@@ -3,9 +3,9 @@
     python scripts/decode_policy_sweep.py [--output sweep.jsonl]
 
 The engine's decode batches are ragged (the offline reference has contexts of 100-2048 tokens in one
-batch), while check-kernels times uniform contexts. This times v1 and fixed split-K partition sizes on
-ragged batches of several sizes, as TB/s of K/V actually read, so the dispatcher's choice can be set from a
-measurement. GPU only.
+batch), while check-kernels times uniform contexts. This times v1, fixed split-K partition sizes and equal
+split-K (-P: P partitions per sequence) on ragged batches of several sizes, as TB/s of K/V actually read, so
+the dispatcher's choice can be set from a measurement. GPU only.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def main() -> None:
         for batch in (8, 16, 32, 64, 128, 256):
             lens, kv_bytes, fns = ragged_case(batch, lo, hi)
             auto = ops.decode_partition_size(batch, 8, hi)
-            for part in (0, 256, 512, 1024):
+            for part in (0, 256, 512, -2, -3, -5, -9, -17):   # -P: P equal partitions per sequence
                 if part >= hi:
                     continue
                 ms = _time_graph(fns(part))

@@ -48,7 +48,7 @@ def test_prefill_ragged_prefix_and_chunks(ops, d, hq, hkv, bs, dtype):
     assert (out.float() - ref).abs().max() < (2e-2 if dtype == torch.bfloat16 else 4e-3)
 
 
-@pytest.mark.parametrize("part", [None, 0, 256, 512])
+@pytest.mark.parametrize("part", [None, 0, 256, 512, -1, -2, -3, -7, -32])   # -P: P equal partitions per sequence
 @pytest.mark.parametrize("d,hq,hkv,bs", [(128, 16, 8, 16), (64, 24, 4, 32), (128, 32, 4, 32)])
 def test_decode_v1_and_split_k(ops, part, d, hq, hkv, bs):
     ctx = [1, 15, 16, 257, 1500, 2049]
@@ -56,6 +56,14 @@ def test_decode_v1_and_split_k(ops, part, d, hq, hkv, bs):
     out = torch.full_like(b.q, float("nan"))
     ops.paged_decode(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, d ** -0.5, max(ctx), part)
     assert (out.float() - ref).abs().max() < 2e-2
+
+
+def test_decode_rejects_bad_partition_arguments(ops):
+    b, _, _ = _batch([40, 100], [1, 1])
+    out = torch.empty_like(b.q)
+    for bad in (100, -33, -256):
+        with pytest.raises(ValueError, match="partition_size"):
+            ops.paged_decode(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 128 ** -0.5, 100, bad)
 
 
 @pytest.mark.parametrize("mode", ["split", "unified"])

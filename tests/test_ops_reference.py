@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.ops import build
-from minillm.ops.attention_ops import PARTITION_QUANTUM, decode_partition_size
+from minillm.ops.attention_ops import CTAS_PER_SM_TARGET, MAX_EQUAL_PARTITIONS, decode_partition_size
 from minillm.ops.reference import gather_kv, kv_write_ref, make_paged_batch, paged_attention_ref, paged_decode_ref
 
 
@@ -65,13 +65,16 @@ def test_decode_reference_equals_last_prefill_row():
     torch.testing.assert_close(dec, full[last_rows])
 
 
-def test_dispatcher_v1_when_grid_is_full_and_split_k_otherwise():
-    assert decode_partition_size(256, 8, 1024, num_sms=132) == 0
+def test_dispatcher_v1_when_grid_is_full_and_equal_split_k_otherwise():
+    assert decode_partition_size(256, 8, 1024, num_sms=132) == 0     # 2,048 CTAs: enough without a split
     assert decode_partition_size(8, 8, 200, num_sms=132) == 0         # too short to split
-    part = decode_partition_size(8, 8, 4096, num_sms=132)
-    assert part > 0 and part % PARTITION_QUANTUM == 0
-    assert 8 * 8 * math.ceil(4096 / part) >= 2 * 132                 # several CTAs per SM
-    assert decode_partition_size(1, 8, 8192, num_sms=132) < decode_partition_size(8, 8, 8192, num_sms=132)
+    parts = -decode_partition_size(8, 8, 4096, num_sms=132)
+    assert 1 < parts <= MAX_EQUAL_PARTITIONS
+    assert 8 * 8 * parts >= CTAS_PER_SM_TARGET * 132                  # the target number of CTAs
+    # the grid depends on the batch size only, never on the context bound (CUDA graphs capture it)
+    assert decode_partition_size(8, 8, 4096, num_sms=132) == decode_partition_size(8, 8, 8192, num_sms=132)
+    assert decode_partition_size(1, 8, 8192, num_sms=132) == -MAX_EQUAL_PARTITIONS
+    assert -decode_partition_size(64, 8, 2048, num_sms=132) < parts   # bigger batches split less
 
 
 def test_build_key_covers_sources_and_flags(tmp_path, monkeypatch):

@@ -8,14 +8,20 @@ decode path can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import torch
 
 from minillm.ops.build import load_extension
 
-PARTITION_QUANTUM = 256   # split-K partitions are multiples of this (a whole number of chunks per warp)
-CTAS_PER_SM_TARGET = 4    # aim for a few waves of decode CTAs so every SM keeps loads in flight
+PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
+# Equal split-K: aim for this many decode CTAs per SM. A ragged batch's longest sequences would otherwise leave a
+# tail of a few long CTAs running on an otherwise idle GPU (scripts/decode_policy_sweep.py measures it). Read
+# from MINILLM_DECODE_CTAS_PER_SM when set, so that the choice can be timed without a rebuild.
+CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "8"))
+MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
+MIN_SPLIT_LEN = 256        # contexts this short are never split
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -30,18 +36,16 @@ def _num_sms(device_index: int) -> int:
 
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """Split-K partition size in tokens for a decode batch, or 0 for v1 (one CTA per sequence x KV head).
+    """The decode kernel's split-K argument: 0 for v1 (one CTA per sequence x KV head), or -P to cut every
+    sequence into P equal partitions (see cuda/paged_decode.cu).
 
-    v1 already fills the GPU when there are several CTAs per SM; otherwise the longest context is cut into
-    enough partitions to reach that many CTAs, each a multiple of PARTITION_QUANTUM tokens.
+    P depends on the batch size only, never on the contexts, so a CUDA graph captured for a batch-size bucket
+    launches the same grid as eager mode and no CTA is launched for a partition past a short context.
     """
-    ctas = num_seqs * num_kv_heads
-    target = CTAS_PER_SM_TARGET * num_sms
-    if ctas >= target or max_seq_len <= PARTITION_QUANTUM:
+    if max_seq_len <= MIN_SPLIT_LEN:
         return 0
-    parts = math.ceil(target / max(ctas, 1))
-    size = math.ceil(max_seq_len / parts / PARTITION_QUANTUM) * PARTITION_QUANTUM
-    return 0 if size >= max_seq_len else size
+    parts = min(MAX_EQUAL_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * num_sms / max(num_seqs * num_kv_heads, 1)))
+    return 0 if parts <= 1 else -parts
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,13 +53,16 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
                  partition_size: int | None = None) -> torch.Tensor:
     """out[s] = attention of q[s] (one token per sequence) over its first seq_lens[s] cached tokens.
 
-    partition_size None lets the dispatcher choose; 0 forces v1; a positive multiple of 256 forces split-K.
-    max_seq_len must bound every seq_lens entry (it sizes the split-K workspace).
+    partition_size None lets the dispatcher choose; 0 forces v1; a positive multiple of 256 forces split-K with
+    fixed partitions of that many tokens; -P forces split-K with every sequence cut into P equal partitions.
+    max_seq_len must bound every seq_lens entry (it sizes the fixed split-K workspace).
     """
     if partition_size is None:
         partition_size = decode_partition_size(q.shape[0], k_cache.shape[2], max_seq_len, _num_sms(q.device.index or 0))
-    if partition_size < 0 or partition_size % PARTITION_QUANTUM:
-        raise ValueError(f"partition_size must be 0 or a positive multiple of {PARTITION_QUANTUM}, got {partition_size}")
+    fixed_ok = partition_size >= 0 and partition_size % PARTITION_QUANTUM == 0
+    if not (fixed_ok or -MAX_EQUAL_PARTITIONS <= partition_size < 0):
+        raise ValueError(f"partition_size must be 0, a positive multiple of {PARTITION_QUANTUM} or -P with "
+                         f"1 <= P <= {MAX_EQUAL_PARTITIONS}, got {partition_size}")
     load_extension().paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
                                   int(partition_size), int(max_seq_len))
     return out

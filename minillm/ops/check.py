@@ -39,6 +39,7 @@ def _batches(kind: str, quick: bool):
         yield "small", [1, 16, 17, 33, 100], [1] * 5, 5, None
         yield "long_v1", [3000, 4100], [1, 1], 2, 0
         yield "long_split256", [3000, 4100, 5], [1, 1, 1], 3, 256
+        yield "ragged_equal5", [3000, 1, 33, 4100, 300], [1] * 5, 5, -5
         if not quick:
             yield "long_split1024", [2047, 2048, 2049], [1, 1, 1], 3, 1024
             yield "many_auto", [int(x) for x in range(20, 20 + 37 * 40, 40)], [1] * 37, 37, None
@@ -190,6 +191,8 @@ def _decode_timings(batch: int, ctx: int, hq=16, hkv=8, d=128, bs=16) -> list[di
     for part in (256, 512, 1024):
         if part < ctx:
             impls[f"minillm split{part}"] = ours(part)
+    for parts in (2, 4, 8):
+        impls[f"minillm equal{parts}"] = ours(-parts)
     impls["sdpa contiguous"] = [lambda i=i: sdpa(i) for i in range(rot)]
     impls["gather+sdpa"] = [lambda i=i: gather_sdpa(i) for i in range(rot)]
     ms = {name: _time_graph(fns) for name, fns in impls.items()}

@@ -5,8 +5,8 @@ GPU work at small batch (DESIGN 7). We capture one graph per batch-size bucket o
 and replay it: the step's inputs are copied into the buffers, padded rows write to no slot (-1) and
 attend to one token of block 0, and their outputs are ignored.
 
-Graphs are captured with max_seq_len = max_model_len so that the decode kernel's grid (split-K partitions)
-covers any context; partitions past a sequence's length exit at once.
+Graphs are captured with max_seq_len = max_model_len. The decode kernel's split-K grid depends on the batch
+size only (every sequence is cut into the same number of partitions), so a replay fits any context.
 """
 from __future__ import annotations
 

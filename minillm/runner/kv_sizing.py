@@ -58,24 +58,24 @@ def _gpu_blocks(runner, cache: CacheConfig, per_block: int) -> int:
     return num
 
 
-@torch.inference_mode()
-def profile_run(runner) -> int:
-    """Run the largest step once (a budget-sized prefill split into max_model_len pieces, then max_num_seqs
-    rows of logits plus sampler-sized scratch) on a scratch KV cache; return peak allocated bytes."""
-    bs = runner.cfg.cache.block_size
-    total = runner.cfg.scheduler.max_num_batched_tokens
+def prefill_batch(runner, total: int, write: bool = True):
+    """A prefill step of `total` tokens split into max_model_len-long sequences: (input_ids, positions, metadata,
+    blocks it uses). write=True: the sequences own blocks 1.. and their K/V are written there; write=False: every
+    table entry is block 0 and nothing is written (slot -1), so the step leaves the cache as it was."""
+    bs, dev = runner.cfg.cache.block_size, runner.device
     lens = [min(runner.max_model_len, total - i) for i in range(0, total, runner.max_model_len)]
     blocks_per = [runner.blocks_for(n) for n in lens]
-    scratch = allocate_kv_cache(runner.arch, sum(blocks_per) + 1, bs, runner.dtype, runner.device)
-    dev = runner.device
     tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
     first = 1
     for i, nb in enumerate(blocks_per):
-        tables[i, :nb] = torch.arange(first, first + nb)
+        if write:
+            tables[i, :nb] = torch.arange(first, first + nb)
         first += nb
     positions = torch.cat([torch.arange(n) for n in lens])
     slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
                        for i, n in enumerate(lens)])
+    if not write:
+        slots.fill_(-1)
     qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
     meta = AttentionMetadata(num_seqs=len(lens), num_decodes=0, num_tokens=total, max_query_len=max(lens),
                              max_seq_len=max(lens), slot_mapping=slots.to(dev), query_start_loc=qsl.to(dev),
@@ -83,7 +83,18 @@ def profile_run(runner) -> int:
                              block_tables=tables.to(dev), block_size=bs, query_start_loc_cpu=qsl.tolist(),
                              seq_lens_cpu=list(lens))
     ids = torch.randint(0, runner.arch.vocab_size, (total,), device=dev)
-    hidden = runner.model(ids, positions.to(dev), scratch, meta)
+    return ids, positions.to(dev), meta, first
+
+
+@torch.inference_mode()
+def profile_run(runner) -> int:
+    """Run the largest step once (a budget-sized prefill split into max_model_len pieces, then max_num_seqs
+    rows of logits plus sampler-sized scratch) on a scratch KV cache; return peak allocated bytes."""
+    total = runner.cfg.scheduler.max_num_batched_tokens
+    ids, positions, meta, blocks = prefill_batch(runner, total)
+    scratch = allocate_kv_cache(runner.arch, blocks, runner.cfg.cache.block_size, runner.dtype, runner.device)
+    dev = runner.device
+    hidden = runner.model(ids, positions, scratch, meta)
     rows = torch.arange(runner.cfg.scheduler.max_num_seqs, device=dev) % total
     logits = runner.model.compute_logits(hidden[rows], keep_dtype=True)   # as the runner asks for them
     # The sampler's torch path: softmax + noise buffers, plus its float32 copy of half-precision logits.

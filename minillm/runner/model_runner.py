@@ -17,6 +17,7 @@ from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import allocate_kv_cache, choose_num_blocks
+from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatch
 from minillm.sampling.sampler import Sampler
 
@@ -56,6 +57,8 @@ class ModelRunner:
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
         self.graphs = self._capture_graphs()
+        if self.device.type == "cuda":
+            warm_up_shapes(self)
         # Two pinned buffers for sampled ids, used in turn: the copy of step N's tokens may still be pending
         # while step N-1's are read (async scheduling).
         pin = self.device.type == "cuda"

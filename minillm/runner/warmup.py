@@ -1,0 +1,50 @@
+"""Warm the eager (prefill and mixed) step path at the token counts serving will meet, before serving.
+
+The first time a GEMM shape comes up, cuBLAS may pick a kernel whose module is not loaded yet (CUDA loads
+modules lazily) and the caching allocator may have to cudaMalloc new segments: a one-off stall of tens of
+milliseconds inside some step, which every running request then sees as one long inter-token gap (the
+latency sweep's itl_worst_s). Running each token count once at start-up moves those costs out of serving.
+Decode-only steps replay CUDA graphs captured beforehand and need none of this.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from minillm.runner.kv_sizing import prefill_batch
+
+log = logging.getLogger(__name__)
+
+
+def token_counts(max_tokens: int) -> list[int]:
+    """Every count up to 16, then steps that grow with the count (cuBLAS picks kernels by size bands)."""
+    counts = set(range(1, min(max_tokens, 16) + 1))
+    for lo, hi, step in ((16, 1024, 16), (1024, 4096, 128), (4096, max_tokens, 1024)):
+        counts.update(range(lo, min(hi, max_tokens) + 1, step))
+    counts.add(max_tokens)
+    return sorted(counts)
+
+
+def logits_rows(max_rows: int) -> list[int]:
+    return sorted(set(range(1, min(max_rows, 16) + 1)) | set(range(16, max_rows + 1, 8)) | {max_rows})
+
+
+@torch.inference_mode()
+def warm_up_shapes(runner) -> float:
+    """One eager forward per token count (writing nothing to the cache) and one lm_head per row count.
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    for n in token_counts(runner.max_num_tokens):
+        ids, positions, meta, _ = prefill_batch(runner, n, write=False)
+        runner.model(ids, positions, runner.kv_caches, meta)
+    hidden = torch.zeros(runner.cfg.scheduler.max_num_seqs, runner.arch.hidden_size, dtype=runner.dtype,
+                         device=runner.device)
+    for rows in logits_rows(hidden.shape[0]):
+        runner.model.compute_logits(hidden[:rows], keep_dtype=True)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    log.info("warmed the eager step path in %.2f s", seconds)
+    return seconds
