@@ -6,8 +6,8 @@
 //             stores its normalised output with its max and exp-sum; decode_reduce_kernel merges them.
 //             partition_size > 0: fixed partitions of that many tokens (the grid covers the longest context);
 //             partition_size = -P: every sequence is cut into P equal partitions (a whole number of 32-token
-//             steps each), so a ragged batch has no CTA much longer than the others and a CUDA graph's grid does
-//             not depend on max_model_len.
+//             steps each, at least 256 tokens), so a ragged batch has no CTA much longer than the others and a
+//             CUDA graph's grid does not depend on max_model_len.
 // All query heads of a GQA group live in the same CTA, so each K/V chunk loaded from HBM serves all of them.
 //
 // Work split inside a CTA: 4 warps take 8-token chunks round-robin; in a warp, each lane owns one 16-byte
@@ -31,12 +31,15 @@ constexpr int kChunk = 8;  // tokens handled together by one warp (two chunks in
 
 constexpr int kStages = 4;  // chunk buffers per warp in the shared-memory ring
 constexpr int kSplitQuantum = kWarps * kChunk;  // equal partitions are multiples of this: whole steps of all warps
+// Equal partitions are never shorter than this: a CTA's fixed costs (q load, merge, workspace row, its share of
+// the reduce) want a few hundred tokens to hide behind, and a short context then simply uses fewer partitions.
+constexpr int kMinSplitLen = 256;
 
 // Tokens per partition of a sequence of `ctx` tokens (0 for v1); see the header for the two split modes.
 __device__ __forceinline__ int partition_len(int partition_size, int num_partitions, int ctx) {
   if (partition_size >= 0) return partition_size;
   const int per = (ctx + num_partitions - 1) / num_partitions;
-  return max(kSplitQuantum, (per + kSplitQuantum - 1) / kSplitQuantum * kSplitQuantum);
+  return max(kMinSplitLen, (per + kSplitQuantum - 1) / kSplitQuantum * kSplitQuantum);
 }
 
 // Start the copy of one chunk (kChunk tokens) of K and V into a ring slot [2][IT][32] of 16-byte pieces: each

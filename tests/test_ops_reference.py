@@ -66,11 +66,11 @@ def test_decode_reference_equals_last_prefill_row():
 
 
 def test_dispatcher_v1_when_grid_is_full_and_equal_split_k_otherwise():
-    assert decode_partition_size(256, 8, 1024, num_sms=132) == 0     # 2,048 CTAs: enough without a split
+    assert decode_partition_size(512, 8, 1024, num_sms=132) == 0     # 4,096 CTAs: enough without a split
     assert decode_partition_size(8, 8, 200, num_sms=132) == 0         # too short to split
     parts = -decode_partition_size(8, 8, 4096, num_sms=132)
     assert 1 < parts <= MAX_EQUAL_PARTITIONS
-    assert 8 * 8 * parts >= CTAS_PER_SM_TARGET * 132                  # the target number of CTAs
+    assert parts == min(MAX_EQUAL_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / (8 * 8)))  # the CTA target
     # the grid depends on the batch size only, never on the context bound (CUDA graphs capture it)
     assert decode_partition_size(8, 8, 4096, num_sms=132) == decode_partition_size(8, 8, 8192, num_sms=132)
     assert decode_partition_size(1, 8, 8192, num_sms=132) == -MAX_EQUAL_PARTITIONS

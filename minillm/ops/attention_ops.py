@@ -19,7 +19,7 @@ PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a wh
 # Equal split-K: aim for this many decode CTAs per SM. A ragged batch's longest sequences would otherwise leave a
 # tail of a few long CTAs running on an otherwise idle GPU (scripts/decode_policy_sweep.py measures it). Read
 # from MINILLM_DECODE_CTAS_PER_SM when set, so that the choice can be timed without a rebuild.
-CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "8"))
+CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "16"))
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 

@@ -117,7 +117,9 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         reqs = [so.scheduled[i].request for i in step.sample_seq_idx]
         if not reqs:
-            return InFlight([], None, None, None, None)
+            # Nothing to sample (a prompt chunk in mid-prompt), but resolve() must still wait for this step: the
+            # staging buffers its inputs are being copied from are rebuilt two steps later.
+            return InFlight([], None, None, None, self._step_done())
         logits = self.model.compute_logits(hidden[step.logits_indices], keep_dtype=True)
         if prof is not None:
             prof.mark("forward")
@@ -133,9 +135,15 @@ class ModelRunner:
         self._out_turn ^= 1
         host = self._out_host[self._out_turn][: token_ids.numel()]
         host.copy_(token_ids, non_blocking=True)
+        return host, self._step_done()
+
+    def _step_done(self):
+        """An event recorded behind the work queued so far (None on the CPU, where nothing is queued)."""
+        if self.device.type != "cuda":
+            return None
         done = torch.cuda.Event()
         done.record()
-        return host, done
+        return done
 
     def resolve(self, inflight: InFlight, prof=None) -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens."""
