@@ -15,6 +15,7 @@ import random
 
 import torch
 
+from minillm.fingerprint import stamp
 from minillm.ops import attention_ops as ops
 from minillm.ops.check import _rotations, _time_graph
 
@@ -57,7 +58,7 @@ def main() -> None:
     if args.output:
         with open(args.output, "a") as f:
             for r in rows:
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps({**r, **stamp()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -99,11 +99,13 @@ def _device(cfg: EngineConfig) -> str:
 def _prepare_device(device: str) -> dict:
     """Build/load the CUDA extension up front, so its compile time is reported on its own, not inside the first
     configuration's load time. Returns the fields every results line of this process carries."""
+    from minillm.ops.attention_ops import CTAS_PER_SM_TARGET
     from minillm.ops.build import cuda_ops_available
 
     t0 = time.perf_counter()
     ok = device.startswith("cuda") and cuda_ops_available()
-    return {"kernel_build_s": time.perf_counter() - t0, "cuda_ops": ok}
+    # the decode split-K target can be overridden from the environment: record what this run used
+    return {"kernel_build_s": time.perf_counter() - t0, "cuda_ops": ok, "decode_ctas_per_sm": CTAS_PER_SM_TARGET}
 
 
 def _offline_workload(workload: Path | None, num_requests: int | None):

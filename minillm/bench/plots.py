@@ -16,10 +16,15 @@ def _latest(lines: list[dict]) -> dict[tuple[str, float], dict]:
 
 
 def _provenance(lines: list[dict]) -> str:
-    """GPU, commit and date of the newest line, so a figure never travels without where it was measured."""
+    """GPU, commits and dates of the plotted lines, so a figure never travels without where it was measured.
+    Pass the lines actually drawn: a figure merged from several runs names every commit, newest first."""
     newest = max(lines, key=lambda ln: ln.get("date", ""))
     gpu = (newest.get("fingerprint") or {}).get("gpu") or "no GPU"
-    return f"minillm latency-sweep on {gpu}, commit {newest.get('commit', '?')}, {newest.get('date', '?')}"
+    by_date = sorted(lines, key=lambda ln: ln.get("date", ""), reverse=True)
+    commits = list(dict.fromkeys(ln.get("commit", "?") for ln in by_date))
+    days = sorted({ln.get("date", "?")[:10] for ln in lines})
+    label = "commit" if len(commits) == 1 else "commits"
+    return f"minillm latency-sweep on {gpu}, {label} {', '.join(commits)}, {' to '.join([days[0], days[-1]][:len(days)])}"
 
 
 def plot_latency(lines: list[dict], path: str | Path) -> Path:
