@@ -28,12 +28,12 @@ import torch
 
 from minillm.engine.outputs import TokenLogprobs
 from minillm.sampling.batch import SamplingBatch
+from minillm.ops.sampling_ops import LOGIT_DTYPES
 from minillm.sampling.penalties import apply_penalties
 
 # Exp(1) draws can be exactly 0 (the uniform hit its endpoint); 0 would turn masked tokens into 0/0 = NaN,
 # which argmax prefers. Clamping to the smallest normal float changes nothing else.
 _TINY = torch.finfo(torch.float32).tiny
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -126,7 +126,7 @@ def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
     if logits.dim() != 2 or logits.shape[0] != batch.num_rows or logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits must have shape [{batch.num_rows}, {batch.vocab_size}] (rows x vocab_size "
                          f"of the SamplingBatch), got {list(logits.shape)}")
-    if logits.dtype not in _LOGIT_DTYPES:
+    if logits.dtype not in LOGIT_DTYPES:
         raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
 
 
