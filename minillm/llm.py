@@ -1,7 +1,6 @@
 """LLM: the Python API. A thin facade over LLMEngine: offline generate() plus the streaming primitives."""
 from __future__ import annotations
 
-import gc
 from typing import Sequence
 
 from minillm.config import EngineConfig
@@ -24,11 +23,6 @@ class LLM:
     def _init(self, cfg: EngineConfig) -> None:
         self.config = cfg
         self.engine = LLMEngine(cfg)
-        # Everything built so far (model, tokenizer, imported libraries) lives as long as the engine: move it
-        # out of the collector's reach, so that a full collection during serving does not walk it (a pause
-        # that would land in some token's inter-token latency).
-        gc.collect()
-        gc.freeze()
 
     # ---- facts about the loaded engine ----
     @property
