@@ -122,6 +122,9 @@ def print_summary(res: dict) -> None:
           f"{_pct(f['fraction_of_floor'])} of floor), wall B (profiled) {res['wall_b_s']:.3f} s")
     print(f"pass B [{k['source']}]: busy {k['busy_ms']:.1f} ms ({_pct(k['busy_fraction'])} of wall B), "
           f"idle {k['idle_ms']:.1f} ms, kernel sum {k['kernel_sum_ms']:.1f} ms, {k['steps']} steps")
+    g = k["idle_gaps"]
+    print(f"  idle between kernels by tenth of the trace (ms): {[round(x, 1) for x in g['idle_by_slice_ms']]}; "
+          f"{g['long_gaps']} gaps over {g['long_gap_us']:g} us hold {g['long_gap_ms']:.1f} ms")
     for cat, ms in k["by_category_ms"].items():
         share = ms / k["kernel_sum_ms"] if k["kernel_sum_ms"] else None
         print(f"  {cat:<18} {ms:10.1f} ms  {_pct(share):>6}")

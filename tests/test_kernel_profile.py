@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from minillm.bench.kernel_profile import Span, category, device_spans, summarize, summarize_profile, union_length
+from minillm.bench.kernel_profile import (Span, category, device_spans, idle_gaps, merged_runs, summarize,
+                                          summarize_profile, union_length)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_bench.py"
 
@@ -53,6 +54,17 @@ def _spans():
     # us: a GEMM on one stream overlapping a memcpy on another, a gap, then two decode kernels back to back.
     return [Span("nvjet_sm90_tst_64x8", 0, 100, 100), Span("Memcpy HtoD (Pinned -> Device)", 50, 150, 100),
             Span("paged_decode_kernel<bf16>", 400, 500, 100), Span("paged_decode_kernel<bf16>", 500, 600, 100)]
+
+
+def test_idle_gaps_by_slice_and_long_gaps():
+    # busy runs [0, 10], [12, 20] (two overlapping kernels), [100, 110]: gaps of 2 us (at 10) and 80 us (at 20)
+    intervals = [(0, 10), (12, 15), (14, 20), (100, 110)]
+    assert merged_runs(intervals) == [(0, 10), (12, 20), (100, 110)]
+    g = idle_gaps(intervals, parts=2, long_us=50)
+    assert g["long_gaps"] == 1 and g["long_gap_ms"] == pytest.approx(0.080)
+    # the trace spans 0..110 us: slice 0 is [0, 55), where both gaps start
+    assert g["idle_by_slice_ms"] == [pytest.approx(0.082), 0.0]
+    assert idle_gaps([(0, 5)], parts=3)["idle_by_slice_ms"] == [0.0, 0.0, 0.0]
 
 
 def test_summarize_busy_idle_and_categories():
@@ -145,5 +157,6 @@ def test_profile_bench_smoke(tmp_path):
     assert 0 < k["busy_ms"] <= k["window_ms"] and k["window_ms"] == pytest.approx(1e3 * res["wall_b_s"])
     assert sum(k["by_category_ms"].values()) == pytest.approx(k["kernel_sum_ms"])
     assert k["by_category_ms"]["gemm"] > 0 and k["top_kernels"][0]["calls"] > 0
+    assert len(k["idle_gaps"]["idle_by_slice_ms"]) == 10 and min(k["idle_gaps"]["idle_by_slice_ms"]) >= 0
     assert res["decode_attention"]["kv_bytes"] == res["floor"]["kv_bytes"]
     assert "wall A" in proc.stdout and "busy" in proc.stdout

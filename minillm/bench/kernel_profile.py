@@ -57,18 +57,41 @@ class Span:
     charge_us: float
 
 
-def union_length(intervals) -> float:
-    """Total length covered by (start, end) intervals: sort by start, merge overlaps, add up the merged runs.
-    This is how long the device had at least one kernel running."""
-    total, cur_start, cur_end = 0.0, None, None
+def merged_runs(intervals) -> list[tuple[float, float]]:
+    """(start, end) intervals merged where they overlap or touch, in time order: the device's busy runs."""
+    runs: list[list[float]] = []
     for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
         else:
-            cur_end = max(cur_end, end)
-    return total if cur_end is None else total + cur_end - cur_start
+            runs.append([start, end])
+    return [(a, b) for a, b in runs]
+
+
+def union_length(intervals) -> float:
+    """Total length covered by (start, end) intervals: how long the device had at least one kernel running."""
+    return sum(end - start for start, end in merged_runs(intervals))
+
+
+def idle_gaps(intervals, parts: int = 10, long_us: float = 50.0) -> dict:
+    """Where the idle time between busy runs sits: the gaps longer than `long_us` (count and ms), and the idle
+    ms in each of `parts` equal slices of the trace (a gap is charged to the slice its start falls in). Idle
+    piled up in the last slices points at the small batches at the end of an offline run; spread evenly, at a
+    per-step host cost."""
+    runs = merged_runs(intervals)
+    if len(runs) < 2:
+        return {"long_gap_us": long_us, "long_gaps": 0, "long_gap_ms": 0.0, "idle_by_slice_ms": [0.0] * parts}
+    t0, t1 = runs[0][0], runs[-1][1]
+    width = (t1 - t0) / parts
+    by_slice = [0.0] * parts
+    long_n, long_total = 0, 0.0
+    for (_, prev_end), (start, _) in zip(runs, runs[1:]):
+        gap = start - prev_end
+        by_slice[min(parts - 1, int((prev_end - t0) / width))] += gap / 1e3
+        if gap > long_us:
+            long_n, long_total = long_n + 1, long_total + gap
+    return {"long_gap_us": long_us, "long_gaps": long_n, "long_gap_ms": long_total / 1e3,
+            "idle_by_slice_ms": by_slice}
 
 
 def _is_device_work(e) -> bool:
@@ -131,7 +154,8 @@ def summarize(spans: list[Span], *, wall_ms: float | None = None, steps: int | N
            "busy_ms": busy, "idle_ms": window - busy, "busy_fraction": busy / window if window > 0 else None,
            "kernel_sum_ms": sum(s.charge_us for s in spans) / 1e3,
            "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
-           "top_kernels": _top(spans, top), "steps": steps}
+           "top_kernels": _top(spans, top), "steps": steps,
+           "idle_gaps": idle_gaps((s.start_us, s.end_us) for s in spans)}
     out["per_step"] = _per_step(out, steps) if steps else None
     return out
 
