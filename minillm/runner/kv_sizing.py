@@ -88,9 +88,9 @@ def prefill_batch(runner, total: int, write: bool = True):
 
 @torch.inference_mode()
 def profile_run(runner) -> int:
-    """Run the largest step once (a budget-sized prefill split into max_model_len pieces, then max_num_seqs
-    rows of logits plus sampler-sized scratch) on a scratch KV cache; return peak allocated bytes."""
-    total = runner.cfg.scheduler.max_num_batched_tokens
+    """Run the largest step once (a prefill of the most tokens a step can hold, split into max_model_len pieces,
+    then max_num_seqs rows of logits plus sampler-sized scratch) on a scratch KV cache; return peak bytes."""
+    total = runner.max_num_tokens
     ids, positions, meta, blocks = prefill_batch(runner, total)
     scratch = allocate_kv_cache(runner.arch, blocks, runner.cfg.cache.block_size, runner.dtype, runner.device)
     dev = runner.device

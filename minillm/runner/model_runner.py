@@ -49,8 +49,9 @@ class ModelRunner:
                                                            self.device, self.attn_backend, seed=cfg.runtime.seed)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
-        # A step never holds more tokens than the budget, but a prefill-first step holds one whole prompt.
-        self.max_num_tokens = max(sched.max_num_batched_tokens, self.max_model_len)
+        # No step holds more tokens than the budget, prefill-first included (the scheduler's contract: a longer
+        # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound.
+        self.max_num_tokens = sched.max_num_batched_tokens
         self.sampler = Sampler(seed=cfg.runtime.seed)
         self.num_blocks = choose_num_blocks(self, cfg.cache)
         self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, cfg.cache.block_size, self.dtype, self.device)
