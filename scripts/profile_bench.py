@@ -27,9 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from minillm.bench.commands import BENCH_SUITE, _build, _device, _label, _offline_workload, _prepare_device, \
     _read_suite
-from minillm.bench.floor import ModelShape, dtype_bytes, floor_record, measure_device, workload_work
+from minillm.bench.floor import floor_record, measure_device
 from minillm.bench.kernel_profile import summarize_profile
-from minillm.bench.offline import build_llm, free_device_memory, timed_pass, warm_up
+from minillm.bench.offline import build_llm, floor_work, free_device_memory, timed_pass, warm_up
 from minillm.cli import EngineFlags
 from minillm.engine.profile import StepProfile
 from minillm.fingerprint import stamp
@@ -96,11 +96,10 @@ def run(args, w, cfg) -> dict:
         warmup_s = warm_up(llm, w)
         wall_a, preemptions, host = pass_a(llm, w, args.progress)
         wall_b, kernels = pass_b(llm, w, dev.startswith("cuda"), args.top)
-        shape, dbytes, dtype = ModelShape.from_arch(llm.model_arch), dtype_bytes(llm.dtype), str(llm.dtype)
+        work, dtype = floor_work(llm, w, cfg.scheduler.max_num_seqs)
     finally:
         del llm
         free_device_memory()
-    work = workload_work(shape, [len(p) for p in w.prompts], w.max_tokens, dbytes, cfg.scheduler.max_num_seqs)
     floor = floor_record(work, rates, wall_a)
     return {"kind": "profile_bench", "label": _label(cfg), "config": dataclasses.asdict(cfg), "dtype": dtype,
             "device": dev, "workload": w.summary(), "load_s": load_s, "warmup_s": warmup_s, **extra,

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from minillm.bench.floor import DeviceRates, ModelShape, dtype_bytes, floor_record, workload_work
+from minillm.bench.floor import DeviceRates, FloorWork, ModelShape, dtype_bytes, floor_record, workload_work
 from minillm.bench.workloads import Workload
 from minillm.engine.profile import StepProfile
 from minillm.sampling_params import SamplingParams
@@ -88,6 +88,13 @@ def timed_pass(llm, workload: Workload, show_progress: bool) -> tuple[float, int
     return wall, tokens, llm.num_preemptions - preempt0
 
 
+def floor_work(llm, workload: Workload, max_num_seqs: int) -> tuple[FloorWork, str]:
+    """What `workload` must move and compute on this engine's model and dtype (DESIGN 7), and the dtype's name."""
+    work = workload_work(ModelShape.from_arch(llm.model_arch), [len(p) for p in workload.prompts],
+                         workload.max_tokens, dtype_bytes(llm.dtype), max_num_seqs)
+    return work, str(llm.dtype)
+
+
 def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: int = 1,
                show_progress: bool = True) -> dict:
     """Build, warm up and time one configuration; returns its results line (without the stamp)."""
@@ -105,13 +112,11 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
                                    f"{workload.output_tokens} (is max_model_len too small?)")
             walls.append(wall)
             preemptions += preempted
-        shape, dbytes, dtype = ModelShape.from_arch(llm.model_arch), dtype_bytes(llm.dtype), str(llm.dtype)
+        work, dtype = floor_work(llm, workload, cfg.scheduler.max_num_seqs)
     finally:
         del llm
         free_device_memory()
     wall = statistics.median(walls)
-    work = workload_work(shape, [len(p) for p in workload.prompts], workload.max_tokens, dbytes,
-                         cfg.scheduler.max_num_seqs)
     return {"kind": "bench", "engine": "minillm", "label": label, "config": dataclasses.asdict(cfg), "dtype": dtype,
             "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
             "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,

@@ -1,6 +1,7 @@
 """Latency statistics from per-token timestamps: TTFT and inter-token latency percentiles."""
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -41,8 +42,8 @@ def worst_gaps(timelines: list[RequestTimeline], n: int = 3) -> list[list[float]
     if not timelines:
         return []
     t0 = min(t.arrival for t in timelines)
-    gaps = [(b - a, b - t0) for t in timelines for a, b in zip(t.token_times, t.token_times[1:])]
-    return [list(g) for g in sorted(gaps, reverse=True)[:n]]
+    gaps = ((b - a, b - t0) for t in timelines for a, b in zip(t.token_times, t.token_times[1:]))
+    return [list(g) for g in heapq.nlargest(n, gaps)]
 
 
 def latency_summary(timelines: list[RequestTimeline]) -> dict:
