@@ -13,12 +13,15 @@
 // keeps full relative precision; u == 1 gives E = inf, a column that cannot win.
 // Logits may be fp32, fp16 or bf16 (the lm_head output as it is, no fp32 copy); each is widened to fp32
 // exactly, so the score of a column is the same fp32 number whichever of them holds the same value.
+// Columns that provably cannot beat their thread's best so far skip the exact noise (and whole groups of four
+// skip Philox): the same winner for a fraction of the logarithms (group_cannot_win, column_cannot_win).
 // Variants: 16-byte loads (4 fp32 or 8 half-precision columns; vocab and row stride multiples of that,
 // aligned) or scalar loads.
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/sampling.cu
 #include <cmath>
 
 #include "fused.h"
+#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -39,11 +42,13 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
   return c;
 }
 
-// -log(E) for E ~ Exp(1) made from one 32-bit word; same fp32 steps as the torch reference.
-__device__ __forceinline__ float neg_log_exponential(uint32_t x) {
-  const float u = __fadd_rn(__fmul_rn(__uint2float_rn(x), 2.3283064365386963e-10f), 1.1641532182693481e-10f);
-  return -logf(-log1pf(-u));
+// u in (0, 1] from one 32-bit word; same fp32 steps as the torch reference.
+__device__ __forceinline__ float unit_from_word(uint32_t x) {
+  return __fadd_rn(__fmul_rn(__uint2float_rn(x), 2.3283064365386963e-10f), 1.1641532182693481e-10f);
 }
+
+// -log(E) for E ~ Exp(1) made from one 32-bit word; same fp32 steps as the torch reference.
+__device__ __forceinline__ float neg_log_exponential(uint32_t x) { return -logf(-log1pf(-unit_from_word(x))); }
 
 struct Best {
   float v;
@@ -78,9 +83,31 @@ __device__ __forceinline__ Best block_argmax(Best b) {
   return b;
 }
 
-// The score of one column: l * inv_t + (-log E), each step rounded to fp32, or l itself on a greedy row.
-__device__ __forceinline__ float race_score(float l, float inv_t, bool greedy, uint32_t word) {
-  return greedy ? l : __fadd_rn(__fmul_rn(l, inv_t), neg_log_exponential(word));
+// The score of a column on a sampled row: l * inv_t + (-log E), each step rounded to fp32 (a greedy row's
+// score is l itself).
+__device__ __forceinline__ float race_score(float l, float inv_t, uint32_t word) {
+  return __fadd_rn(__fmul_rn(l, inv_t), neg_log_exponential(word));
+}
+
+// Pruning (sampled rows): most columns cannot beat the thread's best so far, and proving that is cheaper than
+// the two accurate logarithms of their noise. Both tests below only skip a column whose exact score is
+// certainly below the best, so the winner (ties and NaN included) is the one the full race picks.
+// u >= 2^-33, so E = -log1p(-u) >= u >= 2^-33 and the noise -log(E) <= 33 ln 2 < kMaxNoise, for every column.
+constexpr float kMaxNoise = 22.9f;
+// Margin for fp32 rounding (products, log1pf / logf within 2 ulp) and for __logf's approximation error:
+// orders of magnitude above those errors, orders below the gaps that prune.
+__device__ __forceinline__ float slack(float v) { return 1e-3f + 1e-4f * fabsf(v); }
+
+// True when no column of a Philox group, whose largest scaled logit is xmax (NaN if any is NaN), can win.
+__device__ __forceinline__ bool group_cannot_win(float xmax, const Best& best) {
+  return xmax + kMaxNoise + slack(xmax) < best.v;  // false for NaN
+}
+
+// True when the column with scaled logit x and noise word `word` cannot win: E >= u gives -log(E) <= -log(u),
+// which the fast __logf bounds up to its error.
+__device__ __forceinline__ bool column_cannot_win(float x, uint32_t word, const Best& best) {
+  const float noise_bound = -__logf(unit_from_word(word));
+  return x + noise_bound + slack(noise_bound) + slack(x) < best.v;
 }
 
 // T: logit element type (float, __half or __nv_bfloat16), widened to fp32 exactly before any arithmetic.
@@ -94,6 +121,8 @@ __global__ void __launch_bounds__(kThreads)
                             uint2 key, uint32_t offset_lo, uint32_t offset_hi) {
   constexpr int kCols = VEC ? 16 / static_cast<int>(sizeof(T)) : 4;  // columns per thread and iteration
   constexpr int kGroups = kCols / 4;                                   // Philox calls per iteration
+  pdl_trigger();
+  pdl_wait();  // launched with PDL: the logits come from the GEMM just before
   const uint32_t row = blockIdx.x;
   const T* x = logits + row * row_stride;
   const float inv_t = inv_temperature[row];
@@ -114,14 +143,30 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
       const int g = kGroups * k + j;
-      uint4 r{0, 0, 0, 0};
-      if (!greedy) r = philox4x32_10(make_uint4(static_cast<uint32_t>(g), row, offset_lo, offset_hi), key);
+      if (greedy) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 4 * g + e;
+          if (!VEC && col >= vocab) break;
+          if (beats(l[4 * j + e], col, best)) best = {l[4 * j + e], col};
+        }
+        continue;
+      }
+      float xmax = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float xe = __fmul_rn(l[4 * j + e], inv_t);
+        xmax = (xe > xmax || isnan(xe)) ? xe : xmax;
+      }
+      if (group_cannot_win(xmax, best)) continue;
+      const uint4 r = philox4x32_10(make_uint4(static_cast<uint32_t>(g), row, offset_lo, offset_hi), key);
       const uint32_t words[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = 4 * g + e;
         if (!VEC && col >= vocab) break;
-        const float s = race_score(l[4 * j + e], inv_t, greedy, words[e]);
+        if (column_cannot_win(__fmul_rn(l[4 * j + e], inv_t), words[e], best)) continue;
+        const float s = race_score(l[4 * j + e], inv_t, words[e]);
         if (beats(s, col, best)) best = {s, col};
       }
     }
@@ -138,14 +183,9 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
                    reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   const int64_t chunks = vec ? vocab / kVecCols : (vocab + 3) / 4;
   const int threads = chunks >= kThreads ? kThreads : static_cast<int>((chunks + 31) / 32 * 32);
-  if (vec) {
-    exponential_race_kernel<T, true><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
-                                                                    static_cast<int>(vocab), key, lo, hi);
-  } else {
-    exponential_race_kernel<T, false><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
-                                                                     static_cast<int>(vocab), key, lo, hi);
-  }
-  return cudaGetLastError();
+  return launch_pdl(vec ? exponential_race_kernel<T, true> : exponential_race_kernel<T, false>, dim3(rows),
+                    dim3(threads), 0, stream, logits, row_stride, inv_temperature, out, static_cast<int>(vocab), key,
+                    lo, hi);
 }
 
 }  // namespace

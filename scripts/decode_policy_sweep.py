@@ -1,11 +1,12 @@
 """Split-K policy sweep for the paged decode kernel on batches of mixed context lengths.
 
-    python scripts/decode_policy_sweep.py [--output sweep.jsonl]
+    python scripts/decode_policy_sweep.py [--output sweep.jsonl] [--quick]
 
 The engine's decode batches are ragged (the offline reference has contexts of 100-2048 tokens in one
 batch), while check-kernels times uniform contexts. This times v1, fixed split-K partition sizes and equal
 split-K (-P: P partitions per sequence) on ragged batches of several sizes, as TB/s of K/V actually read, so
-the dispatcher's choice can be set from a measurement. GPU only.
+the dispatcher's choice can be set from a measurement. The dispatcher's own choice is timed twice: in row order
+and longest-first (the runner's decode_order), to show what the work order buys. GPU only.
 """
 from __future__ import annotations
 
@@ -32,29 +33,34 @@ def ragged_case(batch: int, lo: int, hi: int, seed: int = 0, hq=16, hkv=8, d=128
     q = torch.randn(rot, batch, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    longest_first = torch.tensor(sorted(range(batch), key=lambda i: -lens[i]), dtype=torch.int32, device="cuda")
 
-    def fns(part):
-        return [lambda i=i: ops.paged_decode(out, q[i], kc, vc, bt[i], sl, d ** -0.5, hi, part) for i in range(rot)]
+    def fns(part, lpt=False):
+        order = longest_first if lpt else None
+        return [lambda i=i: ops.paged_decode(out, q[i], kc, vc, bt[i], sl, d ** -0.5, hi, part, order)
+                for i in range(rot)]
     return lens, kv_bytes, fns
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output", default=None)
+    ap.add_argument("--quick", action="store_true", help="only the bench's context range and the auto choice")
     args = ap.parse_args()
     rows = []
-    for lo, hi in ((100, 2048), (1000, 1100), (100, 600)):
+    ranges = ((100, 2048),) if args.quick else ((100, 2048), (1000, 1100), (100, 600))
+    for lo, hi in ranges:
         for batch in (8, 16, 32, 64, 128, 256):
             lens, kv_bytes, fns = ragged_case(batch, lo, hi)
             auto = ops.decode_partition_size(batch, 8, hi)
-            for part in (0, 256, 512, -2, -3, -5, -9, -17):   # -P: P equal partitions per sequence
-                if part >= hi:
-                    continue
-                ms = _time_graph(fns(part))
+            parts = (auto,) if args.quick else (0, 256, 512, -2, -3, -5, -9, -17)   # -P: P equal partitions
+            runs = [(p, False) for p in parts if p < hi] + [(auto, True)]
+            for part, lpt in runs:
+                ms = _time_graph(fns(part, lpt))
                 rows.append(dict(bench=f"decode ragged B={batch} ctx=[{lo},{hi}]", partition=part,
-                                 auto=part == auto, ms=ms, tb_s=kv_bytes / ms / 1e9))
-                print(f"B={batch:4d} ctx=[{lo},{hi}] part={part:5d}{' (auto)' if part == auto else '       '} "
-                      f"{ms * 1e3:8.1f} us {kv_bytes / ms / 1e9:6.2f} TB/s", flush=True)
+                                 auto=part == auto, longest_first=lpt, ms=ms, tb_s=kv_bytes / ms / 1e9))
+                print(f"B={batch:4d} ctx=[{lo},{hi}] part={part:5d}{' (auto)' if part == auto else '       '}"
+                      f"{' LPT' if lpt else '    '} {ms * 1e3:8.1f} us {kv_bytes / ms / 1e9:6.2f} TB/s", flush=True)
     if args.output:
         with open(args.output, "a") as f:
             for r in rows:

@@ -20,8 +20,15 @@ PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a wh
 # tail of a few long CTAs running on an otherwise idle GPU (scripts/decode_policy_sweep.py measures it). Read
 # from MINILLM_DECODE_CTAS_PER_SM when set, so that the choice can be timed without a rebuild.
 CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "16"))
+# Hand the longest sequences' decode work out first (see cuda/paged_decode.cu); MINILLM_DECODE_LPT=0 keeps row
+# order, for A/B timings.
+DECODE_LPT = os.environ.get("MINILLM_DECODE_LPT", "1") != "0"
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
+# Split-K ticket counters (one int32 per sequence x KV head), kept zero between launches by the kernel itself.
+# Sized once, generously (256 KB), so that no launch inside a CUDA-graph capture ever has to allocate them.
+MIN_TICKETS = 1 << 16
+_tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,6 +40,16 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_tickets(device: torch.device, needed: int) -> torch.Tensor:
+    buf = _tickets.get(device)
+    if buf is None or buf.numel() < needed:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"paged_decode: {needed} split-K tickets needed inside a CUDA-graph capture; run "
+                               f"the largest batch once eagerly before capturing")
+        buf = _tickets[device] = torch.zeros(max(needed, MIN_TICKETS), dtype=torch.int32, device=device)
+    return buf
 
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -50,12 +67,14 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                 partition_size: int | None = None) -> torch.Tensor:
+                 partition_size: int | None = None, seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """out[s] = attention of q[s] (one token per sequence) over its first seq_lens[s] cached tokens.
 
     partition_size None lets the dispatcher choose; 0 forces v1; a positive multiple of 256 forces split-K with
     fixed partitions of that many tokens; -P forces split-K with every sequence cut into P equal partitions.
-    max_seq_len must bound every seq_lens entry (it sizes the fixed split-K workspace).
+    max_seq_len must bound every seq_lens entry (it sizes the fixed split-K workspace). seq_order (int32
+    permutation of the rows, longest context first) hands the longest sequences' CTAs out first; it changes
+    the order of work, never the result.
     """
     if partition_size is None:
         partition_size = decode_partition_size(q.shape[0], k_cache.shape[2], max_seq_len, _num_sms(q.device.index or 0))
@@ -63,8 +82,9 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not (fixed_ok or -MAX_EQUAL_PARTITIONS <= partition_size < 0):
         raise ValueError(f"partition_size must be 0, a positive multiple of {PARTITION_QUANTUM} or -P with "
                          f"1 <= P <= {MAX_EQUAL_PARTITIONS}, got {partition_size}")
+    tickets = _decode_tickets(q.device, q.shape[0] * k_cache.shape[2])
     load_extension().paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
-                                  int(partition_size), int(max_seq_len))
+                                  int(partition_size), int(max_seq_len), tickets, seq_order)
     return out
 
 
