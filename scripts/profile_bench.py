@@ -124,6 +124,7 @@ def print_summary(res: dict) -> None:
     g = k["idle_gaps"]
     print(f"  idle between kernels by tenth of the trace (ms): {[round(x, 1) for x in g['idle_by_slice_ms']]}; "
           f"{g['long_gaps']} gaps over {g['long_gap_us']:g} us hold {g['long_gap_ms']:.1f} ms")
+    print(f"  idle by gap size (ms): { {k: round(v, 1) for k, v in g['idle_by_gap_size_ms'].items()} }")
     for cat, ms in k["by_category_ms"].items():
         share = ms / k["kernel_sum_ms"] if k["kernel_sum_ms"] else None
         print(f"  {cat:<18} {ms:10.1f} ms  {_pct(share):>6}")

@@ -64,6 +64,9 @@ def test_idle_gaps_by_slice_and_long_gaps():
     assert g["long_gaps"] == 1 and g["long_gap_ms"] == pytest.approx(0.080)
     # the trace spans 0..110 us: slice 0 is [0, 55), where both gaps start
     assert g["idle_by_slice_ms"] == [pytest.approx(0.082), 0.0]
+    # the 2 us gap sits on the edge of the first bucket, so it counts in the next one up
+    assert g["idle_by_gap_size_ms"] == {"<2us": 0.0, "<5us": pytest.approx(0.002), "<20us": 0.0, "<50us": 0.0,
+                                        ">=50us": pytest.approx(0.080)}
     assert idle_gaps([(0, 5)], parts=3)["idle_by_slice_ms"] == [0.0, 0.0, 0.0]
 
 

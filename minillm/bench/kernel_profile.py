@@ -73,14 +73,21 @@ def union_length(intervals) -> float:
     return sum(end - start for start, end in merged_runs(intervals))
 
 
+GAP_BUCKETS_US = (2.0, 5.0, 20.0, 50.0)   # upper edges of the gap-size buckets; the last bucket is open
+
+
 def idle_gaps(intervals, parts: int = 10, long_us: float = 50.0) -> dict:
-    """Where the idle time between busy runs sits: the gaps longer than `long_us` (count and ms), and the idle
-    ms in each of `parts` equal slices of the trace (a gap is charged to the slice its start falls in). Idle
-    piled up in the last slices points at the small batches at the end of an offline run; spread evenly, at a
-    per-step host cost."""
+    """Where the idle time between busy runs sits: the gaps longer than `long_us` (count and ms), the idle ms in
+    each of `parts` equal slices of the trace (a gap is charged to the slice its start falls in), and the idle
+    ms by gap size (GAP_BUCKETS_US). Idle piled up in the last slices points at the small batches at the end of
+    an offline run; spread evenly, at a per-step host cost; in gaps of a few us, at kernel-to-kernel launch
+    latency."""
+    labels = [f"<{b:g}us" for b in GAP_BUCKETS_US] + [f">={GAP_BUCKETS_US[-1]:g}us"]
+    by_size = dict.fromkeys(labels, 0.0)
     runs = merged_runs(intervals)
     if len(runs) < 2:
-        return {"long_gap_us": long_us, "long_gaps": 0, "long_gap_ms": 0.0, "idle_by_slice_ms": [0.0] * parts}
+        return {"long_gap_us": long_us, "long_gaps": 0, "long_gap_ms": 0.0, "idle_by_slice_ms": [0.0] * parts,
+                "idle_by_gap_size_ms": by_size}
     t0, t1 = runs[0][0], runs[-1][1]
     width = (t1 - t0) / parts
     by_slice = [0.0] * parts
@@ -88,10 +95,11 @@ def idle_gaps(intervals, parts: int = 10, long_us: float = 50.0) -> dict:
     for (_, prev_end), (start, _) in zip(runs, runs[1:]):
         gap = start - prev_end
         by_slice[min(parts - 1, int((prev_end - t0) / width))] += gap / 1e3
+        by_size[labels[sum(gap >= b for b in GAP_BUCKETS_US)]] += gap / 1e3
         if gap > long_us:
             long_n, long_total = long_n + 1, long_total + gap
     return {"long_gap_us": long_us, "long_gaps": long_n, "long_gap_ms": long_total / 1e3,
-            "idle_by_slice_ms": by_slice}
+            "idle_by_slice_ms": by_slice, "idle_by_gap_size_ms": by_size}
 
 
 def _is_device_work(e) -> bool:
