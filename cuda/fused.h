@@ -39,6 +39,12 @@ cudaError_t launch_silu_and_mul(const void* gate_up, int64_t in_row_stride, void
 // Splits qkv rows [(Hq + 2 Hkv) * D] into contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]; applies the
 // per-head RMSNorm to q and k when both weights are non-null, then neox RoPE from cos_sin (fp32
 // [max_positions, D]: cos | sin). A position outside [0, max_positions) yields NaN in its q and k rows.
+// Fused KV-cache write: with k_cache, v_cache and slot_mapping all non-null, the k and v rows of token t go
+// to flat slot slot_mapping[t] of the caches (contiguous [num_blocks, block_size, Hkv, D] of the activation
+// dtype; row of kv head h at element (slot * Hkv + h) * D) instead of to k and v, which are then unused and
+// may be null; slot < 0 stores nothing for that token (q is still written). The bits stored are those the
+// unfused path writes to k/v (and kv_write then copies). Slots must lie inside the caches: unchecked.
+// All three null: the unfused behaviour above.
 struct QkNormRopeArgs {
   const void* qkv;
   int64_t qkv_row_stride;
@@ -48,13 +54,16 @@ struct QkNormRopeArgs {
   const void* q_norm_weight;  // nullable (Qwen2 has no q/k norm)
   const void* k_norm_weight;  // nullable, together with q_norm_weight
   void* q;
-  void* k;
+  void* k;  // unused (nullable) when the caches are given
   void* v;
   int64_t num_tokens;
   int num_heads;
   int num_kv_heads;
   int head_dim;  // even, <= kMaxHeadDim
   float eps;
+  void* k_cache;                 // nullable, together with v_cache and slot_mapping
+  void* v_cache;
+  const int64_t* slot_mapping;  // [>= num_tokens]
 };
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ActDType dtype, cudaStream_t stream);
 

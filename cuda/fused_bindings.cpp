@@ -1,7 +1,8 @@
 // Torch bindings of the fused elementwise kernels and the one-pass sampler (launchers in fused.h).
 //
 // Each op checks its tensors (bad input raises ValueError naming the argument), allocates fresh outputs,
-// and launches on the current stream; none mutates an input, so the schemas carry no alias annotations.
+// and launches on the current stream. Only qk_norm_rope_cache writes into inputs (the KV caches), which its
+// schema declares with (a!)/(b!) so that CUDA graphs and torch.compile see the writes.
 // Meta implementations give torch.compile the output shapes without running anything.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -147,10 +148,17 @@ void check_norm_weights(const std::optional<Tensor>& qw, const std::optional<Ten
   check_weight(*kw, qkv, "k_norm_weight", head_dim);
 }
 
-std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tensor& positions_in,
-                                                const Tensor& cos_sin_cache, int64_t num_heads, int64_t num_kv_heads,
-                                                int64_t head_dim, const std::optional<Tensor>& q_norm_weight,
-                                                const std::optional<Tensor>& k_norm_weight, double eps) {
+// The checked inputs of both qk_norm_rope ops. It holds the tensors the launcher arguments point into (qkv with
+// a unit last stride, int64 positions; possibly fresh copies), so that they outlive the launch.
+struct RopeInputs {
+  Tensor qkv;
+  Tensor positions;
+  ActDType dtype;
+};
+
+RopeInputs check_rope_inputs(const Tensor& qkv_in, const Tensor& positions_in, const Tensor& cos_sin_cache,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight) {
   FUSED_CHECK(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
   const ActDType dtype = act_dtype(qkv_in, "qkv");
   check_heads(qkv_in, num_heads, num_kv_heads, head_dim);
@@ -166,21 +174,90 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tens
                         cos_sin_cache.device() == qkv.device(),
                     "cos_sin_cache must be contiguous float32 [max_positions, ", head_dim, "] on qkv's device, got ",
                     cos_sin_cache.sizes(), " ", cos_sin_cache.scalar_type());
-  const c10::cuda::CUDAGuard guard(qkv.device());
-  const Tensor positions = positions_in.to(at::kLong).contiguous();
-  const auto opts = qkv.options();
+  return {qkv, positions_in.to(at::kLong).contiguous(), dtype};
+}
+
+// Launcher arguments with q as the q output and no k/v destination yet (the caller sets k/v or the caches).
+minillm::QkNormRopeArgs rope_args(const RopeInputs& in, const Tensor& cos_sin_cache, Tensor& q,
+                                  const std::optional<Tensor>& q_norm_weight,
+                                  const std::optional<Tensor>& k_norm_weight, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, double eps) {
+  minillm::QkNormRopeArgs a{};
+  a.qkv = in.qkv.data_ptr();
+  a.qkv_row_stride = in.qkv.stride(0);
+  a.positions = in.positions.data_ptr<int64_t>();
+  a.cos_sin = cos_sin_cache.data_ptr<float>();
+  a.max_positions = cos_sin_cache.size(0);
+  a.q_norm_weight = q_norm_weight ? q_norm_weight->data_ptr() : nullptr;
+  a.k_norm_weight = k_norm_weight ? k_norm_weight->data_ptr() : nullptr;
+  a.q = q.data_ptr();
+  a.num_tokens = in.qkv.size(0);
+  a.num_heads = static_cast<int>(num_heads);
+  a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.head_dim = static_cast<int>(head_dim);
+  a.eps = static_cast<float>(eps);
+  return a;
+}
+
+std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tensor& positions_in,
+                                                const Tensor& cos_sin_cache, int64_t num_heads, int64_t num_kv_heads,
+                                                int64_t head_dim, const std::optional<Tensor>& q_norm_weight,
+                                                const std::optional<Tensor>& k_norm_weight, double eps) {
+  const RopeInputs in = check_rope_inputs(qkv_in, positions_in, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+                                          q_norm_weight, k_norm_weight);
+  const c10::cuda::CUDAGuard guard(in.qkv.device());
+  const int64_t tokens = in.qkv.size(0);
+  const auto opts = in.qkv.options();
   Tensor q = at::empty({tokens, num_heads, head_dim}, opts);
   Tensor k = at::empty({tokens, num_kv_heads, head_dim}, opts);
   Tensor v = at::empty({tokens, num_kv_heads, head_dim}, opts);
-  const minillm::QkNormRopeArgs a{
-      qkv.data_ptr(), qkv.stride(0), positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>(),
-      cos_sin_cache.size(0), q_norm_weight ? q_norm_weight->data_ptr() : nullptr,
-      k_norm_weight ? k_norm_weight->data_ptr() : nullptr, q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens,
-      static_cast<int>(num_heads), static_cast<int>(num_kv_heads), static_cast<int>(head_dim),
-      static_cast<float>(eps)};
-  check_launch(minillm::launch_qk_norm_rope(a, dtype, at::cuda::getCurrentCUDAStream()),
-               "qk_norm_rope");
+  minillm::QkNormRopeArgs a =
+      rope_args(in, cos_sin_cache, q, q_norm_weight, k_norm_weight, num_heads, num_kv_heads, head_dim, eps);
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  check_launch(minillm::launch_qk_norm_rope(a, in.dtype, at::cuda::getCurrentCUDAStream()), "qk_norm_rope");
   return {q, k, v};
+}
+
+// A paged KV cache the fused write can store into: qkv's device and dtype, contiguous
+// [num_blocks, block_size, num_kv_heads, head_dim].
+void check_kv_cache(const Tensor& cache, const Tensor& qkv, const char* name, int64_t num_kv_heads,
+                    int64_t head_dim) {
+  check_like(cache, qkv, name, "qkv");
+  FUSED_CHECK(cache.dim() == 4 && cache.size(2) == num_kv_heads && cache.size(3) == head_dim, name,
+              " must be [num_blocks, block_size, num_kv_heads, head_dim] = [N, B, ", num_kv_heads, ", ", head_dim,
+              "], got shape ", cache.sizes());
+  FUSED_CHECK(cache.is_contiguous(), name, " must be contiguous (slots are addressed as flat rows)");
+}
+
+// qk_norm_rope with the KV-cache write fused in: k and v rows go to their slots of k_cache / v_cache (slot -1:
+// not stored) instead of to fresh tensors. Returns q only.
+Tensor qk_norm_rope_cache(const Tensor& qkv_in, const Tensor& positions_in, const Tensor& cos_sin_cache,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight,
+                          double eps, Tensor& k_cache, Tensor& v_cache, const Tensor& slot_mapping) {
+  const RopeInputs in = check_rope_inputs(qkv_in, positions_in, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+                                          q_norm_weight, k_norm_weight);
+  const int64_t tokens = in.qkv.size(0);
+  check_kv_cache(k_cache, in.qkv, "k_cache", num_kv_heads, head_dim);
+  check_kv_cache(v_cache, in.qkv, "v_cache", num_kv_heads, head_dim);
+  FUSED_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
+              v_cache.sizes());
+  FUSED_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.device() == in.qkv.device(),
+              "slot_mapping must be contiguous int64 [>= tokens] on qkv's device, got ", slot_mapping.sizes(), " ",
+              slot_mapping.scalar_type(), " on ", slot_mapping.device());
+  FUSED_CHECK(slot_mapping.size(0) >= tokens, "slot_mapping must have at least one slot per token (", tokens,
+              "), got ", slot_mapping.size(0));
+  const c10::cuda::CUDAGuard guard(in.qkv.device());
+  Tensor q = at::empty({tokens, num_heads, head_dim}, in.qkv.options());
+  minillm::QkNormRopeArgs a =
+      rope_args(in, cos_sin_cache, q, q_norm_weight, k_norm_weight, num_heads, num_kv_heads, head_dim, eps);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  check_launch(minillm::launch_qk_norm_rope(a, in.dtype, at::cuda::getCurrentCUDAStream()), "qk_norm_rope_cache");
+  return q;
 }
 
 // logits: float32, float16 or bfloat16 (the lm_head output as it is); the kernel widens each value to fp32.
@@ -231,6 +308,12 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope_meta(const Tensor& qkv, const Te
           at::empty({t, num_kv_heads, head_dim}, qkv.options())};
 }
 
+Tensor qk_norm_rope_cache_meta(const Tensor& qkv, const Tensor&, const Tensor&, int64_t num_heads, int64_t,
+                               int64_t head_dim, const std::optional<Tensor>&, const std::optional<Tensor>&, double,
+                               Tensor&, Tensor&, const Tensor&) {
+  return at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
+}
+
 Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t) {
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
@@ -243,6 +326,9 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("qk_norm_rope(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, int num_kv_heads, "
         "int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("qk_norm_rope_cache(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, int num_kv_heads, "
+        "int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset) -> Tensor");
 }
 
@@ -251,6 +337,7 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("qk_norm_rope_cache", &qk_norm_rope_cache);
   m.impl("sample_exponential_race", &sample_exponential_race);
 }
 
@@ -259,5 +346,6 @@ TORCH_LIBRARY_IMPL(minillm, Meta, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_meta);
   m.impl("silu_and_mul", &silu_and_mul_meta);
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
+  m.impl("qk_norm_rope_cache", &qk_norm_rope_cache_meta);
   m.impl("sample_exponential_race", &sample_exponential_race_meta);
 }

@@ -4,13 +4,17 @@
 // thread holds K pairs of vectors (elements [i, i+VEC) and [D/2 + i, D/2 + i + VEC)), exactly the pairs the
 // rotate-half RoPE mixes, so no data moves between threads except the norm's sum of squares. Heads of the
 // packed row are numbered q (Hq), k (Hkv), v (Hkv); v heads are only copied.
+// With the KV caches given, k and v heads are stored straight into their cache slots (the fused kv_write, see
+// fused.h): no separate k/v buffers, one launch less per layer, and k/v make one trip through memory.
 // Variants: dtype (fp32, fp16, bf16) x access width (16-byte vectors; scalars when unaligned) x K (1, 2, 4)
 // x with/without the q/k norm. Rounding follows minillm/ops/fused_ops.py: the normed head is rounded to the
 // activation dtype, RoPE runs in fp32 on it (products rounded separately, no FMA) and is rounded once.
+// Launched with programmatic dependent launch (pdl.cuh).
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_rope.cu
 #include <cmath>
 
 #include "fused.h"
+#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -36,6 +40,9 @@ struct RopeArgs {
   int head_dim;
   int tph;  // threads per head
   float eps;
+  T* k_cache;  // null unless the KV-cache write is fused (then with v_cache and slot_mapping)
+  T* v_cache;
+  const int64_t* slot_mapping;
 };
 
 template <int N>
@@ -79,15 +86,34 @@ __device__ __forceinline__ void norm_head(float (&lo)[K][VEC], float (&hi)[K][VE
   }
 }
 
+// Where the row of `head` (numbered as in the packed qkv row) of a live token goes: its q, k or v buffer row,
+// or with the caches given its cache row for k and v heads, null when the token's slot is negative (not stored).
+template <typename T>
+__device__ __forceinline__ T* head_dst(const RopeArgs<T>& a, int64_t token, int head) {
+  if (head < a.num_heads) return a.q + (token * a.num_heads + head) * a.head_dim;
+  const bool is_k = head < a.num_heads + a.num_kv_heads;
+  const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
+  if (a.slot_mapping == nullptr) return (is_k ? a.k : a.v) + (token * a.num_kv_heads + kv_head) * a.head_dim;
+  const int64_t slot = a.slot_mapping[token];
+  if (slot < 0) return nullptr;
+  return (is_k ? a.k_cache : a.v_cache) + (slot * a.num_kv_heads + kv_head) * a.head_dim;
+}
+
 template <typename T, int VEC, int K, bool NORM>
 __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArgs<T> a) {
+  // qkv comes from the kernel before (the GEMM) and the cache stores must follow every earlier reader of the
+  // cache: nothing is touched before the wait.
+  pdl_trigger();
+  pdl_wait();
   const int heads = a.num_heads + 2 * a.num_kv_heads;
   const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / a.tph;
   const int lane = threadIdx.x % a.tph;
   const int64_t token = group / heads;
   const int head = static_cast<int>(group % heads);
-  // Groups past the last token still run the (warp-wide) norm reduction but touch no memory.
+  // Groups past the last token, and k/v heads of a token whose slot is skipped, have no destination: they
+  // still run the (warp-wide) norm reduction but load and store nothing.
   const bool live = token < a.num_tokens;
+  T* const dst = live ? head_dst(a, token, head) : nullptr;
   const int half = a.head_dim / 2;
   const T* src = a.qkv + token * a.qkv_stride + static_cast<int64_t>(head) * a.head_dim;
   float lo[K][VEC], hi[K][VEC];
@@ -95,7 +121,7 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArg
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const int c = (lane + j * a.tph) * VEC;
-    valid[j] = live && c < half;
+    valid[j] = dst != nullptr && c < half;
     if (valid[j]) {
       load_vec<T, VEC>(src + c, lo[j]);
       load_vec<T, VEC>(src + half + c, hi[j]);
@@ -104,20 +130,12 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArg
       for (int e = 0; e < VEC; ++e) lo[j][e] = hi[j][e] = 0.f;
     }
   }
-  T* dst;
-  if (head < a.num_heads) {
-    dst = a.q + (token * a.num_heads + head) * a.head_dim;
-  } else if (head < a.num_heads + a.num_kv_heads) {
-    dst = a.k + (token * a.num_kv_heads + head - a.num_heads) * a.head_dim;
-  } else {
-    dst = a.v + (token * a.num_kv_heads + head - a.num_heads - a.num_kv_heads) * a.head_dim;
-  }
   const bool is_v = head >= a.num_heads + a.num_kv_heads;
   if constexpr (NORM) {
     norm_head<T, VEC, K>(lo, hi, valid, !is_v, head < a.num_heads ? a.q_weight : a.k_weight, lane, a.tph,
                          half, a.eps);
   }
-  const int64_t pos = live ? a.positions[token] : 0;
+  const int64_t pos = dst != nullptr ? a.positions[token] : 0;
   const bool pos_ok = pos >= 0 && pos < a.max_positions;
   const float* cs = a.cos_sin + (pos_ok ? pos : 0) * a.head_dim;
 #pragma unroll
@@ -150,20 +168,19 @@ cudaError_t launch_k(RopeArgs<T> a, bool norm, cudaStream_t stream) {
   a.tph = next_pow2((pairs + K - 1) / K);
   const int64_t groups = a.num_tokens * (a.num_heads + 2 * a.num_kv_heads);
   const int64_t grid = (groups * a.tph + kCtaThreads - 1) / kCtaThreads;
-  if (norm) {
-    qk_norm_rope_kernel<T, VEC, K, true><<<grid, kCtaThreads, 0, stream>>>(a);
-  } else {
-    qk_norm_rope_kernel<T, VEC, K, false><<<grid, kCtaThreads, 0, stream>>>(a);
-  }
-  return cudaGetLastError();
+  return norm ? launch_pdl(qk_norm_rope_kernel<T, VEC, K, true>, dim3(grid), dim3(kCtaThreads), 0, stream, a)
+              : launch_pdl(qk_norm_rope_kernel<T, VEC, K, false>, dim3(grid), dim3(kCtaThreads), 0, stream, a);
 }
 
 }  // namespace
 
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ActDType dtype, cudaStream_t stream) {
   const bool norm = p.q_norm_weight != nullptr;
+  const bool to_cache = p.slot_mapping != nullptr;
+  const bool outputs_ok = to_cache ? p.k_cache != nullptr && p.v_cache != nullptr
+                                   : p.k_cache == nullptr && p.v_cache == nullptr && p.k != nullptr && p.v != nullptr;
   if (p.num_tokens < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 || p.head_dim <= 0 || p.head_dim % 2 != 0 ||
-      p.head_dim > kMaxHeadDim || norm != (p.k_norm_weight != nullptr) || p.max_positions <= 0) {
+      p.head_dim > kMaxHeadDim || norm != (p.k_norm_weight != nullptr) || p.max_positions <= 0 || !outputs_ok) {
     return cudaErrorInvalidValue;
   }
   if (p.num_tokens == 0) return cudaSuccess;
@@ -172,10 +189,13 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ActDType dtype, cudaStr
     const RopeArgs<T> a{static_cast<const T*>(p.qkv), p.qkv_row_stride, p.positions, p.cos_sin,
                         p.max_positions, static_cast<const T*>(p.q_norm_weight),
                         static_cast<const T*>(p.k_norm_weight), static_cast<T*>(p.q), static_cast<T*>(p.k),
-                        static_cast<T*>(p.v), p.num_tokens, p.num_heads, p.num_kv_heads, p.head_dim, 0, p.eps};
+                        static_cast<T*>(p.v), p.num_tokens, p.num_heads, p.num_kv_heads, p.head_dim, 0, p.eps,
+                        static_cast<T*>(p.k_cache), static_cast<T*>(p.v_cache), p.slot_mapping};
     constexpr int kVec = 16 / sizeof(T);
-    // cos/sin are read as float4 in the vector path, so their rows must be 16-byte aligned as well.
-    const bool vec = vector_width<T>({p.qkv, p.q_norm_weight, p.k_norm_weight, p.q, p.k, p.v, p.cos_sin},
+    // cos/sin are read as float4 in the vector path, so their rows must be 16-byte aligned as well. Cache rows
+    // start at multiples of head_dim, so aligned cache bases keep every row aligned.
+    const bool vec = vector_width<T>({p.qkv, p.q_norm_weight, p.k_norm_weight, p.q, p.k, p.v, p.cos_sin,
+                                      p.k_cache, p.v_cache},
                                      {p.qkv_row_stride, p.head_dim / 2}) == kVec &&
                      p.head_dim % 4 == 0;
     return vec ? launch_k<T, kVec, 1>(a, norm, stream) : launch_k<T, 1, 1>(a, norm, stream);

@@ -148,13 +148,133 @@ def test_out_of_range_position_gives_nan(ops):
     assert not q[[0, 1, 3]].isnan().any()
 
 
-@pytest.mark.parametrize("vocab,pad", [(151936, 0), (1001, 3)])
-def test_sampler_matches_reference(ops, vocab, pad):
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that NaN compares equal to the same NaN."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _cache_case(tokens, hkv, d, dtype, seed, block_size=16, misalign=False):
+    """NaN-filled caches with room for twice the tokens, and a slot_mapping of distinct random slots with every
+    third token skipped (-1) plus four entries past the tokens that name free slots (never to be written).
+    misalign: the caches start one element past a 16-byte boundary (the kernel must take scalar accesses)."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    shape = ((2 * tokens + 4) // block_size + 1, block_size, hkv, d)
+    n = shape[0] * block_size
+    k_cache, v_cache = (torch.full((n * hkv * d + 1,), float("nan"), dtype=dtype, device="cuda")[int(misalign):]
+                        [:n * hkv * d].view(shape) for _ in range(2))
+    slots = torch.randperm(n, generator=g, device="cuda")[:tokens + 4]
+    slots[:tokens:3] = -1
+    return k_cache, v_cache, slots
+
+
+def _unfused_cache_write(ops, k, v, k_cache, v_cache, slots):
+    """The unfused path's KV write: the kv_write kernel where it is built (absent from the fused-only library of
+    scripts/device_fused.sh) and takes the dtype (bf16/fp16), else kv_write_ref, the same plain copy (checked
+    bit for bit against the kernel in test_kernels_gpu.py)."""
+    from minillm.ops.reference import kv_write_ref
+
+    if k.dtype != torch.float32 and hasattr(ops, "kv_write"):
+        ops.kv_write(k, v, k_cache, v_cache, slots)
+    else:
+        kv_write_ref(k, v, k_cache, v_cache, slots)
+
+
+def _check_cache_write(ops, qkv, positions, cos_sin, hq, hkv, d, qw, kw, misalign=False):
+    """qk_norm_rope_cache against qk_norm_rope + the KV write on the same inputs (so the same access path):
+    the same q, the same cache bits, and every slot but those of the stored tokens still NaN."""
+    tokens = qkv.shape[0]
+    k_cache, v_cache, slots = _cache_case(tokens, hkv, d, qkv.dtype, tokens + d, misalign=misalign)
+    q_ref, k, v = ops.qk_norm_rope(qkv, positions, cos_sin, hq, hkv, d, qw, kw, 1e-6)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    _unfused_cache_write(ops, k, v, k_ref, v_ref, slots)
+    _poison(q_ref)
+    q = ops.qk_norm_rope_cache(qkv, positions, cos_sin, hq, hkv, d, qw, kw, 1e-6, k_cache, v_cache, slots)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(_bits(k_cache), _bits(k_ref)) and torch.equal(_bits(v_cache), _bits(v_ref))
+    stored = slots[:tokens][slots[:tokens] >= 0]
+    untouched = torch.ones(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool, device="cuda")
+    untouched[stored] = False
+    for cache in (k_cache, v_cache):
+        rows = cache.view(-1, hkv, d)
+        assert rows[untouched].isnan().all() and not rows[stored].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (12, 3), (8, 1)])
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope_cache_write_is_bit_identical_to_kv_write(ops, dtype, head_dim, hq, hkv, tokens, with_norm):
+    """tokens=1: the only token is skipped, so nothing is stored but q."""
+    qkv, positions, cos_sin, (qw, kw) = _rope_inputs(tokens, hq, hkv, head_dim, dtype, with_norm, tokens + hq)
+    _check_cache_write(ops, qkv, positions, cos_sin, hq, hkv, head_dim, qw, kw)
+
+
+@pytest.mark.parametrize("where", ["qkv", "cache"])
+def test_qk_norm_rope_cache_write_scalar_path(ops, where):
+    """A qkv view, or caches, one element off a 16-byte boundary: scalar accesses, the same bits. Misaligned
+    caches alone put only the fused call on the scalar path, so that case runs without the q/k norm, whose sum
+    of squares is the one thing the two paths add up in another order."""
+    qkv, positions, cos_sin, (qw, kw) = _rope_inputs(33, 4, 2, 64, torch.bfloat16, where == "qkv", 12)
+    if where == "qkv":
+        wide = torch.zeros(33, qkv.shape[1] + 1, dtype=qkv.dtype, device="cuda")
+        wide[:, 1:] = qkv
+        qkv = wide[:, 1:]
+    _check_cache_write(ops, qkv, positions, cos_sin, 4, 2, 64, qw, kw, misalign=where == "cache")
+
+
+def test_qk_norm_rope_cache_bad_arguments_raise_value_error(ops):
+    qkv, positions, cos_sin, (qw, kw) = _rope_inputs(4, 2, 1, 64, torch.bfloat16, True, 10)
+    k_cache, v_cache, slots = _cache_case(4, 1, 64, torch.bfloat16, 10)
+    good = dict(k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    for bad, field in [(dict(k_cache=k_cache.half()), "k_cache"), (dict(k_cache=k_cache.cpu()), "k_cache"),
+                       (dict(v_cache=v_cache.expand(-1, -1, 2, -1)), "v_cache"),           # 2 kv heads, not 1
+                       (dict(v_cache=v_cache.transpose(0, 1)), "v_cache"),                 # not contiguous
+                       (dict(v_cache=v_cache.view(-1)[:8 * 64].view(1, 8, 1, 64)), "v_cache"),  # other shape
+                       (dict(slot_mapping=slots.int()), "slot_mapping"),
+                       (dict(slot_mapping=slots[:3]), "slot_mapping")]:
+        a = good | bad
+        with pytest.raises(ValueError, match=field):
+            ops.qk_norm_rope_cache(qkv, positions, cos_sin, 2, 1, 64, qw, kw, 1e-6, a["k_cache"], a["v_cache"],
+                                   a["slot_mapping"])
+
+
+def test_cuda_backend_with_fused_kv_write_matches_unfused(ops, monkeypatch):
+    """Attention through the CUDA backend with the KV write fused into qk_norm_rope: the caches of the unfused
+    path bit for bit, and the same output (the attention kernels read the same caches)."""
+    if not hasattr(ops, "paged_prefill"):
+        pytest.skip("the attention kernels are not in this build (fused-only library)")
+    from minillm.attention.cuda_backend import CudaAttentionBackend
+    from minillm.ops.reference import make_paged_batch
+
+    monkeypatch.setattr(fused_ops._cuda_ok, "enabled", True)   # fused_ops.* on the kernels for this test
+    hq, hkv, d = 16, 8, 128
+    b = make_paged_batch([37, 300, 20, 5], [1, 1, 20, 3], hq, hkv, d, 16, torch.bfloat16, "cuda", seed=3)
+    meta = b.meta(num_decodes=2)
+    qkv, positions, cos_sin, (qw, kw) = _rope_inputs(b.q.shape[0], hq, hkv, d, torch.bfloat16, True, 11)
+    args = (qkv, positions, cos_sin, hq, hkv, d, qw, kw, 1e-6)
+    backend = CudaAttentionBackend()
+    k_ref, v_ref = b.k_cache.clone(), b.v_cache.clone()
+    expected = backend.forward(*fused_ops.qk_norm_rope(*args), k_ref, v_ref, meta, d ** -0.5)
+
+    target = backend.fused_kv_write_target(qkv, hq, d, b.k_cache, b.v_cache, meta)
+    assert target is not None
+    q, k, v = fused_ops.qk_norm_rope(*args, kv_cache_out=target)
+    assert k is None and v is None
+    out = backend.forward(q, k, v, b.k_cache, b.v_cache, meta, d ** -0.5)
+    assert torch.equal(_bits(b.k_cache), _bits(k_ref)) and torch.equal(_bits(b.v_cache), _bits(v_ref))
+    assert torch.equal(out, expected)
+    assert backend.fused_kv_write_target(qkv.float(), hq, d, b.k_cache, b.v_cache, meta) is None  # fp32: no kernel
+
+
+@pytest.mark.parametrize("vocab,pad,spread", [(151936, 0, 4), (1001, 3, 4), (151936, 0, 40), (1001, 3, 40)])
+def test_sampler_matches_reference(ops, vocab, pad, spread):
     """Same Philox words as the numpy reference: the same token except at float-rounding near-ties.
-    pad > 0 makes rows unaligned and further apart than vocab (the scalar-load path)."""
-    g = torch.Generator("cuda").manual_seed(vocab)
+    pad > 0 makes rows unaligned and further apart than vocab (the scalar-load path). A wide spread of logits
+    lets the kernel prune almost every column (and whole Philox groups) without computing its noise exactly."""
+    g = torch.Generator("cuda").manual_seed(vocab + spread)
     rows = 48
-    logits = torch.randn(rows, vocab + pad, generator=g, device="cuda")[:, pad // 2:pad // 2 + vocab] * 4
+    logits = torch.randn(rows, vocab + pad, generator=g, device="cuda")[:, pad // 2:pad // 2 + vocab] * spread
     inv_t = torch.rand(rows, generator=g, device="cuda") * 3
     inv_t[::4] = 0
     out = ops.sample_exponential_race(logits, inv_t, 1234, 77)

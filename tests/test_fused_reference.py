@@ -91,6 +91,65 @@ def test_qk_norm_rope_ref_matches_transformers_qwen3(with_norm):
     assert torch.equal(v, hv_in.view(t, hkv, d))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that NaN compares equal to the same NaN."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_norm", [True, False])
+@pytest.mark.parametrize("slots", [
+    [5, -1, 0, 12, -1, 3, 15, 9],   # a skipped slot, and one past the tokens (9) that must not be written
+    [-1, 7, -1, 2, 1, 8, 4],       # the first token skipped
+    [-1] * 7,                      # nothing stored
+])
+def test_qk_norm_rope_ref_cache_out_is_unfused_plus_scatter(dtype, with_norm, slots):
+    """kv_cache_out: q as unfused, k/v rows of the first T slots written into the caches, nothing else touched."""
+    hq, hkv, d, t, eps = 4, 2, 64, 7, 1e-6
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    qw, kw = (1 + 0.1 * torch.randn(2, d, generator=g)).to(dtype) if with_norm else (None, None)
+    cos_sin = fused_ops.rope_cos_sin_cache(d, 4096, 1e6)
+    q_ref, k_ref, v_ref = fused_ops.qk_norm_rope(qkv, positions, cos_sin, hq, hkv, d, qw, kw, eps)
+    k_cache = torch.full((4, 4, hkv, d), float("nan"), dtype=dtype)   # 16 slots
+    v_cache = torch.full_like(k_cache, float("nan"))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for row, slot in enumerate(slots[:t]):
+        if slot >= 0:
+            expected_k.view(-1, hkv, d)[slot] = k_ref[row]
+            expected_v.view(-1, hkv, d)[slot] = v_ref[row]
+
+    q, k, v = fused_ops.qk_norm_rope(qkv, positions, cos_sin, hq, hkv, d, qw, kw, eps,
+                                     kv_cache_out=(k_cache, v_cache, torch.tensor(slots)))
+    assert k is None and v is None
+    assert torch.equal(q, q_ref)
+    assert torch.equal(_bits(k_cache), _bits(expected_k))
+    assert torch.equal(_bits(v_cache), _bits(expected_v))
+
+
+def test_backends_fuse_the_kv_write_only_where_the_kernels_run(monkeypatch):
+    """The CUDA backend hands qk_norm_rope the cache only when both its attention kernels (judged on q as
+    qk_norm_rope will return it) and the fused rope kernel will run; the torch backend never does."""
+    from minillm.attention import cuda_backend
+    from minillm.attention.torch_backend import TorchAttentionBackend
+
+    qkv, k_cache, v_cache = torch.zeros(3, (4 + 2 * 2) * 64), torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
+    meta = type("Meta", (), {"slot_mapping": torch.zeros(3, dtype=torch.long)})()
+    backend = cuda_backend.CudaAttentionBackend()
+    assert backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None   # CPU tensors
+    assert TorchAttentionBackend().fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None
+
+    seen = []
+    monkeypatch.setattr(cuda_backend, "unsupported_reason", lambda q, kc: seen.append(q.shape))  # None: supported
+    monkeypatch.setattr(fused_ops, "qk_norm_rope_runs_kernel", lambda x: False)
+    assert backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None
+    monkeypatch.setattr(fused_ops, "qk_norm_rope_runs_kernel", lambda x: True)
+    k_out, v_out, slots = backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta)
+    assert k_out is k_cache and v_out is v_cache and slots is meta.slot_mapping
+    assert seen == [(3, 4, 64)] * 2
+
+
 # Random123's published known answers for Philox4x32-10 (counter, key, output).
 _PHILOX_KAT = [
     ([0, 0, 0, 0], (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),

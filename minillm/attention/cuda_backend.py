@@ -1,5 +1,8 @@
 """Attention on the CUDA kernels: KV write, then paged decode / paged prefill into one output tensor.
 
+The KV write is normally fused into the layer's qk_norm_rope kernel (see fused_kv_write_target); forward()
+then gets k = v = None and launches only the attention kernels.
+
 mode "split":   decode rows [0, num_decodes) go to the decode kernel (v1 or split-K, chosen by the
                 dispatcher), prefill rows to the tensor-core prefill kernel; both write slices of one output.
 mode "unified": every row goes through the prefill kernel (a decode row is a prefill chunk of length 1),
@@ -18,6 +21,7 @@ import torch
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.ops import attention_ops as ops
+from minillm.ops import fused_ops
 
 MODES = ("split", "unified")
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -51,18 +55,35 @@ class CudaAttentionBackend:
         self._fallback = None
         self._warned: set[str] = set()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def fused_kv_write_target(self, qkv: torch.Tensor, num_heads: int, head_dim: int, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: AttentionMetadata
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache, slot_mapping) for qk_norm_rope to store this step's k/v into, or None.
+
+        Only when forward() will take the kernel path for this shape (the torch fallback writes the cache from
+        k/v itself), and only when qk_norm_rope runs its CUDA kernel: its torch path could write the cache too,
+        but slower than kv_write, so fusing there would cost instead of save.
+        """
+        q = qkv[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))  # q as qk_norm_rope returns it
+        if unsupported_reason(q, k_cache) is not None or not fused_ops.qk_norm_rope_runs_kernel(qkv):
+            return None
+        return k_cache, v_cache, meta.slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D] in q's dtype (rows past meta.num_tokens unset)."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D] in q's dtype (rows past meta.num_tokens unset).
+        k = v = None: the cache already holds this step's k/v (qk_norm_rope wrote it, fused_kv_write_target)."""
         reason = unsupported_reason(q, k_cache)
         if reason is not None:
             return self._torch_forward(reason, q, k, v, k_cache, v_cache, meta, scale)
-        ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes if self.mode == "split" else 0
         if nd > 0:
+            order = meta.decode_order if ops.DECODE_LPT else None
             ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                             scale, meta.max_seq_len)
+                             scale, meta.max_seq_len, seq_order=order)
         if meta.num_seqs > nd:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd)

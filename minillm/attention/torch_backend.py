@@ -68,6 +68,10 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def fused_kv_write_target(self, *args) -> None:
+        """Never fused: forward() writes the cache from k/v (see CudaAttentionBackend.fused_kv_write_target)."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         n = meta.num_tokens

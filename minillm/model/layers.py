@@ -85,11 +85,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        k_cache, v_cache = kv_cache
+        # Where the backend can, qk_norm_rope stores k/v straight into the cache (one kernel and one trip of k/v
+        # through memory less per layer); k and v are then None and the backend skips its own KV write.
+        target = self.attn_backend.fused_kv_write_target(qkv, self.num_heads, self.head_dim, k_cache, v_cache, meta)
         q, k, v = qk_norm_rope(
             qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
             self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None, self.eps)
-        k_cache, v_cache = kv_cache
+            self.k_norm.weight if self.k_norm is not None else None, self.eps, kv_cache_out=target)
         out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 

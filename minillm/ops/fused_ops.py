@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minillm.attention.torch_backend import write_kv_cache
 from minillm.ops.build import CudaOpSwitch
 
 _cuda_ok = CudaOpSwitch("rms_norm")
@@ -51,6 +52,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def qk_norm_rope_runs_kernel(qkv: torch.Tensor) -> bool:
+    """True when qk_norm_rope(qkv, ...) runs the CUDA kernel, not the torch path below."""
+    return _cuda_ok(qkv)
+
+
 def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
     """fp32 [max_positions, head_dim]: cos in the first half of each row, sin in the second (neox style)."""
     # fp32 throughout, the way transformers computes it, so positions map to bit-identical angles.
@@ -71,13 +77,23 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, q_norm_weight: torch.Tensor | None,
-                 k_norm_weight: torch.Tensor | None, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 k_norm_weight: torch.Tensor | None, eps: float,
+                 kv_cache_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split packed qkv [T, (Hq + 2 Hkv) D] into q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]; apply the per-head
-    RMSNorm to q and k when weights are given (Qwen3; Qwen2 has none), then RoPE at `positions`."""
+    RMSNorm to q and k when weights are given (Qwen3; Qwen2 has none), then RoPE at `positions`.
+
+    kv_cache_out = (k_cache, v_cache, slot_mapping) fuses the KV-cache write: row t of k and v goes to flat
+    slot slot_mapping[t] of the caches [num_blocks, block_size, Hkv, D] (slot -1: not stored), and the call
+    returns (q, None, None). The caches then hold exactly what kv_write would copy from the returned k/v.
+    """
     if _cuda_ok(qkv):
-        return torch.ops.minillm.qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
-                                              q_norm_weight, k_norm_weight, eps)
+        if kv_cache_out is None:
+            return torch.ops.minillm.qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads,
+                                                  head_dim, q_norm_weight, k_norm_weight, eps)
+        q = torch.ops.minillm.qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+                                                 q_norm_weight, k_norm_weight, eps, *kv_cache_out)
+        return q, None, None
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -89,4 +105,10 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
         k = rms_norm_ref(k, k_norm_weight, eps)
     cs = cos_sin_cache[positions]
     cos, sin = cs.chunk(2, dim=-1)
-    return _rope_ref(q, cos, sin), _rope_ref(k, cos, sin), v
+    q, k = _rope_ref(q, cos, sin), _rope_ref(k, cos, sin)
+    if kv_cache_out is None:
+        return q, k, v
+    k_cache, v_cache, slot_mapping = kv_cache_out
+    if t:  # write_kv_cache needs a row to redirect skipped ones to
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping[:t])
+    return q, None, None
