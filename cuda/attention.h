@@ -40,12 +40,10 @@ struct PagedAttnArgs {
 // partition_size == 0: one CTA per (seq, kv head) covers the whole context (v1) and writes `out` directly.
 // partition_size > 0 (a multiple of 256): split-K v2, num_partitions CTAs per (seq, kv head) write partial
 // results to the fp32 workspace (ws_out [S, Hq, num_partitions, D], ws_max/ws_sum [S, Hq, num_partitions],
-// max in log2 units) and the last of them to finish merges them into `out`. num_partitions must cover the
-// longest context. partition_size = -P (P = num_partitions): split-K with every sequence cut into P equal
-// partitions. Split-K needs `tickets`: int32 [S * num_kv_heads], all zero before the launch and left all zero
-// after it (one buffer can serve every launch on a stream).
+// max in log2 units) and a reduce kernel merges them into `out`. num_partitions must cover the longest context.
+// partition_size = -P (P = num_partitions): split-K with every sequence cut into P equal partitions.
 cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                                float* ws_max, float* ws_sum, int* tickets, cudaStream_t stream);
+                                float* ws_max, float* ws_sum, cudaStream_t stream);
 
 // Prefill / chunked prefill / prefix hits, causal, tensor cores: sequences [seq_begin, seq_begin + a.num_seqs)
 // of the batch (block_tables, seq_lens and query_start_loc are indexed with the absolute sequence index);

@@ -89,15 +89,11 @@ minillm::PagedAttnArgs make_args(Tensor& out, const Tensor& q, const Tensor& k_c
 
 void paged_decode(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                   const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t partition_size,
-                  int64_t max_seq_len, Tensor& tickets, const std::optional<Tensor>& seq_order) {
+                  int64_t max_seq_len, const std::optional<Tensor>& seq_order) {
   minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
   a.num_seqs = (int)q.size(0);
   TORCH_CHECK(block_tables.size(0) >= a.num_seqs && seq_lens.size(0) >= a.num_seqs,
               "decode: block_tables/seq_lens have fewer rows than q");
-  TORCH_CHECK(tickets.scalar_type() == at::kInt && tickets.is_contiguous() && tickets.device() == q.device() &&
-                  tickets.numel() >= (int64_t)a.num_seqs * a.num_kv_heads,
-              "decode: tickets must be a contiguous int32 buffer of at least num_seqs * num_kv_heads zeros on q's "
-              "device");
   if (seq_order.has_value()) {
     TORCH_CHECK(seq_order->scalar_type() == at::kInt && seq_order->is_contiguous() &&
                     seq_order->device() == q.device() && seq_order->numel() >= a.num_seqs,
@@ -120,7 +116,7 @@ void paged_decode(Tensor& out, const Tensor& q, const Tensor& k_cache, const Ten
   float* ws_max = ws_out ? ws_out + rows * a.head_dim : nullptr;
   float* ws_sum = ws_out ? ws_max + rows : nullptr;
   check_cuda_ok(minillm::launch_paged_decode(a, (int)partition_size, num_partitions, ws_out, ws_max, ws_sum,
-                                             tickets.data_ptr<int>(), at::cuda::getCurrentCUDAStream()),
+                                             at::cuda::getCurrentCUDAStream()),
                 "paged_decode");
 }
 
@@ -145,8 +141,7 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
 TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("kv_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int partition_size, int max_seq_len, Tensor(b!) tickets, "
-        "Tensor? seq_order=None) -> ()");
+        "Tensor seq_lens, float scale, int partition_size, int max_seq_len, Tensor? seq_order=None) -> ()");
   m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale) -> ()");
 }

@@ -3,8 +3,7 @@
 // Variants (one kernel body, chosen by the launcher's partition_size):
 //   v1        grid (1, kv_heads, seqs): one CTA per (sequence, KV head) walks the whole context.
 //   v2 split  grid (partitions, kv_heads, seqs): each CTA covers one partition of its sequence's context and
-//             stores its normalised output with its max and exp-sum; the last CTA of each (sequence, KV head)
-//             to finish (a ticket counter in global memory) merges them, so no second kernel is launched.
+//             stores its normalised output with its max and exp-sum; decode_reduce_kernel merges them.
 //             partition_size > 0: fixed partitions of that many tokens (the grid covers the longest context);
 //             partition_size = -P: every sequence is cut into P equal partitions (a whole number of 32-token
 //             steps each, at least 256 tokens), so a ragged batch has no CTA much longer than the others and a
@@ -23,8 +22,11 @@
 // Order of work: CTAs are dispatched in blockIdx order, sequence-major. An optional permutation (a.seq_order,
 // longest context first, built by the runner on the host) hands the longest sequences out first, so the last
 // wave holds short CTAs instead of a few long ones running on an otherwise idle GPU (LPT scheduling).
-// Launched with programmatic dependent launch (pdl.cuh): everything it reads may come from the kernels before
-// it, so it waits first.
+// Both kernels are launched with programmatic dependent launch (pdl.cuh); everything they read may come from the
+// kernels just before them, so they wait first.
+// (Merging the partitions in the last CTA of each (sequence, KV head), with a ticket counter, instead of the
+// reduce kernel was tried: every CTA then holds its SM slot through a fence and an atomic round trip, and the
+// kernel got ~25% slower in the offline bench, far more than the ~5 us reduce launch it saved.)
 #include <math_constants.h>
 
 #include "attention.h"
@@ -116,30 +118,10 @@ constexpr int ring_bytes() {  // dynamic shared memory of one CTA: kWarps rings 
   return kWarps * kStages * 2 * (kChunk / (32 / (D / 8))) * 32 * 16;
 }
 
-// Merge the split-K partitions of head h, dim d: out = sum_p w_p * o_p / sum_p w_p with
-// w_p = sum_p * 2^(max_p - max), summed in partition order, so the result does not depend on which CTA merged.
-// Other CTAs wrote the workspace: read it through L2 (__ldcg), never a possibly stale L1 line.
-template <typename T, int D>
-__device__ __forceinline__ void merge_partitions(const PagedAttnArgs& a, int s, int h, int d, int num_partitions,
-                                                 int valid, const float* ws_out, const float* ws_max,
-                                                 const float* ws_sum) {
-  const int64_t row0 = ((int64_t)s * a.num_q_heads + h) * num_partitions;
-  float mmax = -CUDART_INF_F;
-  for (int p = 0; p < valid; ++p) mmax = fmaxf(mmax, __ldcg(ws_max + row0 + p));
-  float o = 0.f, lsum = 0.f;
-  for (int p = 0; p < valid; ++p) {
-    const float w = __ldcg(ws_sum + row0 + p) * exp2f(__ldcg(ws_max + row0 + p) - mmax);
-    lsum += w;
-    o += w * __ldcg(ws_out + (row0 + p) * D + d);
-  }
-  T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
-  op[d] = DType<T>::from_float(o / lsum);
-}
-
 template <typename T, int D, int BS, int GP>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
-                        float* __restrict__ ws_max, float* __restrict__ ws_sum, int* __restrict__ tickets) {
+                        float* __restrict__ ws_max, float* __restrict__ ws_sum) {
   constexpr int CH = D / 8;         // lanes per token
   constexpr int TPI = 32 / CH;      // tokens per warp step
   constexpr int IT = kChunk / TPI;  // steps per chunk
@@ -163,9 +145,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int start = psz > 0 ? part * psz : 0;
   const int end = psz > 0 ? min(ctx, start + psz) : ctx;
   if (start >= end) {
-    // A partition past the context takes no ticket and is never merged. An empty context (ctx 0: every
-    // partition is empty, so nobody merges) gets a defined all-zero output from its first CTA instead of 0/0.
-    if (part == 0)
+    // A partition past the context is never read by the reduce kernel. An empty context (a padding row of a
+    // CUDA-graph batch, say) gets a defined all-zero output instead of 0/0.
+    if (psz == 0)
       for (int i = threadIdx.x; i < group * D; i += kWarps * 32)
         static_cast<T*>(a.out)[s * a.out_stride_t + (kvh * group + i / D) * a.out_stride_h + i % D] = DType<T>::from_float(0.f);
     return;
@@ -244,7 +226,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
 
   const int heads = min(group, GP);
-  const int64_t row0 = psz > 0 ? ((int64_t)s * a.num_q_heads + kvh * group) * gridDim.x + part : 0;
   for (int i = threadIdx.x; i < heads * D; i += kWarps * 32) {
     const int g = i / D, d = i % D;
     float mmax = -CUDART_INF_F;
@@ -257,11 +238,12 @@ __global__ void __launch_bounds__(kWarps * 32)
       lsum += sm_l[w][g] * f;
       o += sm_acc[w][g][d] * f;
     }
+    const int h = kvh * group + g;
     if (psz == 0) {
-      T* op = static_cast<T*>(a.out) + s * a.out_stride_t + (kvh * group + g) * a.out_stride_h;
+      T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
       op[d] = DType<T>::from_float(o / lsum);
     } else {
-      const int64_t row = row0 + (int64_t)g * gridDim.x;
+      const int64_t row = ((int64_t)s * a.num_q_heads + h) * gridDim.x + part;
       ws_out[row * D + d] = o / lsum;
       if (d == 0) {
         ws_max[row] = mmax;
@@ -269,31 +251,36 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
   }
-  if (psz == 0) return;
+}
 
-  // Split-K: the last CTA of this (sequence, KV head) to arrive merges every partition. Each thread's fence
-  // orders its workspace stores before thread 0's ticket (fence, barrier, atomic); the last CTA resets the
-  // ticket for the next launch, since no other CTA of this pair is left to take one.
-  __shared__ bool sm_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* ticket = tickets + (int64_t)s * a.num_kv_heads + kvh;
-    const int valid = (ctx + psz - 1) / psz;
-    sm_last = atomicAdd(ticket, 1) == valid - 1;
-    if (sm_last) *ticket = 0;
+// Merge split-K partitions: out = sum_p w_p * o_p / sum_p w_p with w_p = sum_p * 2^(max_p - max).
+template <typename T, int D>
+__global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int num_partitions,
+                                     const float* __restrict__ ws_out, const float* __restrict__ ws_max,
+                                     const float* __restrict__ ws_sum) {
+  pdl_trigger();
+  pdl_wait();
+  const int s = blockIdx.y, h = blockIdx.x;
+  const int psz = partition_len(partition_size, num_partitions, a.seq_lens[s]);
+  const int valid = (a.seq_lens[s] + psz - 1) / psz;
+  const int64_t row0 = ((int64_t)s * a.num_q_heads + h) * num_partitions;
+  float mmax = -CUDART_INF_F;
+  for (int p = 0; p < valid; ++p) mmax = fmaxf(mmax, ws_max[row0 + p]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f, lsum = 0.f;
+    for (int p = 0; p < valid; ++p) {
+      const float w = ws_sum[row0 + p] * exp2f(ws_max[row0 + p] - mmax);
+      lsum += w;
+      o += w * ws_out[(row0 + p) * D + d];
+    }
+    T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
+    op[d] = DType<T>::from_float(valid > 0 ? o / lsum : 0.f);  // empty context: zeros, as in v1
   }
-  __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < heads * D; i += kWarps * 32)
-    merge_partitions<T, D>(a, s, kvh * group + i / D, i % D, gridDim.x, (ctx + psz - 1) / psz, ws_out, ws_max,
-                           ws_sum);
 }
 
 template <typename T, int D, int BS, int GP>
 cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                         float* ws_max, float* ws_sum, int* tickets, cudaStream_t stream) {
+                         float* ws_max, float* ws_sum, cudaStream_t stream) {
   const dim3 grid(partition_size != 0 ? num_partitions : 1, a.num_kv_heads, a.num_seqs);
   constexpr int smem = ring_bytes<D>();
   // Above 48 KB of dynamic shared memory a kernel must opt in. Set on every launch, so that it holds on whichever
@@ -301,46 +288,50 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
   const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS, GP>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  return launch_pdl(paged_decode_kernel<T, D, BS, GP>, grid, dim3(kWarps * 32), smem, stream, a, partition_size,
-                    ws_out, ws_max, ws_sum, tickets);
+  const cudaError_t err = launch_pdl(paged_decode_kernel<T, D, BS, GP>, grid, dim3(kWarps * 32), smem, stream, a,
+                                     partition_size, ws_out, ws_max, ws_sum);
+  if (err != cudaSuccess || partition_size == 0) return err;
+  return launch_pdl(decode_reduce_kernel<T, D>, dim3(a.num_q_heads, a.num_seqs), dim3(D), 0, stream, a,
+                    partition_size, num_partitions, static_cast<const float*>(ws_out),
+                    static_cast<const float*>(ws_max), static_cast<const float*>(ws_sum));
 }
 
 // Group sizes are rounded up to 1, 2, 4 or 8 (padding heads compute on zero q and are never stored).
 template <typename T, int D, int BS>
 cudaError_t dispatch_group(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
-                           int* tk, cudaStream_t st) {
+                           cudaStream_t st) {
   const int group = a.num_q_heads / a.num_kv_heads;
-  if (group == 1) return launch_typed<T, D, BS, 1>(a, ps, np, wo, wm, wsum, tk, st);
-  if (group == 2) return launch_typed<T, D, BS, 2>(a, ps, np, wo, wm, wsum, tk, st);
-  if (group <= 4) return launch_typed<T, D, BS, 4>(a, ps, np, wo, wm, wsum, tk, st);
-  if (group <= 8) return launch_typed<T, D, BS, 8>(a, ps, np, wo, wm, wsum, tk, st);
+  if (group == 1) return launch_typed<T, D, BS, 1>(a, ps, np, wo, wm, wsum, st);
+  if (group == 2) return launch_typed<T, D, BS, 2>(a, ps, np, wo, wm, wsum, st);
+  if (group <= 4) return launch_typed<T, D, BS, 4>(a, ps, np, wo, wm, wsum, st);
+  if (group <= 8) return launch_typed<T, D, BS, 8>(a, ps, np, wo, wm, wsum, st);
   return cudaErrorInvalidValue;
 }
 
 template <typename T>
 cudaError_t dispatch_shape(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
-                           int* tk, cudaStream_t st) {
-  if (a.head_dim == 128 && a.block_size == 16) return dispatch_group<T, 128, 16>(a, ps, np, wo, wm, wsum, tk, st);
-  if (a.head_dim == 128 && a.block_size == 32) return dispatch_group<T, 128, 32>(a, ps, np, wo, wm, wsum, tk, st);
-  if (a.head_dim == 64 && a.block_size == 16) return dispatch_group<T, 64, 16>(a, ps, np, wo, wm, wsum, tk, st);
-  if (a.head_dim == 64 && a.block_size == 32) return dispatch_group<T, 64, 32>(a, ps, np, wo, wm, wsum, tk, st);
+                           cudaStream_t st) {
+  if (a.head_dim == 128 && a.block_size == 16) return dispatch_group<T, 128, 16>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 128 && a.block_size == 32) return dispatch_group<T, 128, 32>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 64 && a.block_size == 16) return dispatch_group<T, 64, 16>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 64 && a.block_size == 32) return dispatch_group<T, 64, 32>(a, ps, np, wo, wm, wsum, st);
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                                float* ws_max, float* ws_sum, int* tickets, cudaStream_t stream) {
+                                float* ws_max, float* ws_sum, cudaStream_t stream) {
   const bool fixed_ok = partition_size >= 0 && partition_size % 256 == 0;
   const bool equal_ok = partition_size < 0 && num_partitions == -partition_size;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !(fixed_ok || equal_ok) ||
-      (partition_size != 0 && (num_partitions <= 0 || ws_out == nullptr || tickets == nullptr)))
+      (partition_size != 0 && (num_partitions <= 0 || ws_out == nullptr)))
     return cudaErrorInvalidValue;
   if (a.num_seqs == 0) return cudaSuccess;
   if (a.dtype == kBF16)
-    return dispatch_shape<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, tickets, stream);
+    return dispatch_shape<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
   if (a.dtype == kFP16)
-    return dispatch_shape<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, tickets, stream);
+    return dispatch_shape<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
   return cudaErrorInvalidValue;
 }
 

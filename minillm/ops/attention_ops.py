@@ -25,10 +25,6 @@ CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "16"))
 DECODE_LPT = os.environ.get("MINILLM_DECODE_LPT", "1") != "0"
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
-# Split-K ticket counters (one int32 per sequence x KV head), kept zero between launches by the kernel itself.
-# Sized once, generously (256 KB), so that no launch inside a CUDA-graph capture ever has to allocate them.
-MIN_TICKETS = 1 << 16
-_tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,16 +36,6 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _decode_tickets(device: torch.device, needed: int) -> torch.Tensor:
-    buf = _tickets.get(device)
-    if buf is None or buf.numel() < needed:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"paged_decode: {needed} split-K tickets needed inside a CUDA-graph capture; run "
-                               f"the largest batch once eagerly before capturing")
-        buf = _tickets[device] = torch.zeros(max(needed, MIN_TICKETS), dtype=torch.int32, device=device)
-    return buf
 
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -82,9 +68,8 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not (fixed_ok or -MAX_EQUAL_PARTITIONS <= partition_size < 0):
         raise ValueError(f"partition_size must be 0, a positive multiple of {PARTITION_QUANTUM} or -P with "
                          f"1 <= P <= {MAX_EQUAL_PARTITIONS}, got {partition_size}")
-    tickets = _decode_tickets(q.device, q.shape[0] * k_cache.shape[2])
     load_extension().paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
-                                  int(partition_size), int(max_seq_len), tickets, seq_order)
+                                  int(partition_size), int(max_seq_len), seq_order)
     return out
 
 
