@@ -33,7 +33,6 @@ struct PagedAttnArgs {
   int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
   float scale;
   int dtype;                 // DTypeCode
-  const int* seq_order;      // decode only, nullable: [S] permutation, CTA row z works on sequence seq_order[z]
 };
 
 // Decode: one query row per sequence (row s of q belongs to sequence s).

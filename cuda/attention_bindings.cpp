@@ -1,8 +1,6 @@
 // Torch bindings of the attention launchers: checks the tensors, turns them into raw pointers, sizes and
 // strides, launches on the current stream, and registers the ops as torch custom ops (namespace minillm) with
 // the tensors they mutate declared, so CUDA graphs and torch.compile see the writes.
-#include <optional>
-
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -89,17 +87,11 @@ minillm::PagedAttnArgs make_args(Tensor& out, const Tensor& q, const Tensor& k_c
 
 void paged_decode(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                   const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t partition_size,
-                  int64_t max_seq_len, const std::optional<Tensor>& seq_order) {
+                  int64_t max_seq_len) {
   minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
   a.num_seqs = (int)q.size(0);
   TORCH_CHECK(block_tables.size(0) >= a.num_seqs && seq_lens.size(0) >= a.num_seqs,
               "decode: block_tables/seq_lens have fewer rows than q");
-  if (seq_order.has_value()) {
-    TORCH_CHECK(seq_order->scalar_type() == at::kInt && seq_order->is_contiguous() &&
-                    seq_order->device() == q.device() && seq_order->numel() >= a.num_seqs,
-                "decode: seq_order must be a contiguous int32 permutation of [0, num_seqs) on q's device");
-    a.seq_order = seq_order->data_ptr<int>();
-  }
   const at::cuda::CUDAGuard guard(q.device());
   int num_partitions = 0;
   Tensor ws;
@@ -141,7 +133,7 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
 TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("kv_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int partition_size, int max_seq_len, Tensor? seq_order=None) -> ()");
+        "Tensor seq_lens, float scale, int partition_size, int max_seq_len) -> ()");
   m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale) -> ()");
 }

@@ -19,9 +19,6 @@
 // pieces it copied itself, so the ring needs no barrier. Softmax is online (running max and sum per warp, fp32,
 // exp2 with the scale folded into q), and the warps are merged through shared memory at the end.
 //
-// Order of work: CTAs are dispatched in blockIdx order, sequence-major. An optional permutation (a.seq_order,
-// longest context first, built by the runner on the host) hands the longest sequences out first, so the last
-// wave holds short CTAs instead of a few long ones running on an otherwise idle GPU (LPT scheduling).
 // Both kernels are launched with programmatic dependent launch (pdl.cuh); everything they read may come from the
 // kernels just before them, so they wait first.
 // (Merging the partitions in the last CTA of each (sequence, KV head), with a ticket counter, instead of the
@@ -135,8 +132,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   pdl_trigger();
   pdl_wait();
-  const int s = a.seq_order != nullptr ? a.seq_order[blockIdx.z] : blockIdx.z;
-  const int kvh = blockIdx.y, part = blockIdx.x;
+  const int s = blockIdx.z, kvh = blockIdx.y, part = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int c = lane % CH, sub = lane / CH;
   const int group = a.num_q_heads / a.num_kv_heads;

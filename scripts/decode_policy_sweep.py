@@ -5,8 +5,7 @@
 The engine's decode batches are ragged (the offline reference has contexts of 100-2048 tokens in one
 batch), while check-kernels times uniform contexts. This times v1, fixed split-K partition sizes and equal
 split-K (-P: P partitions per sequence) on ragged batches of several sizes, as TB/s of K/V actually read, so
-the dispatcher's choice can be set from a measurement. The dispatcher's own choice is timed twice: in row order
-and longest-first (the runner's decode_order), to show what the work order buys. GPU only.
+the dispatcher's choice can be set from a measurement. GPU only.
 """
 from __future__ import annotations
 
@@ -33,12 +32,9 @@ def ragged_case(batch: int, lo: int, hi: int, seed: int = 0, hq=16, hkv=8, d=128
     q = torch.randn(rot, batch, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    longest_first = torch.tensor(sorted(range(batch), key=lambda i: -lens[i]), dtype=torch.int32, device="cuda")
 
-    def fns(part, lpt=False):
-        order = longest_first if lpt else None
-        return [lambda i=i: ops.paged_decode(out, q[i], kc, vc, bt[i], sl, d ** -0.5, hi, part, order)
-                for i in range(rot)]
+    def fns(part):
+        return [lambda i=i: ops.paged_decode(out, q[i], kc, vc, bt[i], sl, d ** -0.5, hi, part) for i in range(rot)]
     return lens, kv_bytes, fns
 
 
@@ -54,13 +50,12 @@ def main() -> None:
             lens, kv_bytes, fns = ragged_case(batch, lo, hi)
             auto = ops.decode_partition_size(batch, 8, hi)
             parts = (auto,) if args.quick else (0, 256, 512, -2, -3, -5, -9, -17)   # -P: P equal partitions
-            runs = [(p, False) for p in parts if p < hi] + [(auto, True)]
-            for part, lpt in runs:
-                ms = _time_graph(fns(part, lpt))
+            for part in (p for p in parts if p < hi):
+                ms = _time_graph(fns(part))
                 rows.append(dict(bench=f"decode ragged B={batch} ctx=[{lo},{hi}]", partition=part,
-                                 auto=part == auto, longest_first=lpt, ms=ms, tb_s=kv_bytes / ms / 1e9))
-                print(f"B={batch:4d} ctx=[{lo},{hi}] part={part:5d}{' (auto)' if part == auto else '       '}"
-                      f"{' LPT' if lpt else '    '} {ms * 1e3:8.1f} us {kv_bytes / ms / 1e9:6.2f} TB/s", flush=True)
+                                 auto=part == auto, ms=ms, tb_s=kv_bytes / ms / 1e9))
+                print(f"B={batch:4d} ctx=[{lo},{hi}] part={part:5d}{' (auto)' if part == auto else '       '} "
+                      f"{ms * 1e3:8.1f} us {kv_bytes / ms / 1e9:6.2f} TB/s", flush=True)
     if args.output:
         with open(args.output, "a") as f:
             for r in rows:

@@ -58,21 +58,6 @@ def test_decode_v1_and_split_k(ops, part, d, hq, hkv, bs):
     assert (out.float() - ref).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("part", [0, 256, -3])
-def test_decode_seq_order_changes_nothing(ops, part):
-    ctx = [700, 1, 2049, 300, 16, 1500, 257]
-    b, _, ref = _batch(ctx, [1] * len(ctx))
-    plain, ordered = torch.empty_like(b.q), torch.empty_like(b.q)
-    ops.paged_decode(plain, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 128 ** -0.5, max(ctx), part)
-    order = torch.tensor(sorted(range(len(ctx)), key=lambda i: -ctx[i]), dtype=torch.int32, device="cuda")
-    for _ in range(2):
-        ops.paged_decode(ordered, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 128 ** -0.5, max(ctx),
-                         part, seq_order=order)
-        torch.cuda.synchronize()
-        assert torch.equal(ordered, plain)
-    assert (plain.float() - ref).abs().max() < 2e-2
-
-
 @pytest.mark.parametrize("part", [0, 256, -2])
 def test_decode_empty_context_gives_zeros(ops, part):
     b, _, _ = _batch([40, 600], [1, 1])

@@ -81,9 +81,8 @@ class CudaAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decodes if self.mode == "split" else 0
         if nd > 0:
-            order = meta.decode_order if ops.DECODE_LPT else None
             ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                             scale, meta.max_seq_len, seq_order=order)
+                             scale, meta.max_seq_len)
         if meta.num_seqs > nd:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd)

@@ -26,9 +26,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor          # int32 [num_seqs]: context length after this step (cached + new)
     block_tables: torch.Tensor      # int32 [num_seqs, max_blocks]: physical block ids; unused entries = 0
     block_size: int
-    # int32 [num_decodes]: the decode rows by context length, longest first (the decode kernel hands their work
-    # out in this order); None = row order.
-    decode_order: torch.Tensor | None = None
     # Host copies (the torch path loops over sequences on the host).
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None

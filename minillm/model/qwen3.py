@@ -13,7 +13,6 @@ from torch import nn
 from minillm.attention.metadata import AttentionMetadata
 from minillm.model.arch import ModelArchConfig
 from minillm.model.layers import MLP, Attention, RMSNorm, VocabMatrix
-from minillm.ops import gemm_ops
 from minillm.ops.fused_ops import fused_add_rms_norm, rope_cos_sin_cache
 
 
@@ -85,6 +84,5 @@ class QwenForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, *, keep_dtype: bool = False) -> torch.Tensor:
         """Logits [N, vocab] of hidden [N, H]: float32, or with keep_dtype the lm_head GEMM's output as it is
         (the model dtype, no float32 copy: the engine's sampler takes it so and widens it only where needed)."""
-        linear = gemm_ops.linear if gemm_ops.LM_HEAD else F.linear
-        logits = linear(hidden, self.lm_head_weight)
+        logits = F.linear(hidden, self.lm_head_weight)
         return logits if keep_dtype else logits.float()

@@ -20,9 +20,6 @@ PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a wh
 # tail of a few long CTAs running on an otherwise idle GPU (scripts/decode_policy_sweep.py measures it). Read
 # from MINILLM_DECODE_CTAS_PER_SM when set, so that the choice can be timed without a rebuild.
 CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "16"))
-# Hand the longest sequences' decode work out first (see cuda/paged_decode.cu); MINILLM_DECODE_LPT=0 keeps row
-# order, for A/B timings.
-DECODE_LPT = os.environ.get("MINILLM_DECODE_LPT", "1") != "0"
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
@@ -53,14 +50,12 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                 partition_size: int | None = None, seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                 partition_size: int | None = None) -> torch.Tensor:
     """out[s] = attention of q[s] (one token per sequence) over its first seq_lens[s] cached tokens.
 
     partition_size None lets the dispatcher choose; 0 forces v1; a positive multiple of 256 forces split-K with
     fixed partitions of that many tokens; -P forces split-K with every sequence cut into P equal partitions.
-    max_seq_len must bound every seq_lens entry (it sizes the fixed split-K workspace). seq_order (int32
-    permutation of the rows, longest context first) hands the longest sequences' CTAs out first; it changes
-    the order of work, never the result.
+    max_seq_len must bound every seq_lens entry (it sizes the fixed split-K workspace).
     """
     if partition_size is None:
         partition_size = decode_partition_size(q.shape[0], k_cache.shape[2], max_seq_len, _num_sms(q.device.index or 0))
@@ -69,7 +64,7 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
         raise ValueError(f"partition_size must be 0, a positive multiple of {PARTITION_QUANTUM} or -P with "
                          f"1 <= P <= {MAX_EQUAL_PARTITIONS}, got {partition_size}")
     load_extension().paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
-                                  int(partition_size), int(max_seq_len), seq_order)
+                                  int(partition_size), int(max_seq_len))
     return out
 
 

@@ -35,8 +35,6 @@ class DecodeGraphs:
         self.input_ids, self.positions = z(n, dt=torch.int64), z(n, dt=torch.int64)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens, self.block_tables = z(n), z(n, max_blocks)
-        self.rows = torch.arange(n, dtype=torch.int32, device=device)
-        self.decode_order = self.rows.clone()
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -45,8 +43,7 @@ class DecodeGraphs:
         return AttentionMetadata(num_seqs=bs, num_decodes=bs, num_tokens=bs, max_query_len=1,
                                  max_seq_len=self.max_model_len, slot_mapping=self.slot_mapping[:bs],
                                  query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
-                                 block_tables=self.block_tables[:bs], block_size=self.block_size,
-                                 decode_order=self.decode_order[:bs])
+                                 block_tables=self.block_tables[:bs], block_size=self.block_size)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -81,13 +78,8 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)
-        if meta.decode_order is not None:
-            self.decode_order[:n].copy_(meta.decode_order)
-        else:
-            self.decode_order[:n].copy_(self.rows[:n])
-        if bs > n:   # padded rows: no KV write, one token of context (so they go last in decode_order)
+        if bs > n:   # padded rows: no KV write, one token of context
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
-            self.decode_order[n:bs].copy_(self.rows[n:bs])
         self.graphs[bs].replay()
         return self.hidden[:n]

@@ -110,7 +110,6 @@ class InputBuilder:
                 "query_start_loc": torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin),
                 "seq_lens": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
                 "logits_indices": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
-                "decode_order": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
             }
         # NOTE: two staging sets used in turn. With async scheduling, step N+1 is built while step N's
         # non-blocking host-to-device copies may still be queued behind step N-1; they read the other set.
@@ -157,8 +156,6 @@ class InputBuilder:
         seq_lens = h["seq_lens"][:n]
         np.add(starts, counts, out=seq_lens, casting="unsafe")
         max_seq_len = int(seq_lens.max()) if n else 0
-        # Longest first: the decode kernel's last wave then holds short CTAs (stable, so ties keep row order).
-        h["decode_order"][:num_decodes] = np.argsort(-seq_lens[:num_decodes], kind="stable")
         sample_idx = [i for i, s in enumerate(seqs) if s.sample]
         h["logits_indices"][: len(sample_idx)] = qsl[1:][sample_idx] - 1
         block_tables = self.rows.table[rows, : cdiv(max_seq_len, bs)]
@@ -179,7 +176,6 @@ class InputBuilder:
             max_seq_len=max_seq_len, slot_mapping=put("slot_mapping", total),
             query_start_loc=put("query_start_loc", n + 1), seq_lens=put("seq_lens", n),
             block_tables=to_device(block_tables, dev), block_size=self.block_size,
-            decode_order=put("decode_order", num_decodes),
             query_start_loc_cpu=self._np["query_start_loc"][: n + 1].tolist(),
             seq_lens_cpu=self._np["seq_lens"][:n].tolist())
         return StepInputs(input_ids=put("input_ids", total), positions=put("positions", total), meta=meta,
