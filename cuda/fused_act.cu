@@ -3,11 +3,9 @@
 // Variants: dtype (fp32, fp16, bf16) x access width (16-byte vectors; scalars when a pointer, the row stride or
 // the intermediate size is not a multiple of the vector). One CTA per row walks the row in vectors, so the two
 // halves are read once and the output written once. Rounding follows torch's F.silu(gate) * up in the
-// activation dtype: silu is computed in fp32 and rounded, then the product is rounded. Launched with
-// programmatic dependent launch (pdl.cuh).
+// activation dtype: silu is computed in fp32 and rounded, then the product is rounded.
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_act.cu
 #include "fused.h"
-#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -18,9 +16,6 @@ constexpr int kMaxThreads = 512;
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads)
     silu_and_mul_kernel(const T* __restrict__ gate_up, int64_t in_stride, T* __restrict__ out, int inter) {
-  // gate_up comes from the GEMM before: nothing is touched before the wait.
-  pdl_trigger();
-  pdl_wait();
   const int64_t row = blockIdx.x;
   const T* gate = gate_up + row * in_stride;
   const T* up = gate + inter;
@@ -43,8 +38,8 @@ cudaError_t launch(const T* gate_up, int64_t in_stride, T* out, int64_t rows, in
   const int nvec = inter / VEC;
   int threads = (nvec + 31) / 32 * 32;
   threads = threads > kMaxThreads ? kMaxThreads : threads;
-  return launch_pdl(silu_and_mul_kernel<T, VEC>, dim3(rows), dim3(threads), 0, stream, gate_up, in_stride, out,
-                    inter);
+  silu_and_mul_kernel<T, VEC><<<rows, threads, 0, stream>>>(gate_up, in_stride, out, inter);
+  return cudaGetLastError();
 }
 
 }  // namespace

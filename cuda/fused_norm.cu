@@ -5,10 +5,9 @@
 // x and residual are read once and y and sum written once). A row belongs to `tpr` threads (blockDim.x, a
 // power of two); short rows share a 128-thread CTA (blockDim.y rows) so small hidden sizes still fill it.
 // Arithmetic follows minillm/ops/fused_ops.py: fp32 math, the sum rounded to the activation dtype before
-// the norm, y = round((x * inv_rms) * w). Launched with programmatic dependent launch (pdl.cuh).
+// the norm, y = round((x * inv_rms) * w).
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_norm.cu
 #include "fused.h"
-#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -47,9 +46,6 @@ __device__ __forceinline__ float row_sum(float v, float* red) {
 
 template <typename T, int VEC, int VPT, bool ADD>
 __global__ void __launch_bounds__(kMaxRowThreads) rms_norm_kernel(const NormArgs<T> a) {
-  // x and residual come from earlier kernels: nothing is touched before the wait.
-  pdl_trigger();
-  pdl_wait();
   __shared__ float red[kMaxRowThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   // Rows past the end still join the reduction (it synchronises the CTA) but touch no memory.
@@ -96,7 +92,8 @@ cudaError_t launch_with_vpt(const NormArgs<T>& a, cudaStream_t stream) {
   const int tpr = next_pow2((nvec + VPT - 1) / VPT);
   const int rows_per_cta = tpr >= kCtaThreads ? 1 : kCtaThreads / tpr;
   const int64_t grid = (a.rows + rows_per_cta - 1) / rows_per_cta;
-  return launch_pdl(rms_norm_kernel<T, VEC, VPT, ADD>, dim3(grid), dim3(tpr, rows_per_cta), 0, stream, a);
+  rms_norm_kernel<T, VEC, VPT, ADD><<<grid, dim3(tpr, rows_per_cta), 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <bool ADD>

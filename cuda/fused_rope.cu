@@ -9,12 +9,10 @@
 // Variants: dtype (fp32, fp16, bf16) x access width (16-byte vectors; scalars when unaligned) x K (1, 2, 4)
 // x with/without the q/k norm. Rounding follows minillm/ops/fused_ops.py: the normed head is rounded to the
 // activation dtype, RoPE runs in fp32 on it (products rounded separately, no FMA) and is rounded once.
-// Launched with programmatic dependent launch (pdl.cuh).
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_rope.cu
 #include <cmath>
 
 #include "fused.h"
-#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -101,10 +99,6 @@ __device__ __forceinline__ T* head_dst(const RopeArgs<T>& a, int64_t token, int 
 
 template <typename T, int VEC, int K, bool NORM>
 __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArgs<T> a) {
-  // qkv comes from the kernel before (the GEMM) and the cache stores must follow every earlier reader of the
-  // cache: nothing is touched before the wait.
-  pdl_trigger();
-  pdl_wait();
   const int heads = a.num_heads + 2 * a.num_kv_heads;
   const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / a.tph;
   const int lane = threadIdx.x % a.tph;
@@ -168,8 +162,12 @@ cudaError_t launch_k(RopeArgs<T> a, bool norm, cudaStream_t stream) {
   a.tph = next_pow2((pairs + K - 1) / K);
   const int64_t groups = a.num_tokens * (a.num_heads + 2 * a.num_kv_heads);
   const int64_t grid = (groups * a.tph + kCtaThreads - 1) / kCtaThreads;
-  return norm ? launch_pdl(qk_norm_rope_kernel<T, VEC, K, true>, dim3(grid), dim3(kCtaThreads), 0, stream, a)
-              : launch_pdl(qk_norm_rope_kernel<T, VEC, K, false>, dim3(grid), dim3(kCtaThreads), 0, stream, a);
+  if (norm) {
+    qk_norm_rope_kernel<T, VEC, K, true><<<grid, kCtaThreads, 0, stream>>>(a);
+  } else {
+    qk_norm_rope_kernel<T, VEC, K, false><<<grid, kCtaThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace

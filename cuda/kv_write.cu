@@ -4,7 +4,6 @@
 // Slots of -1 (padding rows of a CUDA-graph batch) are skipped. Pure copy: the result is bit-exact.
 #include "attention.h"
 #include "common.cuh"
-#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -14,8 +13,6 @@ __global__ void kv_write_kernel(const uint4* __restrict__ k, const uint4* __rest
                                 uint4* __restrict__ k_cache, uint4* __restrict__ v_cache,
                                 const int64_t* __restrict__ slot_mapping, int num_tokens, int num_heads,
                                 int chunks_per_row) {
-  pdl_trigger();
-  pdl_wait();  // launched with PDL: k and v come from the kernel just before
   // Strides arrive in 16-byte chunks (the launcher checked divisibility).
   const int64_t chunks_per_token = (int64_t)num_heads * chunks_per_row;
   const int64_t total = (int64_t)num_tokens * chunks_per_token;
@@ -51,11 +48,12 @@ cudaError_t launch_kv_write(const void* k, const void* v, int64_t k_stride_t, in
   constexpr int kThreads = 256;
   // Cap the grid; the grid-stride loop covers the rest (a few waves of CTAs per SM is plenty for a copy).
   const int blocks = (int)((total + kThreads - 1) / kThreads < 4096 ? (total + kThreads - 1) / kThreads : 4096);
-  return launch_pdl(kv_write_kernel, dim3(blocks), dim3(kThreads), 0, stream,
-                    static_cast<const uint4*>(k), static_cast<const uint4*>(v), k_stride_t / kElemsPerChunk,
-                    k_stride_h / kElemsPerChunk, v_stride_t / kElemsPerChunk, v_stride_h / kElemsPerChunk,
-                    static_cast<uint4*>(k_cache), static_cast<uint4*>(v_cache), slot_mapping, num_tokens, num_heads,
-                    chunks_per_row);
+  kv_write_kernel<<<blocks, kThreads, 0, stream>>>(
+      static_cast<const uint4*>(k), static_cast<const uint4*>(v), k_stride_t / kElemsPerChunk,
+      k_stride_h / kElemsPerChunk, v_stride_t / kElemsPerChunk, v_stride_h / kElemsPerChunk,
+      static_cast<uint4*>(k_cache), static_cast<uint4*>(v_cache), slot_mapping, num_tokens, num_heads,
+      chunks_per_row);
+  return cudaGetLastError();
 }
 
 }  // namespace minillm

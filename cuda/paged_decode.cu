@@ -18,17 +18,13 @@
 // buffering, the previous scheme, held half of that and used 64 more registers). A lane reads back only the
 // pieces it copied itself, so the ring needs no barrier. Softmax is online (running max and sum per warp, fp32,
 // exp2 with the scale folded into q), and the warps are merged through shared memory at the end.
-//
-// Both kernels are launched with programmatic dependent launch (pdl.cuh); everything they read may come from the
-// kernels just before them, so they wait first.
 // (Merging the partitions in the last CTA of each (sequence, KV head), with a ticket counter, instead of the
 // reduce kernel was tried: every CTA then holds its SM slot through a fence and an atomic round trip, and the
-// kernel got ~25% slower in the offline bench, far more than the ~5 us reduce launch it saved.)
+// kernel got ~25% slower in the offline bench, far more than the ~5 us reduce launch it saves; docs/perf-log.md.)
 #include <math_constants.h>
 
 #include "attention.h"
 #include "common.cuh"
-#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -130,8 +126,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ float sm_m[kWarps][GP];
   __shared__ float sm_l[kWarps][GP];
 
-  pdl_trigger();
-  pdl_wait();
   const int s = blockIdx.z, kvh = blockIdx.y, part = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int c = lane % CH, sub = lane / CH;
@@ -254,8 +248,6 @@ template <typename T, int D>
 __global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int num_partitions,
                                      const float* __restrict__ ws_out, const float* __restrict__ ws_max,
                                      const float* __restrict__ ws_sum) {
-  pdl_trigger();
-  pdl_wait();
   const int s = blockIdx.y, h = blockIdx.x;
   const int psz = partition_len(partition_size, num_partitions, a.seq_lens[s]);
   const int valid = (a.seq_lens[s] + psz - 1) / psz;
@@ -284,12 +276,12 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
   const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS, GP>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  const cudaError_t err = launch_pdl(paged_decode_kernel<T, D, BS, GP>, grid, dim3(kWarps * 32), smem, stream, a,
-                                     partition_size, ws_out, ws_max, ws_sum);
-  if (err != cudaSuccess || partition_size == 0) return err;
-  return launch_pdl(decode_reduce_kernel<T, D>, dim3(a.num_q_heads, a.num_seqs), dim3(D), 0, stream, a,
-                    partition_size, num_partitions, static_cast<const float*>(ws_out),
-                    static_cast<const float*>(ws_max), static_cast<const float*>(ws_sum));
+  paged_decode_kernel<T, D, BS, GP><<<grid, kWarps * 32, smem, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
+  if (partition_size != 0) {
+    decode_reduce_kernel<T, D><<<dim3(a.num_q_heads, a.num_seqs), D, 0, stream>>>(a, partition_size, num_partitions,
+                                                                                   ws_out, ws_max, ws_sum);
+  }
+  return cudaGetLastError();
 }
 
 // Group sizes are rounded up to 1, 2, 4 or 8 (padding heads compute on zero q and are never stored).

@@ -13,7 +13,6 @@
 
 #include "attention.h"
 #include "common.cuh"
-#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -50,8 +49,6 @@ __global__ void __launch_bounds__(kThreads)
   T* sK = sQ + kBM * D;
   T* sV = sK + 2 * kBN * D;
 
-  pdl_trigger();
-  pdl_wait();  // launched with PDL: q, the caches and the metadata may come from the kernels just before
   const int s = seq_begin + blockIdx.z, h = blockIdx.y;
   const int q0 = qsl[s], qlen = qsl[s + 1] - q0, ctx = a.seq_lens[s];
   const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // late (heavy, causal) tiles are scheduled first
@@ -203,7 +200,8 @@ cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, 
       paged_prefill_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>());
   if (attr != cudaSuccess) return attr;
   const dim3 grid((max_query_len + kBM - 1) / kBM, a.num_q_heads, a.num_seqs);
-  return launch_pdl(paged_prefill_kernel<T, D>, grid, dim3(kThreads), smem_bytes<D>(), stream, a, qsl, seq_begin);
+  paged_prefill_kernel<T, D><<<grid, kThreads, smem_bytes<D>(), stream>>>(a, qsl, seq_begin);
+  return cudaGetLastError();
 }
 
 }  // namespace

@@ -21,7 +21,6 @@
 #include <cmath>
 
 #include "fused.h"
-#include "pdl.cuh"
 
 namespace minillm {
 namespace {
@@ -121,8 +120,6 @@ __global__ void __launch_bounds__(kThreads)
                             uint2 key, uint32_t offset_lo, uint32_t offset_hi) {
   constexpr int kCols = VEC ? 16 / static_cast<int>(sizeof(T)) : 4;  // columns per thread and iteration
   constexpr int kGroups = kCols / 4;                                   // Philox calls per iteration
-  pdl_trigger();
-  pdl_wait();  // launched with PDL: the logits come from the GEMM just before
   const uint32_t row = blockIdx.x;
   const T* x = logits + row * row_stride;
   const float inv_t = inv_temperature[row];
@@ -183,9 +180,14 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
                    reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   const int64_t chunks = vec ? vocab / kVecCols : (vocab + 3) / 4;
   const int threads = chunks >= kThreads ? kThreads : static_cast<int>((chunks + 31) / 32 * 32);
-  return launch_pdl(vec ? exponential_race_kernel<T, true> : exponential_race_kernel<T, false>, dim3(rows),
-                    dim3(threads), 0, stream, logits, row_stride, inv_temperature, out, static_cast<int>(vocab), key,
-                    lo, hi);
+  if (vec) {
+    exponential_race_kernel<T, true><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
+                                                                    static_cast<int>(vocab), key, lo, hi);
+  } else {
+    exponential_race_kernel<T, false><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
+                                                                     static_cast<int>(vocab), key, lo, hi);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace

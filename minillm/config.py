@@ -79,9 +79,6 @@ class RuntimeConfig:
     # feed the next step; stop checks land one step later). +16.5% offline throughput on an H200
     # (docs/perf-log.md); falls back to synchronous steps for requests with penalties.
     async_scheduling: bool = True
-    # Decode graphs of at least 2 x cuda_graphs.MIN_MICRO_BATCH rows run as this many independent halves on two streams, so
-    # one half's latency-bound GEMMs and small kernels overlap the other half's bandwidth-bound attention.
-    decode_micro_batches: int = 1
 
     def validate(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "runtime.device",
@@ -90,8 +87,6 @@ class RuntimeConfig:
                "one of auto, cuda, torch")
         _check(self.attention_mode in ("split", "unified"), "runtime.attention_mode", self.attention_mode,
                "one of split, unified")
-        _check(self.decode_micro_batches in (1, 2), "runtime.decode_micro_batches", self.decode_micro_batches,
-               "1 or 2")
 
 
 @dataclass(frozen=True)
@@ -122,7 +117,6 @@ class EngineConfig:
         "attention_mode": ("runtime", "attention_mode"), "enforce_eager": ("runtime", "enforce_eager"),
         "seed": ("runtime", "seed"), "check_integrity": ("runtime", "check_integrity"),
         "async_scheduling": ("runtime", "async_scheduling"),
-        "decode_micro_batches": ("runtime", "decode_micro_batches"),
     }
 
     @classmethod

@@ -7,12 +7,6 @@ attend to one token of block 0, and their outputs are ignored.
 
 Graphs are captured with max_seq_len = max_model_len. The decode kernel's split-K grid depends on the batch
 size only (every sequence is cut into the same number of partitions), so a replay fits any context.
-
-Micro-batches (runtime.decode_micro_batches = 2): a graph of at least 2 * MIN_MICRO_BATCH rows runs its rows as
-two independent forwards, the second on a side stream forked and joined inside the capture. Rows never interact
-in a decode step, so the result is the same up to GEMM rounding (cuBLAS picks kernels by M); what changes is
-that the GPU can run one half's GEMMs and small kernels, which are latency-bound at decode sizes, while the
-other half's attention streams the KV cache.
 """
 from __future__ import annotations
 
@@ -23,7 +17,6 @@ import torch
 from minillm.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
-MIN_MICRO_BATCH = 32   # rows per half below which a graph is not split (small steps have nothing to overlap)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -33,9 +26,8 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks: int, block_size: int, max_model_len: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, micro_batches: int = 1):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.model, self.kv_caches = model, kv_caches
-        self.side = torch.cuda.Stream(device) if micro_batches == 2 else None
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
@@ -47,43 +39,28 @@ class DecodeGraphs:
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def _meta(self, lo: int, hi: int) -> AttentionMetadata:
-        """Metadata of static rows [lo, hi) as a batch of their own."""
-        n = hi - lo
-        return AttentionMetadata(num_seqs=n, num_decodes=n, num_tokens=n, max_query_len=1,
-                                 max_seq_len=self.max_model_len, slot_mapping=self.slot_mapping[lo:hi],
-                                 query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[lo:hi],
-                                 block_tables=self.block_tables[lo:hi], block_size=self.block_size)
-
-    def _halves(self, bs: int) -> list[tuple[int, int]]:
-        if self.side is None or bs < 2 * MIN_MICRO_BATCH:
-            return [(0, bs)]
-        return [(0, bs // 2), (bs // 2, bs)]
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(num_seqs=bs, num_decodes=bs, num_tokens=bs, max_query_len=1,
+                                 max_seq_len=self.max_model_len, slot_mapping=self.slot_mapping[:bs],
+                                 query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
+                                 block_tables=self.block_tables[:bs], block_size=self.block_size)
 
     @torch.inference_mode()
     def capture(self) -> None:
         self.seq_lens.fill_(1)
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):       # largest first: smaller graphs reuse its memory pool
-            self._run(bs)                     # warm-up outside capture (lazy inits, autotuning)
+            meta = self._meta(bs)
+            self._run(bs, meta)               # warm-up outside capture (lazy inits, autotuning)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self._run(bs)
+                self._run(bs, meta)
             self.graphs[bs] = g
         torch.cuda.synchronize()
         log.info("captured %d decode graphs (batch sizes %s)", len(self.graphs), self.sizes)
 
-    def _run(self, bs: int) -> None:
-        halves = self._halves(bs)
-        main = torch.cuda.current_stream()
-        if len(halves) == 2:
-            self.side.wait_stream(main)       # fork: the side stream starts after the inputs are in place
-        for (lo, hi), stream in zip(halves, (main, self.side)):
-            with torch.cuda.stream(stream):
-                self.hidden[lo:hi] = self.model(self.input_ids[lo:hi], self.positions[lo:hi], self.kv_caches,
-                                                self._meta(lo, hi))
-        if len(halves) == 2:
-            main.wait_stream(self.side)       # join: the capture (and every replay) ends after both halves
+    def _run(self, bs: int, meta: AttentionMetadata) -> None:
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta)
 
     def bucket(self, n: int) -> int | None:
         for s in self.sizes:

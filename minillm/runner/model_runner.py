@@ -76,7 +76,7 @@ class ModelRunner:
         from minillm.runner.cuda_graphs import DecodeGraphs
         graphs = DecodeGraphs(self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.inputs.max_blocks,
                               self.cfg.cache.block_size, self.max_model_len, self.arch.hidden_size, self.dtype,
-                              self.device, micro_batches=self.cfg.runtime.decode_micro_batches)
+                              self.device)
         graphs.capture()
         return graphs
 
