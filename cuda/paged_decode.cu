@@ -244,26 +244,43 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // Merge split-K partitions: out = sum_p w_p * o_p / sum_p w_p with w_p = sum_p * 2^(max_p - max).
+// One warp per (sequence, query head): lane p reads partition p's max and sum (all partitions' loads in flight
+// at once instead of one after another), the weights are broadcast by shuffles, and each lane accumulates
+// D / 32 output dims over the partitions in order with vector loads.
+constexpr int kReduceWarps = 4;
+
 template <typename T, int D>
-__global__ void decode_reduce_kernel(PagedAttnArgs a, int partition_size, int num_partitions,
-                                     const float* __restrict__ ws_out, const float* __restrict__ ws_max,
-                                     const float* __restrict__ ws_sum) {
-  const int s = blockIdx.y, h = blockIdx.x;
-  const int psz = partition_len(partition_size, num_partitions, a.seq_lens[s]);
-  const int valid = (a.seq_lens[s] + psz - 1) / psz;
+__global__ void __launch_bounds__(kReduceWarps * 32)
+    decode_reduce_kernel(PagedAttnArgs a, int partition_size, int num_partitions, const float* __restrict__ ws_out,
+                         const float* __restrict__ ws_max, const float* __restrict__ ws_sum) {
+  constexpr int DPL = D / 32;  // output dims per lane
+  const int s = blockIdx.y, h = blockIdx.x * kReduceWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (h >= a.num_q_heads) return;
+  const int ctx = a.seq_lens[s];
+  const int psz = partition_len(partition_size, num_partitions, ctx);
+  const int valid = (ctx + psz - 1) / psz;  // 0 for an empty context: zeros, as in v1
   const int64_t row0 = ((int64_t)s * a.num_q_heads + h) * num_partitions;
   float mmax = -CUDART_INF_F;
-  for (int p = 0; p < valid; ++p) mmax = fmaxf(mmax, ws_max[row0 + p]);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float o = 0.f, lsum = 0.f;
-    for (int p = 0; p < valid; ++p) {
-      const float w = ws_sum[row0 + p] * exp2f(ws_max[row0 + p] - mmax);
-      lsum += w;
-      o += w * ws_out[(row0 + p) * D + d];
+  for (int p = lane; p < valid; p += 32) mmax = fmaxf(mmax, ws_max[row0 + p]);
+  mmax = warp_max_xor(mmax, 1, 32);
+  float o[DPL] = {}, lsum = 0.f;
+  for (int p0 = 0; p0 < valid; p0 += 32) {
+    const int p = p0 + lane;
+    const float w = p < valid ? ws_sum[row0 + p] * exp2f(ws_max[row0 + p] - mmax) : 0.f;
+    lsum += w;
+    const int n = min(32, valid - p0);
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const float wj = __shfl_sync(0xffffffffu, w, j);
+      const float* src = ws_out + (row0 + p0 + j) * D + lane * DPL;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) o[i] = fmaf(wj, src[i], o[i]);
     }
-    T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
-    op[d] = DType<T>::from_float(valid > 0 ? o / lsum : 0.f);  // empty context: zeros, as in v1
   }
+  lsum = warp_sum_xor(lsum, 1, 32);
+  T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h + lane * DPL;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) op[i] = DType<T>::from_float(valid > 0 ? o[i] / lsum : 0.f);
 }
 
 template <typename T, int D, int BS, int GP>
@@ -278,8 +295,9 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
   if (opt_in != cudaSuccess) return opt_in;
   paged_decode_kernel<T, D, BS, GP><<<grid, kWarps * 32, smem, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
   if (partition_size != 0) {
-    decode_reduce_kernel<T, D><<<dim3(a.num_q_heads, a.num_seqs), D, 0, stream>>>(a, partition_size, num_partitions,
-                                                                                   ws_out, ws_max, ws_sum);
+    const dim3 reduce_grid((a.num_q_heads + kReduceWarps - 1) / kReduceWarps, a.num_seqs);
+    decode_reduce_kernel<T, D><<<reduce_grid, kReduceWarps * 32, 0, stream>>>(a, partition_size, num_partitions,
+                                                                               ws_out, ws_max, ws_sum);
   }
   return cudaGetLastError();
 }
