@@ -51,6 +51,7 @@ def free_device_memory() -> None:
     The caller must have deleted its last reference to the engine first."""
     import torch
 
+    gc.unfreeze()   # LLM() froze the heap, the dropped engine's cycles included: let the collector reach them
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
