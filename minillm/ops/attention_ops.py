@@ -20,6 +20,9 @@ PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a wh
 # tail of a few long CTAs running on an otherwise idle GPU (scripts/decode_policy_sweep.py measures it). Read
 # from MINILLM_DECODE_CTAS_PER_SM when set, so that the choice can be timed without a rebuild.
 CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "16"))
+# MINILLM_DECODE_PARTITIONS=P (1..32) cuts every sequence into P equal partitions whatever the batch size, for
+# A/B timings of the policy above (0 or unset: the policy).
+FIXED_PARTITIONS = int(os.environ.get("MINILLM_DECODE_PARTITIONS", "0"))
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
@@ -44,6 +47,8 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     """
     if max_seq_len <= MIN_SPLIT_LEN:
         return 0
+    if FIXED_PARTITIONS > 0:
+        return -min(FIXED_PARTITIONS, MAX_EQUAL_PARTITIONS) if FIXED_PARTITIONS > 1 else 0
     parts = min(MAX_EQUAL_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * num_sms / max(num_seqs * num_kv_heads, 1)))
     return 0 if parts <= 1 else -parts
 
