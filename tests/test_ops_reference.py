@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.ops import build
-from minillm.ops.attention_ops import CTAS_PER_SM_TARGET, MAX_EQUAL_PARTITIONS, decode_partition_size
+from minillm.ops.attention_ops import CTAS_PER_SM_TARGET, MAX_EQUAL_PARTITIONS, MIN_PARTITIONS, decode_partition_size
 from minillm.ops.reference import gather_kv, kv_write_ref, make_paged_batch, paged_attention_ref, paged_decode_ref
 
 
@@ -65,16 +65,18 @@ def test_decode_reference_equals_last_prefill_row():
     torch.testing.assert_close(dec, full[last_rows])
 
 
-def test_dispatcher_v1_when_grid_is_full_and_equal_split_k_otherwise():
-    assert decode_partition_size(512, 8, 1024, num_sms=132) == 0     # 4,096 CTAs: enough without a split
+def test_dispatcher_equal_split_k_policy():
     assert decode_partition_size(8, 8, 200, num_sms=132) == 0         # too short to split
-    parts = -decode_partition_size(8, 8, 4096, num_sms=132)
-    assert 1 < parts <= MAX_EQUAL_PARTITIONS
-    assert parts == min(MAX_EQUAL_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / (8 * 8)))  # the CTA target
-    # the grid depends on the batch size only, never on the context bound (CUDA graphs capture it)
-    assert decode_partition_size(8, 8, 4096, num_sms=132) == decode_partition_size(8, 8, 8192, num_sms=132)
+    # large batches: the minimum number of partitions (the kernel keeps each >= 256 tokens)
+    assert decode_partition_size(512, 8, 1024, num_sms=132) == -MIN_PARTITIONS
+    assert decode_partition_size(256, 8, 2048, num_sms=132) == -MIN_PARTITIONS
+    # tiny batches: enough partitions to give every SM its CTAs, up to the cap
     assert decode_partition_size(1, 8, 8192, num_sms=132) == -MAX_EQUAL_PARTITIONS
-    assert -decode_partition_size(64, 8, 2048, num_sms=132) < parts   # bigger batches split less
+    parts = -decode_partition_size(4, 8, 4096, num_sms=132)
+    assert parts == max(MIN_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / (4 * 8))) > MIN_PARTITIONS
+    # the grid depends on the batch size only, never on the context bound (CUDA graphs capture it)
+    assert decode_partition_size(4, 8, 4096, num_sms=132) == decode_partition_size(4, 8, 8192, num_sms=132)
+    assert -decode_partition_size(64, 8, 2048, num_sms=132) <= parts   # bigger batches never split more
 
 
 def test_build_key_covers_sources_and_flags(tmp_path, monkeypatch):

@@ -98,13 +98,13 @@ def _device(cfg: EngineConfig) -> str:
 
 
 # Environment switches of the kernels (each defaults to on / its tuned value); a results line names those set.
-KERNEL_SWITCHES = ("MINILLM_DECODE_CTAS_PER_SM", "MINILLM_DECODE_PARTITIONS")
+KERNEL_SWITCHES = ("MINILLM_DECODE_CTAS_PER_SM", "MINILLM_DECODE_MIN_PARTITIONS")
 
 
 def _prepare_device(device: str) -> dict:
     """Build/load the CUDA extension up front, so its compile time is reported on its own, not inside the first
     configuration's load time. Returns the fields every results line of this process carries."""
-    from minillm.ops.attention_ops import CTAS_PER_SM_TARGET
+    from minillm.ops.attention_ops import CTAS_PER_SM_TARGET, MIN_PARTITIONS
     from minillm.ops.build import cuda_ops_available
 
     t0 = time.perf_counter()
@@ -112,7 +112,7 @@ def _prepare_device(device: str) -> dict:
     # kernel choices can be overridden from the environment for A/B timings: record what this run used
     overrides = {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}
     return {"kernel_build_s": time.perf_counter() - t0, "cuda_ops": ok, "decode_ctas_per_sm": CTAS_PER_SM_TARGET,
-            "kernel_overrides": overrides}
+            "decode_min_partitions": MIN_PARTITIONS, "kernel_overrides": overrides}
 
 
 def _offline_workload(workload: Path | None, num_requests: int | None):

@@ -16,13 +16,15 @@ import torch
 from minillm.ops.build import load_extension
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
-# Equal split-K: aim for this many decode CTAs per SM. A ragged batch's longest sequences would otherwise leave a
-# tail of a few long CTAs running on an otherwise idle GPU (scripts/decode_policy_sweep.py measures it). Read
-# from MINILLM_DECODE_CTAS_PER_SM when set, so that the choice can be timed without a rebuild.
-CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "16"))
-# MINILLM_DECODE_PARTITIONS=P (1..32) cuts every sequence into P equal partitions whatever the batch size, for
-# A/B timings of the policy above (0 or unset: the policy).
-FIXED_PARTITIONS = int(os.environ.get("MINILLM_DECODE_PARTITIONS", "0"))
+# Equal split-K policy: every sequence is cut into at least MIN_PARTITIONS partitions (the kernel keeps each one
+# >= 256 tokens, so a short context uses fewer), and into more when the batch is too small to give every SM
+# CTAS_PER_SM CTAs. Five partitions were the best fixed choice on ragged batches of 16-256 sequences of 100-2048
+# tokens (results/decode_sweep.jsonl); five at every batch size took the offline bench from 23,624 to 24,181
+# tok/s (eba2a64, H200; this policy is the same from 7 sequences up). Tiny batches of long contexts want many
+# more (B=1, 8k tokens: 32 partitions 1.69 TB/s, 8 only 1.24; results/kernels.jsonl). Both numbers can be
+# overridden from the environment for A/B timings without a rebuild.
+MIN_PARTITIONS = int(os.environ.get("MINILLM_DECODE_MIN_PARTITIONS", "5"))
+CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "2"))
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
@@ -47,9 +49,8 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     """
     if max_seq_len <= MIN_SPLIT_LEN:
         return 0
-    if FIXED_PARTITIONS > 0:
-        return -min(FIXED_PARTITIONS, MAX_EQUAL_PARTITIONS) if FIXED_PARTITIONS > 1 else 0
-    parts = min(MAX_EQUAL_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * num_sms / max(num_seqs * num_kv_heads, 1)))
+    fill = math.ceil(CTAS_PER_SM_TARGET * num_sms / max(num_seqs * num_kv_heads, 1))
+    parts = min(MAX_EQUAL_PARTITIONS, max(MIN_PARTITIONS, fill))
     return 0 if parts <= 1 else -parts
 
 
