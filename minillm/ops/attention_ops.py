@@ -18,7 +18,7 @@ from minillm.ops.build import load_extension
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: every sequence is cut into at least MIN_PARTITIONS partitions (the kernel keeps each one
 # >= 256 tokens, so a short context uses fewer), and into more when the batch is too small to give every SM
-# CTAS_PER_SM CTAs. Five partitions were the best fixed choice on ragged batches of 16-256 sequences of 100-2048
+# CTAS_PER_SM_TARGET CTAs. Five partitions were the best fixed choice on ragged batches of 16-256 sequences of 100-2048
 # tokens (results/decode_sweep.jsonl); five at every batch size took the offline bench from 23,624 to 24,181
 # tok/s (eba2a64, H200; this policy is the same from 7 sequences up). Tiny batches of long contexts want many
 # more (B=1, 8k tokens: 32 partitions 1.69 TB/s, 8 only 1.24; results/kernels.jsonl). Both numbers can be
