@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minillm.attention.torch_backend import write_kv_cache
 from minillm.ops.build import CudaOpSwitch
+from minillm.ops.reference import kv_write_ref
 
 _cuda_ok = CudaOpSwitch("rms_norm")
 set_cuda_fused_ops = _cuda_ok.set   # force the CUDA kernels on/off (None = decide on first use)
@@ -108,7 +108,5 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     q, k = _rope_ref(q, cos, sin), _rope_ref(k, cos, sin)
     if kv_cache_out is None:
         return q, k, v
-    k_cache, v_cache, slot_mapping = kv_cache_out
-    if t:  # write_kv_cache needs a row to redirect skipped ones to
-        write_kv_cache(k, v, k_cache, v_cache, slot_mapping[:t])
+    kv_write_ref(k, v, *kv_cache_out)
     return q, None, None
