@@ -5,19 +5,22 @@
 //   v2 split  grid (partitions, kv_heads, seqs): each CTA covers one partition of its sequence's context and
 //             stores its normalised output with its max and exp-sum; decode_reduce_kernel merges them.
 //             partition_size > 0: fixed partitions of that many tokens (the grid covers the longest context);
-//             partition_size = -P: every sequence is cut into P equal partitions (a whole number of 32-token
+//             partition_size = -P: every sequence is cut into P equal partitions (a whole number of 64-token
 //             steps each, at least 256 tokens), so a ragged batch has no CTA much longer than the others and a
 //             CUDA graph's grid does not depend on max_model_len.
 // All query heads of a GQA group live in the same CTA, so each K/V chunk loaded from HBM serves all of them.
 //
-// Work split inside a CTA: 4 warps take 8-token chunks round-robin; in a warp, each lane owns one 16-byte
-// piece (8 dims) of a head row, CH = D/8 lanes cover one token and 32/CH tokens are in flight per step. Each
-// warp streams its chunks through a ring of kStages chunk buffers in shared memory with cp.async, so up to
-// kStages - 1 chunks (12 KB at D = 128) of its loads are in flight while it computes on the oldest: with three
-// CTAs per SM that keeps ~150 KB per SM outstanding, what HBM needs to run near its peak (register double
-// buffering, the previous scheme, held half of that and used 64 more registers). A lane reads back only the
-// pieces it copied itself, so the ring needs no barrier. Softmax is online (running max and sum per warp, fp32,
-// exp2 with the scale folded into q), and the warps are merged through shared memory at the end.
+// Tensor cores, the way a prefill tile works: the group's query heads are the rows of a 16-row mma A operand
+// (rows past the group are zero), so S = Q K^T over a 16-token chunk is 2 n-tiles x D/16 k-steps of
+// mma.sync m16n8k16 and O += P V one k-step x D/8 n-tiles, with operands from swizzled shared memory by
+// ldmatrix. The CUDA-core version this replaced reduced every score across 16 lanes with shuffles; at ~2.9
+// instructions per cycle it was close to issue-bound (ncu), 3.5-3.9 TB/s. Padding rows cost tensor-core
+// throughput, of which decode needs a small fraction.
+//
+// Work split inside a CTA: 4 warps take 16-token chunks round-robin (a chunk never crosses a cache block), each
+// through its own ring of kStages slots filled by cp.async, so two chunks (16 KB at D = 128) per warp are in
+// flight while it computes on a third; two CTAs per SM keep ~128 KB outstanding. Softmax is online (running max
+// and sum per row, fp32, exp2), and the warps are merged through shared memory (reusing the ring) at the end.
 // (Merging the partitions in the last CTA of each (sequence, KV head), with a ticket counter, instead of the
 // reduce kernel was tried: every CTA then holds its SM slot through a fence and an atomic round trip, and the
 // kernel got ~25% slower in the offline bench, far more than the ~5 us reduce launch it saves; docs/perf-log.md.)
@@ -30,13 +33,15 @@ namespace minillm {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kChunk = 8;  // tokens handled together by one warp (two chunks in flight per warp)
-
-constexpr int kStages = 4;  // chunk buffers per warp in the shared-memory ring
+// Tokens per warp step: two n-tiles of S = Q K^T and one k-step of O += P V on mma.sync m16n8k16. A chunk never
+// crosses a cache block (block sizes are multiples of it), so its 16 slots are consecutive.
+constexpr int kChunk = 16;
+constexpr int kStages = 3;  // chunk buffers per warp in the shared-memory ring (two in flight while one is used)
 constexpr int kSplitQuantum = kWarps * kChunk;  // equal partitions are multiples of this: whole steps of all warps
 // Equal partitions are never shorter than this: a CTA's fixed costs (q load, merge, workspace row, its share of
 // the reduce) want a few hundred tokens to hide behind, and a short context then simply uses fewer partitions.
 constexpr int kMinSplitLen = 256;
+constexpr int kMaxGroup = 16;  // query heads per KV head: the 16 rows of the mma A operand
 
 // Tokens per partition of a sequence of `ctx` tokens (0 for v1); see the header for the two split modes.
 __device__ __forceinline__ int partition_len(int partition_size, int num_partitions, int ctx) {
@@ -45,90 +50,46 @@ __device__ __forceinline__ int partition_len(int partition_size, int num_partiti
   return max(kMinSplitLen, (per + kSplitQuantum - 1) / kSplitQuantum * kSplitQuantum);
 }
 
-// Start the copy of one chunk (kChunk tokens) of K and V into a ring slot [2][IT][32] of 16-byte pieces: each
-// lane its own piece of IT tokens. Tokens past the end are zero-filled, never read: their slots may hold another
-// sequence's data or NaN, and a zero V times a zero weight keeps the accumulator finite.
-template <typename T, int BS, int IT, int TPI>
-__device__ __forceinline__ void issue_chunk(const T* kc, const T* vc, const int* bt, int ch, int end, int sub,
-                                            int lane, int64_t tok_stride, uint4* slot) {
-  const int tok0 = ch * kChunk;
-  const int64_t slot0 = (int64_t)bt[tok0 / BS] * BS + tok0 % BS;
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    const int t = it * TPI + sub;
-    const bool valid = tok0 + t < end;
-    const int64_t off = valid ? (slot0 + t) * tok_stride : 0;
-    cp_async16(slot + it * 32 + lane, kc + off, valid ? 16 : 0);
-    cp_async16(slot + (IT + it) * 32 + lane, vc + off, valid ? 16 : 0);
-  }
-}
-
-// Scores of the chunk for every head of the group, then the online-softmax update of m, l and acc.
-template <typename T, int GP, int IT, int TPI, int CH>
-__device__ __forceinline__ void attend_chunk(const uint4 (&kr)[IT], const uint4 (&vr)[IT], int tok0, int end,
-                                             int sub, const float (&qf)[GP][8], float (&m)[GP], float (&l)[GP],
-                                             float (&acc)[GP][8]) {
-  float sc[GP][IT];
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    float kf[8];
-    unpack8<T>(kr[it], kf);
-#pragma unroll
-    for (int g = 0; g < GP; ++g) {
-      float d = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) d = fmaf(qf[g][j], kf[j], d);
-      d = warp_sum_xor(d, 1, CH);
-      sc[g][it] = (tok0 + it * TPI + sub < end) ? d : -CUDART_INF_F;
-    }
-  }
-#pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    float mx = sc[g][0];
-#pragma unroll
-    for (int it = 1; it < IT; ++it) mx = fmaxf(mx, sc[g][it]);
-    mx = warp_max_xor(mx, CH, 32);
-    const float m_new = fmaxf(m[g], mx);  // finite: every chunk holds at least one valid token
-    const float alpha = exp2f(m[g] - m_new);
-    m[g] = m_new;
-    l[g] *= alpha;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      const float p = exp2f(sc[g][it] - m_new);
-      l[g] += p;
-      float vf[8];
-      unpack8<T>(vr[it], vf);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p, vf[j], acc[g][j]);
-    }
-  }
-}
+template <int D>
+constexpr int stage_elems() { return 2 * kChunk * D; }  // one ring slot: the chunk's K rows, then its V rows
 
 template <int D>
-constexpr int ring_bytes() {  // dynamic shared memory of one CTA: kWarps rings of kStages [2][IT][32] pieces
-  return kWarps * kStages * 2 * (kChunk / (32 / (D / 8))) * 32 * 16;
+constexpr int ring_bytes() { return kWarps * kStages * stage_elems<D>() * 2; }  // 2-byte elements
+
+// Start the copy of one chunk of K and V (kChunk tokens from tok0, cache block `blk`) into a swizzled ring slot.
+// Lane piece p = lane + 32 i is 16 bytes: row p / CH (K rows, then V rows), column p % CH. Tokens past `end` are
+// zero-filled, never read: their slots may hold another sequence's data or NaN, and a zero V times a zero weight
+// keeps the accumulator finite.
+template <typename T, int D, int BS>
+__device__ __forceinline__ void issue_chunk(T* slot, const T* kc, const T* vc, int blk, int tok0, int end, int lane,
+                                            int64_t tok_stride) {
+  constexpr int CH = D / 8, PIECES = 2 * kChunk * CH / 32;
+  const int64_t slot0 = (int64_t)blk * BS + tok0 % BS;
+#pragma unroll
+  for (int i = 0; i < PIECES; ++i) {
+    const int p = lane + 32 * i, row = p / CH, c = p % CH, t = row % kChunk;
+    const bool valid = tok0 + t < end;
+    const T* base = row < kChunk ? kc : vc;
+    cp_async16(slot + swz<CH>(row, c), valid ? base + (slot0 + t) * tok_stride + c * 8 : base, valid ? 16 : 0);
+  }
 }
 
-template <typename T, int D, int BS, int GP>
+// 32 bits (two elements) of q, or zero for a padding row of the A operand.
+template <typename T>
+__device__ __forceinline__ uint32_t q_pair(const T* q, bool valid) {
+  return valid ? *reinterpret_cast<const uint32_t*>(q) : 0u;
+}
+
+template <typename T, int D, int BS>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
                         float* __restrict__ ws_max, float* __restrict__ ws_sum) {
-  constexpr int CH = D / 8;         // lanes per token
-  constexpr int TPI = 32 / CH;      // tokens per warp step
-  constexpr int IT = kChunk / TPI;  // steps per chunk
-  constexpr int SLOT = 2 * IT * 32; // 16-byte pieces per ring slot (K and V of one chunk)
+  constexpr int CH = D / 8, KS = D / 16, DT = D / 8, SLOT = stage_elems<D>();
   static_assert(BS % kChunk == 0, "block size must be a multiple of the chunk");
   extern __shared__ uint4 ring_smem[];
 
-  __shared__ float sm_acc[kWarps][GP][D];
-  __shared__ float sm_m[kWarps][GP];
-  __shared__ float sm_l[kWarps][GP];
-
   const int s = blockIdx.z, kvh = blockIdx.y, part = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int c = lane % CH, sub = lane / CH;
   const int group = a.num_q_heads / a.num_kv_heads;
   const int ctx = a.seq_lens[s];
   const int psz = partition_len(partition_size, gridDim.x, ctx);
@@ -143,98 +104,157 @@ __global__ void __launch_bounds__(kWarps * 32)
     return;
   }
 
-  // q of every head in the group, pre-scaled so that exp2(score - max) is the softmax numerator.
-  float qf[GP][8];
+  // The group's query heads are the rows of the A operand (rows past the group are zero), read straight from
+  // global memory in the fragment layout: this thread holds rows lane/4 and lane/4 + 8.
+  const int r0 = lane / 4;
+  uint32_t qa[KS][4];
+  {
+    const T* qb = static_cast<const T*>(a.q) + s * a.q_stride_t + (int64_t)kvh * group * a.q_stride_h + (lane % 4) * 2;
+    const T* q_lo = qb + r0 * a.q_stride_h;
+    const T* q_hi = qb + (r0 + 8) * a.q_stride_h;
 #pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    if (g < group) {
-      const T* qp = static_cast<const T*>(a.q) + s * a.q_stride_t + (kvh * group + g) * a.q_stride_h + c * 8;
-      unpack8<T>(*reinterpret_cast<const uint4*>(qp), qf[g]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) qf[g][j] *= a.scale * kLog2e;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) qf[g][j] = 0.f;
+    for (int ks = 0; ks < KS; ++ks) {
+      qa[ks][0] = q_pair(q_lo + ks * 16, r0 < group);
+      qa[ks][1] = q_pair(q_hi + ks * 16, r0 + 8 < group);
+      qa[ks][2] = q_pair(q_lo + ks * 16 + 8, r0 < group);
+      qa[ks][3] = q_pair(q_hi + ks * 16 + 8, r0 + 8 < group);
     }
   }
+  const bool hi_rows = group > 8;  // rows 8..15 carry heads: only then is their softmax worth computing
 
-  float m[GP], l[GP], acc[GP][8];
+  float o[DT][4];
 #pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    m[g] = -CUDART_INF_F;
-    l[g] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
-  }
+  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
+  const float sl2 = a.scale * kLog2e;
 
   const int64_t tok_stride = (int64_t)a.num_kv_heads * D;  // elements between consecutive slots
   const int* bt = a.block_tables + s * a.bt_stride;
-  const T* kc = static_cast<const T*>(a.k_cache) + kvh * D + c * 8;
-  const T* vc = static_cast<const T*>(a.v_cache) + kvh * D + c * 8;
+  const T* kc = static_cast<const T*>(a.k_cache) + kvh * D;
+  const T* vc = static_cast<const T*>(a.v_cache) + kvh * D;
   const int first = start / kChunk, last = (end + kChunk - 1) / kChunk;
 
-  uint4* ring = ring_smem + warp * kStages * SLOT;
+  // Each warp streams every kWarps-th chunk of the partition through its own ring of kStages slots.
+  T* ring = reinterpret_cast<T*>(ring_smem) + warp * kStages * SLOT;
   const int ch0 = first + warp;
   const int mine = ch0 < last ? (last - ch0 + kWarps - 1) / kWarps : 0;  // chunks of this warp
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < mine) issue_chunk<T, BS, IT, TPI>(kc, vc, bt, ch0 + i * kWarps, end, sub, lane, tok_stride, ring + i * SLOT);
+    const int tok = (ch0 + i * kWarps) * kChunk;
+    if (i < mine) issue_chunk<T, D, BS>(ring + i * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     cp_async_commit();  // empty groups too: the wait count below stays uniform
   }
   for (int i = 0; i < mine; ++i) {
-    // Refill the slot consumed in the previous iteration: its values were read into registers and used there.
     const int j = i + kStages - 1;
-    if (j < mine)
-      issue_chunk<T, BS, IT, TPI>(kc, vc, bt, ch0 + j * kWarps, end, sub, lane, tok_stride, ring + (j % kStages) * SLOT);
+    __syncwarp();  // every lane has read chunk i - 1 out of the slot refilled here
+    if (j < mine) {
+      const int tok = (ch0 + j * kWarps) * kChunk;
+      issue_chunk<T, D, BS>(ring + (j % kStages) * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
+    }
     cp_async_commit();
-    cp_async_wait<kStages - 1>();  // chunk i has landed
-    const uint4* slot = ring + (i % kStages) * SLOT;
-    uint4 kr[IT], vr[IT];
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      kr[it] = slot[it * 32 + lane];
-      vr[it] = slot[(IT + it) * 32 + lane];
-    }
-    attend_chunk<T, GP, IT, TPI, CH>(kr, vr, (ch0 + i * kWarps) * kChunk, end, sub, qf, m, l, acc);
-  }
+    cp_async_wait<kStages - 1>();  // this lane's copies of chunk i have landed ...
+    __syncwarp();                  // ... and, after this, every lane's
+    const T* sK = ring + (i % kStages) * SLOT;
+    const T* sV = sK + kChunk * D;
+    const int tok0 = (ch0 + i * kWarps) * kChunk;
 
-  // Lanes with the same chunk but different tokens hold partial sums: fold them, then stage per warp.
+    float sc[2][4] = {};
 #pragma unroll
-  for (int g = 0; g < GP; ++g) {
-    l[g] = warp_sum_xor(l[g], CH, 32);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] = warp_sum_xor(acc[g][j], CH, 32);
-    if (sub == 0) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sm_acc[warp][g][c * 8 + j] = acc[g][j];
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sK + swz<CH>((lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
+      mma16816<T>(sc[0], qa[ks], b[0], b[1]);
+      mma16816<T>(sc[1], qa[ks], b[2], b[3]);
     }
-    if (lane == 0) {
-      sm_m[warp][g] = m[g];
-      sm_l[warp][g] = l[g];
+    if (tok0 + kChunk > end) {  // the partition's last chunk: keys past its end do not count
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (tok0 + nt * 8 + (lane % 4) * 2 + (e & 1) >= end) sc[nt][e] = -CUDART_INF_F;
+    }
+
+    // Online softmax of the thread's two rows (the 4 lanes of a quad share a row).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r == 1 && !hi_rows) break;
+      float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+      mx = warp_max_xor(mx, 1, 4) * sl2;
+      const float m_new = fmaxf(mrow[r], mx);  // finite: every chunk holds at least one valid token
+      const float alpha = exp2f(mrow[r] - m_new);
+      mrow[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(sc[nt][2 * r + e] * sl2 - m_new);
+          sc[nt][2 * r + e] = p;
+          sum += p;
+        }
+      lrow[r] = lrow[r] * alpha + sum;
+#pragma unroll
+      for (int i2 = 0; i2 < DT; ++i2) {
+        o[i2][2 * r] *= alpha;
+        o[i2][2 * r + 1] *= alpha;
+      }
+    }
+
+    // The S accumulators of the two n-tiles are exactly the A fragment of one k-step of P V.
+    const uint32_t pa[4] = {DType<T>::from_float2(sc[0][0], sc[0][1]), DType<T>::from_float2(sc[0][2], sc[0][3]),
+                            DType<T>::from_float2(sc[1][0], sc[1][1]), DType<T>::from_float2(sc[1][2], sc[1][3])};
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sV + swz<CH>((lane & 7) + ((lane >> 3) & 1) * 8, 2 * dp + (lane >> 4)));
+      mma16816<T>(o[2 * dp], pa, b[0], b[1]);
+      mma16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is out of its ring: the merge reuses that shared memory
+
+  // Stage each warp's rows (acc [warp][head][D], then max and sum [warp][head]) and merge the warps.
+  float* sm_acc = reinterpret_cast<float*>(ring_smem);
+  float* sm_m = sm_acc + kWarps * kMaxGroup * D;
+  float* sm_l = sm_m + kWarps * kMaxGroup;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int g = r0 + 8 * r;
+    const float l = warp_sum_xor(lrow[r], 1, 4);
+    if (g >= group) continue;
+    float* acc = sm_acc + (warp * kMaxGroup + g) * D + (lane % 4) * 2;
+#pragma unroll
+    for (int i = 0; i < DT; ++i) {
+      acc[i * 8] = o[i][2 * r];
+      acc[i * 8 + 1] = o[i][2 * r + 1];
+    }
+    if (lane % 4 == 0) {
+      sm_m[warp * kMaxGroup + g] = mrow[r];
+      sm_l[warp * kMaxGroup + g] = l;
     }
   }
   __syncthreads();
 
-  const int heads = min(group, GP);
-  for (int i = threadIdx.x; i < heads * D; i += kWarps * 32) {
+  for (int i = threadIdx.x; i < group * D; i += kWarps * 32) {
     const int g = i / D, d = i % D;
     float mmax = -CUDART_INF_F;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mmax = fmaxf(mmax, sm_m[w][g]);
-    float lsum = 0.f, o = 0.f;
+    for (int w = 0; w < kWarps; ++w) mmax = fmaxf(mmax, sm_m[w * kMaxGroup + g]);
+    float lsum = 0.f, o_d = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float f = exp2f(sm_m[w][g] - mmax);  // 0 for a warp that saw no chunk (m = -inf)
-      lsum += sm_l[w][g] * f;
-      o += sm_acc[w][g][d] * f;
+      const float f = exp2f(sm_m[w * kMaxGroup + g] - mmax);  // 0 for a warp that saw no chunk (m = -inf)
+      lsum += sm_l[w * kMaxGroup + g] * f;
+      o_d += sm_acc[(w * kMaxGroup + g) * D + d] * f;
     }
     const int h = kvh * group + g;
     if (psz == 0) {
       T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
-      op[d] = DType<T>::from_float(o / lsum);
+      op[d] = DType<T>::from_float(o_d / lsum);
     } else {
       const int64_t row = ((int64_t)s * a.num_q_heads + h) * gridDim.x + part;
-      ws_out[row * D + d] = o / lsum;
+      ws_out[row * D + d] = o_d / lsum;
       if (d == 0) {
         ws_max[row] = mmax;
         ws_sum[row] = lsum;
@@ -283,17 +303,19 @@ __global__ void __launch_bounds__(kReduceWarps * 32)
   for (int i = 0; i < DPL; ++i) op[i] = DType<T>::from_float(valid > 0 ? o[i] / lsum : 0.f);
 }
 
-template <typename T, int D, int BS, int GP>
+template <typename T, int D, int BS>
 cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
                          float* ws_max, float* ws_sum, cudaStream_t stream) {
+  static_assert(kWarps * (kMaxGroup * D + 2 * kMaxGroup) * 4 <= ring_bytes<D>(), "merge buffer must fit the ring");
+  if (a.num_q_heads / a.num_kv_heads > kMaxGroup) return cudaErrorInvalidValue;
   const dim3 grid(partition_size != 0 ? num_partitions : 1, a.num_kv_heads, a.num_seqs);
   constexpr int smem = ring_bytes<D>();
   // Above 48 KB of dynamic shared memory a kernel must opt in. Set on every launch, so that it holds on whichever
   // device is current; it is a function attribute, not a stream operation, so launches can still be captured.
-  const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS, GP>,
+  const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  paged_decode_kernel<T, D, BS, GP><<<grid, kWarps * 32, smem, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
+  paged_decode_kernel<T, D, BS><<<grid, kWarps * 32, smem, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
   if (partition_size != 0) {
     const dim3 reduce_grid((a.num_q_heads + kReduceWarps - 1) / kReduceWarps, a.num_seqs);
     decode_reduce_kernel<T, D><<<reduce_grid, kReduceWarps * 32, 0, stream>>>(a, partition_size, num_partitions,
@@ -302,25 +324,13 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
   return cudaGetLastError();
 }
 
-// Group sizes are rounded up to 1, 2, 4 or 8 (padding heads compute on zero q and are never stored).
-template <typename T, int D, int BS>
-cudaError_t dispatch_group(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
-                           cudaStream_t st) {
-  const int group = a.num_q_heads / a.num_kv_heads;
-  if (group == 1) return launch_typed<T, D, BS, 1>(a, ps, np, wo, wm, wsum, st);
-  if (group == 2) return launch_typed<T, D, BS, 2>(a, ps, np, wo, wm, wsum, st);
-  if (group <= 4) return launch_typed<T, D, BS, 4>(a, ps, np, wo, wm, wsum, st);
-  if (group <= 8) return launch_typed<T, D, BS, 8>(a, ps, np, wo, wm, wsum, st);
-  return cudaErrorInvalidValue;
-}
-
 template <typename T>
 cudaError_t dispatch_shape(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
                            cudaStream_t st) {
-  if (a.head_dim == 128 && a.block_size == 16) return dispatch_group<T, 128, 16>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 128 && a.block_size == 32) return dispatch_group<T, 128, 32>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 64 && a.block_size == 16) return dispatch_group<T, 64, 16>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 64 && a.block_size == 32) return dispatch_group<T, 64, 32>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 128 && a.block_size == 16) return launch_typed<T, 128, 16>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 128 && a.block_size == 32) return launch_typed<T, 128, 32>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 64 && a.block_size == 16) return launch_typed<T, 64, 16>(a, ps, np, wo, wm, wsum, st);
+  if (a.head_dim == 64 && a.block_size == 32) return launch_typed<T, 64, 32>(a, ps, np, wo, wm, wsum, st);
   return cudaErrorInvalidValue;
 }
 

@@ -8,7 +8,7 @@
 // fp32 (exp2, scale folded in). Query i of a sequence sits at position seq_len - query_len + i, so prefix-cache
 // hits and later chunks of a chunked prefill attend to the cached keys before them with no special case.
 // Keys past what a tile can see are zero-filled, never read: unowned cache slots may hold NaN.
-// Variants: head dim 64 and 128, bf16 and fp16; any block size (runtime), GQA by kv head = q head / group.
+// Variants: head dim 64 and 128, bf16 and fp16; any power-of-two block size (runtime), GQA by kv head = q head / group.
 #include <math_constants.h>
 
 #include "attention.h"
@@ -24,19 +24,36 @@ constexpr int kThreads = 128;
 template <int D>
 constexpr int smem_bytes() { return (kBM + 4 * kBN) * D * 2; }  // Q + 2 stages of K and V, 2-byte elements
 
-// Copy a kBN x D tile of the paged cache (keys n0 .. n0+kBN) into swizzled shared memory.
-template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int* bt, int block_size,
-                                             int64_t tok_stride, int n0, int n_end) {
-  constexpr int CH = D / 8, ROWS_PER_PASS = kThreads / CH;
-  const int c = threadIdx.x % CH, r0 = threadIdx.x / CH;
+// Each thread copies one 16-byte piece (column c) of every (kThreads / CH)-th row of a tile, from row r0 on.
+template <int D>
+struct TileCopy {
+  static constexpr int CH = D / 8, PASS = kThreads / CH, ROWS = kBN / PASS;
+};
+
+// Cache slots of the kBN-key tile starting at n0 for the rows this thread copies; -1 past n_end. Read one tile
+// ahead, so the block-table loads' latency hides behind a tile of math, and shared by the tile's K and V copies.
+// Block sizes are powers of two (the launcher checks): shifts and masks, not the ~30-instruction integer division
+// a runtime divisor costs, which made up a fifth of the main loop.
+template <int D>
+__device__ __forceinline__ void tile_slots(int (&slot)[TileCopy<D>::ROWS], const int* bt, int bs_log2, int n0,
+                                           int n_end, int r0) {
 #pragma unroll
-  for (int r = r0; r < kBN; r += ROWS_PER_PASS) {
-    const int pos = n0 + r;
-    const bool valid = pos < n_end;
-    const T* src = cache;
-    if (valid) src = cache + ((int64_t)bt[pos / block_size] * block_size + pos % block_size) * tok_stride + c * 8;
-    cp_async16(dst + swz<CH>(r, c), src, valid ? 16 : 0);
+  for (int i = 0; i < TileCopy<D>::ROWS; ++i) {
+    const int pos = n0 + r0 + i * TileCopy<D>::PASS;
+    slot[i] = pos < n_end ? (bt[pos >> bs_log2] << bs_log2) | (pos & ((1 << bs_log2) - 1)) : -1;
+  }
+}
+
+// Copy those rows of K or V into swizzled shared memory; rows with slot -1 are zero-filled without reading
+// global memory (unowned cache slots may hold NaN).
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int (&slot)[TileCopy<D>::ROWS],
+                                             int64_t tok_stride, int r0, int c) {
+#pragma unroll
+  for (int i = 0; i < TileCopy<D>::ROWS; ++i) {
+    const bool valid = slot[i] >= 0;
+    const T* src = valid ? cache + (int64_t)slot[i] * tok_stride + c * 8 : cache;
+    cp_async16(dst + swz<D / 8>(r0 + i * TileCopy<D>::PASS, c), src, valid ? 16 : 0);
   }
 }
 
@@ -72,10 +89,15 @@ __global__ void __launch_bounds__(kThreads)
       cp_async16(sQ + swz<CH>(r, c), src, valid ? 16 : 0);
     }
   }
-  load_kv_tile<T, D>(sK, kc, bt, a.block_size, tok_stride, 0, n_end);
+  const int cr0 = threadIdx.x / CH, cc = threadIdx.x % CH;  // this thread's rows and column in tile copies
+  const int bs_log2 = __ffs(a.block_size) - 1;
+  int slot[TileCopy<D>::ROWS];
+  tile_slots<D>(slot, bt, bs_log2, 0, n_end, cr0);
+  load_kv_tile<T, D>(sK, kc, slot, tok_stride, cr0, cc);
   cp_async_commit();
-  load_kv_tile<T, D>(sV, vc, bt, a.block_size, tok_stride, 0, n_end);
+  load_kv_tile<T, D>(sV, vc, slot, tok_stride, cr0, cc);
   cp_async_commit();
+  if (n_tiles > 1) tile_slots<D>(slot, bt, bs_log2, kBN, n_end, cr0);
   cp_async_wait<1>();
   __syncthreads();
 
@@ -98,8 +120,7 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
     }
     // Every warp finished tile j-1 before the barrier above, so the other K stage is free to refill.
-    if (j + 1 < n_tiles)
-      load_kv_tile<T, D>(sK + ((j + 1) & 1) * kBN * D, kc, bt, a.block_size, tok_stride, (j + 1) * kBN, n_end);
+    if (j + 1 < n_tiles) load_kv_tile<T, D>(sK + ((j + 1) & 1) * kBN * D, kc, slot, tok_stride, cr0, cc);
     cp_async_commit();  // an empty group at the end keeps the wait counts uniform
 
     float sc[NT][4];
@@ -157,9 +178,9 @@ __global__ void __launch_bounds__(kThreads)
 
     cp_async_wait<1>();  // V_j landed (K_{j+1} may still be in flight)
     __syncthreads();
-    if (j + 1 < n_tiles)
-      load_kv_tile<T, D>(sV + ((j + 1) & 1) * kBN * D, vc, bt, a.block_size, tok_stride, (j + 1) * kBN, n_end);
+    if (j + 1 < n_tiles) load_kv_tile<T, D>(sV + ((j + 1) & 1) * kBN * D, vc, slot, tok_stride, cr0, cc);
     cp_async_commit();
+    if (j + 2 < n_tiles) tile_slots<D>(slot, bt, bs_log2, (j + 2) * kBN, n_end, cr0);  // lands during P*V
 
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) {
@@ -208,7 +229,8 @@ cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, 
 
 cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
                                  int max_query_len, cudaStream_t stream) {
-  if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.block_size <= 0 || max_query_len < 0)
+  const bool pow2_block = a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0;
+  if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !pow2_block || max_query_len < 0)
     return cudaErrorInvalidValue;
   if (a.num_seqs == 0 || max_query_len == 0) return cudaSuccess;
   const bool bf16 = a.dtype == kBF16;

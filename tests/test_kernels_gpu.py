@@ -49,7 +49,7 @@ def test_prefill_ragged_prefix_and_chunks(ops, d, hq, hkv, bs, dtype):
 
 
 @pytest.mark.parametrize("part", [None, 0, 256, 512, -1, -2, -3, -7, -32])   # -P: P equal partitions per sequence
-@pytest.mark.parametrize("d,hq,hkv,bs", [(128, 16, 8, 16), (64, 24, 4, 32), (128, 32, 4, 32)])
+@pytest.mark.parametrize("d,hq,hkv,bs", [(128, 16, 8, 16), (64, 24, 4, 32), (128, 32, 4, 32), (128, 32, 2, 16)])
 def test_decode_v1_and_split_k(ops, part, d, hq, hkv, bs):
     ctx = [1, 15, 16, 257, 1500, 2049]
     b, _, ref = _batch(ctx, [1] * len(ctx), d, hq, hkv, bs)

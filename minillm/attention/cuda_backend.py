@@ -27,7 +27,7 @@ MODES = ("split", "unified")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (16, 32)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-MAX_GQA_GROUP = 8
+MAX_GQA_GROUP = 16   # the decode kernel puts a group's query heads in the 16 rows of an mma tile
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:

@@ -21,7 +21,7 @@ KINDS = ("kv_write", "prefill", "decode", "backend")
 
 def _shapes(quick: bool):
     """(head_dim, num_q_heads, num_kv_heads, block_size, dtype name) combinations to check."""
-    groups = [(16, 8), (8, 8), (16, 2)] if quick else [(16, 8), (8, 8), (12, 4), (16, 4), (16, 2), (6, 1)]
+    groups = [(16, 8), (8, 8), (16, 2)] if quick else [(16, 8), (8, 8), (12, 4), (16, 4), (16, 2), (6, 1), (32, 2)]
     for d in (64, 128):
         for hq, hkv in groups:
             for bs in (16, 32):
