@@ -1,4 +1,5 @@
-// Torch bindings of the fused elementwise kernels and the one-pass sampler (launchers in fused.h).
+// Torch bindings of the fused elementwise kernels, the one-pass sampler (launchers in fused.h) and the skinny
+// GEMM (gemm.h).
 //
 // Each op checks its tensors (bad input raises ValueError naming the argument), allocates fresh outputs,
 // and launches on the current stream. Only qk_norm_rope_cache writes into inputs (the KV caches), which its
@@ -13,6 +14,7 @@
 #include <tuple>
 
 #include "fused.h"
+#include "gemm.h"
 
 namespace {
 
@@ -286,6 +288,34 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
   return out;
 }
 
+// x [M, K] times w [N, K]^T -> [M, N] (a decode-sized linear layer, no bias); launcher in gemm.h.
+Tensor skinny_gemm(const Tensor& x_in, const Tensor& w, int64_t splits) {
+  FUSED_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [M, K], got ", x_in.sizes(), " on ",
+              x_in.device());
+  check_like(w, x_in, "w", "x");
+  const ActDType dtype = act_dtype(x_in, "x");
+  FUSED_CHECK(dtype != ActDType::kFloat32, "x: dtype must be float16 or bfloat16, got ", x_in.scalar_type());
+  // 16-byte copies: rows must start 16-byte aligned, else a contiguous copy is made.
+  const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 && x_in.stride(0) % 8 == 0;
+  const Tensor x = x_in.stride(1) == 1 && aligned ? x_in : x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  FUSED_CHECK(w.dim() == 2 && w.size(1) == k && w.is_contiguous(), "w must be contiguous [N, ", k, "], got ",
+              w.sizes());
+  FUSED_CHECK(splits == 1 || splits == 2 || splits == 4 || splits == 8, "splits must be 1, 2, 4 or 8, got ",
+              splits);
+  FUSED_CHECK(n % minillm::kGemmTileN == 0, "w: N must be a multiple of ", int64_t(minillm::kGemmTileN), ", got ",
+              n);
+  FUSED_CHECK(k % (splits * minillm::kGemmTileK) == 0, "K must be a multiple of splits * ",
+              int64_t(minillm::kGemmTileK), ", got K=", k, ", splits=", splits);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor y = at::empty({m, n}, x.options());
+  check_launch(minillm::launch_skinny_gemm(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(),
+                                           y.stride(0), int(m), int(n), int(k), int(splits), dtype,
+                                           at::cuda::getCurrentCUDAStream()),
+               "skinny_gemm");
+  return y;
+}
+
 // Shape-only twins for torch.compile's fake tensors.
 Tensor rms_norm_meta(const Tensor& x, const Tensor&, double) { return at::empty(x.sizes(), x.options()); }
 
@@ -318,6 +348,10 @@ Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
 
+Tensor skinny_gemm_meta(const Tensor& x, const Tensor& w, int64_t) {
+  return at::empty({x.size(0), w.size(0)}, x.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minillm, m) {
@@ -330,6 +364,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset) -> Tensor");
+  m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
@@ -339,6 +374,7 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("qk_norm_rope", &qk_norm_rope);
   m.impl("qk_norm_rope_cache", &qk_norm_rope_cache);
   m.impl("sample_exponential_race", &sample_exponential_race);
+  m.impl("skinny_gemm", &skinny_gemm);
 }
 
 TORCH_LIBRARY_IMPL(minillm, Meta, m) {
@@ -348,4 +384,5 @@ TORCH_LIBRARY_IMPL(minillm, Meta, m) {
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("qk_norm_rope_cache", &qk_norm_rope_cache_meta);
   m.impl("sample_exponential_race", &sample_exponential_race_meta);
+  m.impl("skinny_gemm", &skinny_gemm_meta);
 }

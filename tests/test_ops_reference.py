@@ -67,13 +67,15 @@ def test_decode_reference_equals_last_prefill_row():
 
 def test_dispatcher_equal_split_k_policy():
     assert decode_partition_size(8, 8, 200, num_sms=132) == 0         # too short to split
-    # large batches: the minimum number of partitions (the kernel keeps each >= 256 tokens)
-    assert decode_partition_size(512, 8, 1024, num_sms=132) == -MIN_PARTITIONS
-    assert decode_partition_size(256, 8, 2048, num_sms=132) == -MIN_PARTITIONS
+    # large batches fill the GPU unsplit (v1); smaller ones get just enough partitions for the CTA target
+    assert decode_partition_size(512, 8, 1024, num_sms=132) == (0 if MIN_PARTITIONS <= 1 else -MIN_PARTITIONS)
+    for batch in (128, 64, 32):
+        fill = math.ceil(CTAS_PER_SM_TARGET * 132 / (batch * 8))
+        assert decode_partition_size(batch, 8, 2048, num_sms=132) == -max(MIN_PARTITIONS, fill)
     # tiny batches: enough partitions to give every SM its CTAs, up to the cap
     assert decode_partition_size(1, 8, 8192, num_sms=132) == -MAX_EQUAL_PARTITIONS
     parts = -decode_partition_size(4, 8, 4096, num_sms=132)
-    assert parts == max(MIN_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / (4 * 8))) > MIN_PARTITIONS
+    assert parts == min(MAX_EQUAL_PARTITIONS, max(MIN_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / 32))) > 2
     # the grid depends on the batch size only, never on the context bound (CUDA graphs capture it)
     assert decode_partition_size(4, 8, 4096, num_sms=132) == decode_partition_size(4, 8, 8192, num_sms=132)
     assert -decode_partition_size(64, 8, 2048, num_sms=132) <= parts   # bigger batches never split more

@@ -98,7 +98,7 @@ def _device(cfg: EngineConfig) -> str:
 
 
 # Environment switches of the kernels (each defaults to on / its tuned value); a results line names those set.
-KERNEL_SWITCHES = ("MINILLM_DECODE_CTAS_PER_SM", "MINILLM_DECODE_MIN_PARTITIONS")
+KERNEL_SWITCHES = ("MINILLM_DECODE_CTAS_PER_SM", "MINILLM_DECODE_MIN_PARTITIONS", "MINILLM_SKINNY_GEMM")
 
 
 def _prepare_device(device: str) -> dict:

@@ -7,12 +7,12 @@ goes through minillm.ops.fused_ops, where the CUDA kernels plug in.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.model.arch import ModelArchConfig
 from minillm.ops.fused_ops import qk_norm_rope, silu_and_mul
+from minillm.ops.gemm_ops import linear
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -31,7 +31,7 @@ class Linear(nn.Module):
         self.shards = shards or {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class VocabMatrix(nn.Module):

@@ -16,15 +16,15 @@ import torch
 from minillm.ops.build import load_extension
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
-# Equal split-K policy: every sequence is cut into at least MIN_PARTITIONS partitions (the kernel keeps each one
-# >= 256 tokens, so a short context uses fewer), and into more when the batch is too small to give every SM
-# CTAS_PER_SM_TARGET CTAs. Five partitions were the best fixed choice on ragged batches of 16-256 sequences of 100-2048
-# tokens (results/decode_sweep.jsonl); five at every batch size took the offline bench from 23,624 to 24,181
-# tok/s (eba2a64, H200; this policy is the same from 7 sequences up). Tiny batches of long contexts want many
-# more (B=1, 8k tokens: 32 partitions 1.69 TB/s, 8 only 1.24; results/kernels.jsonl). Both numbers can be
-# overridden from the environment for A/B timings without a rebuild.
-MIN_PARTITIONS = int(os.environ.get("MINILLM_DECODE_MIN_PARTITIONS", "5"))
-CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "2"))
+# Equal split-K policy: cut every sequence into just enough partitions (each >= 256 tokens, the kernel's rule, so a
+# short context uses fewer) for the grid to give every SM CTAS_PER_SM_TARGET CTAs, and at least MIN_PARTITIONS.
+# The tensor-core kernel fits two CTAs per SM, so 8 is about four waves, which the ragged sweep of 317eff9 favours:
+# 256 sequences of 100-2048 tokens run best unsplit (4.16 TB/s, five partitions 3.98), 128 with two (3.95 vs
+# 3.88), 64 with three (3.54) and 32 with five (3.12; results/decode_sweep.jsonl). Tiny batches of long contexts
+# want many more (B=1, 8k tokens: 32 partitions). Both numbers can be overridden from the environment for A/B
+# timings without a rebuild.
+MIN_PARTITIONS = int(os.environ.get("MINILLM_DECODE_MIN_PARTITIONS", "1"))
+CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "8"))
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
