@@ -49,11 +49,12 @@ def test_every_split_and_strided_rows(ops, splits, m):
 
 
 def test_linear_dispatch(ops):
-    x = torch.randn(40, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.05
     assert gemm_ops.skinny_gemm_applies(x, w, None)
-    assert not gemm_ops.skinny_gemm_applies(x, w, torch.zeros(4096, device="cuda", dtype=torch.bfloat16))
-    assert not gemm_ops.skinny_gemm_applies(torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16), w, None)
+    assert not gemm_ops.skinny_gemm_applies(x, w, torch.zeros(1024, device="cuda", dtype=torch.bfloat16))
+    assert not gemm_ops.skinny_gemm_applies(torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16), w, None)
+    assert not gemm_ops.skinny_gemm_applies(x, torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16), None)
     _check(gemm_ops.linear(x, w), x, w)
 
 

@@ -1,9 +1,13 @@
 """Linear layers: the skinny GEMM kernel (cuda/skinny_gemm.cu) for decode-sized batches, cuBLAS otherwise.
 
 At decode batch sizes a [M, K] x [K, N] product has few output tiles, and cuBLAS spends 5.5-8 us on weights that
-HBM delivers in 1-3 us (docs/perf-log.md); the kernel splits K over a thread-block cluster instead. It needs
-clusters (sm_90), no bias, N a multiple of 128 and K a multiple of 64 x splits; anything else, and every CPU
-tensor, goes to F.linear, which is also the reference the kernel is tested against.
+HBM delivers in 1-3 us; the kernel splits K over a thread-block cluster instead. Measured on the H200 (9085e19,
+results/gemm_sweep.jsonl) it only wins for a handful of rows on narrow outputs: o_proj of Qwen3-0.6B at M=1
+5.1 us vs cuBLAS's 12.6, at M=8-16 ~0.5 us less on o_proj and down_proj; from 32 rows on, and on the wide qkv
+and gate_up outputs, it is slower (M=128 qkv: 18 vs 5.6 us). So it runs only there (MAX_ROWS, MAX_N): single-
+stream and small-batch decode. It needs clusters (sm_90), no bias, N a multiple of 128 and K a multiple of 64 x
+splits; anything else, and every CPU tensor, goes to F.linear, which is also the reference the kernel is tested
+against.
 
 MINILLM_SKINNY_GEMM=0 turns the kernel off (A/B timings).
 """
@@ -17,7 +21,8 @@ import torch.nn.functional as F
 
 from minillm.ops.build import CudaOpSwitch
 
-MAX_ROWS = 256           # above this, a prefill-sized GEMM has tiles enough for cuBLAS
+MAX_ROWS = 16            # measured faster than cuBLAS up to here (see above)
+MAX_N = 2048             # ... and on outputs this narrow (16 tiles); wider ones have tiles enough for cuBLAS
 TILE_N, TILE_K = 128, 64  # the kernel's output-column tile and K stage (cuda/gemm.h)
 SPLITS = (8, 4, 2, 1)    # K splits = CTAs of one cluster (8 is the portable cluster size)
 
@@ -49,6 +54,8 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if not ENABLED or bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not _cuda_ok(x):
         return False
     n, k = weight.shape
+    if n > MAX_N:
+        return False
     sm90, _ = _device_info(x.device.index or 0)
     return (sm90 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and n % TILE_N == 0 and k % TILE_K == 0 and x.shape[1] == k)

@@ -1,0 +1,79 @@
+"""Decode-shape GEMMs of Qwen3-0.6B: cuBLAS (F.linear) vs the skinny GEMM kernel, per call inside CUDA graphs.
+
+    python scripts/gemm_sweep.py [--output results/gemm_sweep.jsonl]
+
+Each shape gets 28 distinct weights (one per layer, 8-12 MB each, so the set is several times the L2) and a graph
+that runs the 28 products back to back, as a decode step does. One line per batch size M: microseconds per call
+of each implementation, the kernel at its automatic K split and at its best split, and its max abs difference
+from cuBLAS. GPU (sm_90) only; this is what set gemm_ops.MAX_ROWS and MAX_N.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from minillm.fingerprint import stamp
+from minillm.ops import gemm_ops
+from minillm.ops.build import load_extension
+
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}   # (N, K)
+LAYERS = 28
+
+
+def us_per_call(fn, calls: int, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps / calls
+
+
+def sweep_row(m: int, weights: dict, sms: int) -> dict:
+    row = {"m": m}
+    for name, (n, k) in SHAPES.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ws = weights[name]
+
+        def skinny(splits):
+            return lambda: [torch.ops.minillm.skinny_gemm(x, w, splits) for w in ws]
+        auto = gemm_ops.gemm_splits(m, n, k, sms)
+        row[f"{name}_cublas_us"] = round(us_per_call(lambda: [F.linear(x, w) for w in ws], len(ws)), 2)
+        row[f"{name}_skinny_us"] = round(us_per_call(skinny(auto), len(ws)), 2)
+        row[f"{name}_splits"] = auto
+        best = min((us_per_call(skinny(s), len(ws)), s) for s in (1, 2, 4, 8) if k % (s * gemm_ops.TILE_K) == 0)
+        row[f"{name}_best_us"], row[f"{name}_best_splits"] = round(best[0], 2), best[1]
+        diff = torch.ops.minillm.skinny_gemm(x, ws[0], auto).float() - F.linear(x, ws[0]).float()
+        row[f"{name}_max_abs_diff"] = diff.abs().max().item()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    load_extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+               for name, (n, k) in SHAPES.items()}
+    for m in (1, 8, 16, 32, 64, 128, 192, 256):
+        row = {"bench": "decode gemm, 28 weights per shape", **sweep_row(m, weights, sms)}
+        print(json.dumps(row), flush=True)
+        if args.output:
+            with open(args.output, "a") as f:
+                f.write(json.dumps({**row, **stamp()}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
