@@ -134,20 +134,26 @@ __global__ void __launch_bounds__(kThreads)
       }
   cluster.sync();  // every rank's partial tile is complete and visible to the cluster
 
-  // Rank r sums rows [r * MT / splits, (r + 1) * MT / splits) over all ranks, 4 columns per thread and step.
+  // Rank r sums rows [r * MT / splits, (r + 1) * MT / splits) over all ranks, 4 columns per thread and step. The
+  // remote loads of all ranks are issued before any is summed: each is a round trip to another SM.
   const int per = MT / splits, r_begin = rank * per;
   constexpr int C4 = kGemmTileN / 4;
   for (int i = threadIdx.x; i < per * C4; i += kThreads) {
     const int r = r_begin + i / C4, c = (i % C4) * 4;
     if (r >= rows) continue;
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q = 0; q < splits; ++q) {
-      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + r * kRedStride + c);
-      sum.x += v.x;
-      sum.y += v.y;
-      sum.z += v.z;
-      sum.w += v.w;
-    }
+    float4 part[kGemmMaxSplits];
+#pragma unroll
+    for (int q = 0; q < kGemmMaxSplits; ++q)
+      if (q < splits) part[q] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + r * kRedStride + c);
+    float4 sum = part[0];
+#pragma unroll
+    for (int q = 1; q < kGemmMaxSplits; ++q)
+      if (q < splits) {
+        sum.x += part[q].x;
+        sum.y += part[q].y;
+        sum.z += part[q].z;
+        sum.w += part[q].w;
+      }
     uint2 out;
     out.x = DType<T>::from_float2(sum.x, sum.y);
     out.y = DType<T>::from_float2(sum.z, sum.w);
