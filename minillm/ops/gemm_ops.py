@@ -1,10 +1,10 @@
 """Linear layers: the skinny GEMM kernel (cuda/skinny_gemm.cu) for decode-sized batches, cuBLAS otherwise.
 
 At decode batch sizes a [M, K] x [K, N] product has few output tiles, and cuBLAS spends 5.5-8 us on weights that
-HBM delivers in 1-3 us; the kernel splits K over a thread-block cluster instead. Measured on the H200 (9085e19,
+HBM delivers in 1-3 us; the kernel splits K over a thread-block cluster instead. Measured on the H200 (b80198d,
 results/gemm_sweep.jsonl) it only wins for a handful of rows on narrow outputs: o_proj of Qwen3-0.6B at M=1
-5.1 us vs cuBLAS's 12.6, at M=8-16 ~0.5 us less on o_proj and down_proj; from 32 rows on, and on the wide qkv
-and gate_up outputs, it is slower (M=128 qkv: 18 vs 5.6 us). So it runs only there (MAX_ROWS, MAX_N): single-
+4.9 us vs cuBLAS's 12.6, at M=8-16 ~0.6 us less on o_proj and down_proj; from 32 rows on, and on the wide qkv
+and gate_up outputs, it is slower (M=128 qkv: 17.5 vs 5.5 us; docs/fused-kernels.md says why). So it runs only there (MAX_ROWS, MAX_N): single-
 stream and small-batch decode. It needs clusters (sm_90), no bias, N a multiple of 128 and K a multiple of 64 x
 splits; anything else, and every CPU tensor, goes to F.linear, which is also the reference the kernel is tested
 against.
