@@ -2,8 +2,8 @@
 
 By default it times schedule() + update() (scheduler bookkeeping). With --with-inputs it also times the runner's
 host work for the same step: InputBuilder.build (token ids, positions, slot mapping, block tables, metadata) and
-SamplingBatch.build, i.e. everything the CPU does per step except launching GPU work. That sum is what the
-<= 250 us per-step budget of DESIGN section 7 is about.
+the sampling batch (SamplingBatchCache.get), i.e. everything the CPU does per step except launching GPU work.
+That sum is what the <= 250 us per-step budget of DESIGN section 7 is about.
 
     python scripts/bench_scheduler_cpu.py [--requests 256] [--context 1000] [--steps 3000] [--prefix-caching]
                                           [--with-inputs]
@@ -41,7 +41,7 @@ def build(num_requests: int, context: int, steps: int, caching: bool, block_size
 
 def step(sched: Scheduler, rng: random.Random) -> None:
     out = sched.schedule()
-    ids = [s.request.request_id for s in out.scheduled if s.sample]
+    ids = [r.request_id for r in out.sampled_requests()]
     sched.update(out, ModelRunnerOutput(ids, [rng.randrange(100_000) for _ in ids]))
 
 
@@ -50,13 +50,14 @@ def runner_host_work(max_num_seqs: int, max_model_len: int, block_size: int):
     import torch
 
     from minillm.runner.input_batch import InputBuilder
-    from minillm.sampling.batch import SamplingBatch
+    from minillm.sampling.batch import SamplingBatchCache
 
     inputs = InputBuilder(max_num_seqs, 16384, max_model_len, block_size, torch.device("cpu"))
+    sampling = SamplingBatchCache("cpu", 151936)
 
     def run(out) -> None:
         inputs.build(out)
-        SamplingBatch.build([s.request for s in out.scheduled if s.sample], "cpu", 151936)
+        sampling.get(out.sampled_requests())
     return run
 
 
@@ -88,12 +89,12 @@ def main() -> None:
         if host_inputs is not None:
             host_inputs(out)
         t1 = time.perf_counter()
-        ids = [s.request.request_id for s in out.scheduled]
+        ids = [r.request_id for r in out.requests]
         runner_out = ModelRunnerOutput(ids, [rng.randrange(100_000) for _ in ids])
         t2 = time.perf_counter()
         sched.update(out, runner_out)
         t3 = time.perf_counter()
-        assert len(out.scheduled) == args.requests and out.num_decodes == args.requests
+        assert len(out.requests) == args.requests and out.num_decodes == args.requests
         times.append((t1 - t0) + (t3 - t2))
     med = statistics.median(times) * 1e6
     p90 = statistics.quantiles(times, n=10)[-1] * 1e6

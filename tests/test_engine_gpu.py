@@ -64,7 +64,7 @@ def test_unified_mode_matches_split(tiny):
 
 def test_logits_agree_on_qwen3_0_6b_shape():
     """Qwen3-0.6B shape, dummy weights: one prefill + one decode step, CUDA kernels vs torch attention."""
-    from minillm.engine.outputs import ScheduledSeq, SchedulerOutput
+    from minillm.engine.outputs import SchedulerOutput
     from minillm.request import Request
 
     logits = {}
@@ -75,7 +75,7 @@ def test_logits_agree_on_qwen3_0_6b_shape():
         reqs = [Request(f"r{i}", list(range(100 + 37 * i, 100 + 37 * i + 300 + 50 * i)), GREEDY) for i in range(4)]
         for i, r in enumerate(reqs):
             r.block_ids = list(range(1 + 30 * i, 1 + 30 * i + 29))
-        so = SchedulerOutput([ScheduledSeq(r, 0, r.num_tokens, True) for r in reqs])
+        so = SchedulerOutput(reqs, [0] * len(reqs), [r.num_tokens for r in reqs], [True] * len(reqs))
         step = runner.inputs.build(so)
         with torch.inference_mode():
             hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta)

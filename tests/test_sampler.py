@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minillm.request import Request
-from minillm.sampling.batch import SamplingBatch, seed_for_token
+from minillm.sampling.batch import SamplingBatch, SamplingBatchCache, seed_for_token
 from minillm.sampling.penalties import apply_penalties
 from minillm.sampling.sampler import Sampler, truncate_logits
 from minillm.sampling_params import SamplingParams
@@ -184,6 +184,36 @@ def test_penalty_token_history_follows_appended_tokens():
 def test_no_penalty_tensors_without_penalties():
     batch = SamplingBatch.build([req(temperature=0.5, top_p=0.9)], "cpu", V)
     assert batch.penalties is None and batch.top_k is None and batch.top_p is not None
+
+
+def batch_fields(batch: SamplingBatch) -> dict:
+    def plain(x):
+        if isinstance(x, torch.Tensor):
+            return (x.dtype, x.tolist())
+        return {k: plain(v) for k, v in vars(x).items()} if hasattr(x, "__dataclass_fields__") else x
+    return {k: plain(v) for k, v in vars(batch).items()}
+
+
+def test_sampling_batch_cache_reuses_a_batch_only_while_a_fresh_build_would_equal_it():
+    cache = SamplingBatchCache("cpu", V)
+    static = [req(temperature=0.7, top_k=5), req(temperature=0.0), req(top_p=0.9, min_p=0.1, logprobs=2),
+              req(min_tokens=1, output=[4])]           # a lifted min_tokens ban never comes back
+    first = cache.get(static)
+    for t in (4, 5):
+        for r in static:
+            r.append_output_token(t)
+        assert cache.get(list(static)) is first       # the same requests: the very batch
+        assert batch_fields(first) == batch_fields(SamplingBatch.build(static, "cpu", V))
+    for other in (static[1:], [req(temperature=0.0)] + static[1:], static[::-1]):
+        assert batch_fields(cache.get(other)) == batch_fields(SamplingBatch.build(other, "cpu", V))
+    # A row that reads its own history or output count changes the batch every step: rebuilt each time.
+    for kw in (dict(seed=3, temperature=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=1.2),
+               dict(min_tokens=3)):
+        reqs = [req(**kw), req()]
+        before = cache.get(reqs)
+        reqs[0].append_output_token(5)
+        after = cache.get(reqs)
+        assert after is not before and batch_fields(after) == batch_fields(SamplingBatch.build(reqs, "cpu", V))
 
 
 def test_min_tokens_masks_eos_and_stop_token_ids():

@@ -31,19 +31,20 @@ def make_req(rid, prompt, max_tokens=4, priority=0, eos=(), **sp) -> Request:
 
 
 def rows(out: SchedulerOutput):
-    return [(s.request.request_id, s.start, s.num_tokens, s.sample) for s in out.scheduled]
+    return list(zip([r.request_id for r in out.requests], out.starts, out.num_tokens, out.sample))
 
 
 def step(s: Scheduler, token=1):
     """One engine step with a fake runner; checks the output contract and the invariants."""
     out = s.schedule()
-    assert out.num_batched_tokens == sum(q.num_tokens for q in out.scheduled) <= s.config.max_num_batched_tokens
-    lens = [q.num_tokens for q in out.scheduled]
+    assert out.num_batched_tokens == sum(out.num_tokens) <= s.config.max_num_batched_tokens
+    lens = out.num_tokens
     assert lens == sorted(lens, key=lambda n: n != 1), "single-token rows must come first"
-    for q in out.scheduled:
-        assert q.start == q.request.num_computed_tokens and q.num_tokens >= 1
-        assert q.sample == (q.start + q.num_tokens == q.request.num_tokens)
-    ids = [q.request.request_id for q in out.scheduled if q.sample]
+    assert len(out.requests) == len(out.starts) == len(lens) == len(out.sample)
+    for r, start, n, sample in zip(out.requests, out.starts, lens, out.sample):
+        assert start == r.num_computed_tokens and n >= 1
+        assert sample == (start + n == r.num_tokens)
+    ids = [r.request_id for r in out.sampled_requests()]
     toks = [token(rid) if callable(token) else token for rid in ids]
     advanced = s.update(out, ModelRunnerOutput(ids, toks))
     s.check_integrity()
@@ -214,6 +215,66 @@ def test_preempting_a_request_already_scheduled_this_step_unschedules_it():
     out = step(s)[0]
     assert out.preempted_ids == ["un-b"] and rows(out) == [("un-a", 8, 8, False)]
     assert out.num_batched_tokens == 8                # the decode's token was refunded
+    drain(s)
+    assert_empty(s)
+
+
+def test_decodes_short_of_blocks_preempt_one_at_a_time():
+    # A step of plain decodes where both need a block and none is free: dry-a preempts dry-b, which then gets
+    # neither a block nor a row.
+    s = make_sched(num_blocks=2, max_num_batched_tokens=64)
+    a, b = make_req("dry-a", 7, max_tokens=4), make_req("dry-b", 7, max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)                                          # both prefilled: one block each, pool empty
+    assert rows(step(s)[0]) == [("dry-a", 7, 1, True), ("dry-b", 7, 1, True)]   # fills both blocks
+    out = step(s)[0]
+    assert out.preempted_ids == ["dry-b"] and rows(out) == [("dry-a", 8, 1, True)]
+    assert b.status is RequestStatus.WAITING and b.block_ids == [] and len(a.block_ids) == 2
+    drain(s)
+    assert_empty(s)
+
+
+def test_plain_decode_steps_stop_any_row_on_its_own_stop_id():
+    s = make_sched()
+    a, b = make_req("sid-a", 4, max_tokens=10), make_req("sid-b", 4, max_tokens=10, stop_token_ids=[7])
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(4):
+        step(s)
+    step(s, token=7)                                 # both sample 7: only sid-b stops on it
+    assert b.status is RequestStatus.FINISHED_STOPPED and b.stop_reason == 7 and b.num_output_tokens == 5
+    assert a.status is RequestStatus.RUNNING
+    drain(s)
+    assert a.num_output_tokens == 10
+    assert_empty(s)
+
+
+def test_length_stop_right_after_a_mixed_step():
+    # Plain decode steps, one mixed step (a one-token request comes and goes), then len-a's last token.
+    s = make_sched()
+    a = make_req("len-a", 4, max_tokens=8)
+    s.add_request(a)
+    for _ in range(6):
+        step(s)                                      # the prefill and 5 decodes
+    s.add_request(make_req("len-c", 4, max_tokens=1))
+    assert rows(step(s)[0]) == [("len-a", 9, 1, True), ("len-c", 0, 4, True)]
+    step(s)
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 8
+    assert_empty(s)
+
+
+def test_an_idle_schedule_drops_what_the_last_update_left():
+    # Regression: an update() of plain decodes leaves its batch (and which of it needs a block) for the next
+    # schedule(). If that batch is gone by then and the schedule is empty, the engine runs no update; nothing of
+    # the old batch may reach the schedule after.
+    s = make_sched()
+    s.add_request(make_req("idle-a", 7, max_tokens=8))
+    step(s)
+    step(s)                                          # fills idle-a's block: its next decode needs a new one
+    s.abort("idle-a")
+    assert s.schedule().is_empty
+    s.add_request(make_req("idle-b", 4))
     drain(s)
     assert_empty(s)
 

@@ -42,18 +42,22 @@ ops = st.lists(st.one_of(
 ), max_size=60)
 
 
+def row_tuples(out):
+    return list(zip(out.requests, out.starts, out.num_tokens, out.sample))
+
+
 def check_step_output(sched: Scheduler, out) -> None:
-    assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled) <= sched.config.max_num_batched_tokens
-    lens = [s.num_tokens for s in out.scheduled]
+    assert out.num_batched_tokens == sum(out.num_tokens) <= sched.config.max_num_batched_tokens
+    lens = out.num_tokens
     assert lens == sorted(lens, key=lambda n: n != 1)
+    assert len(out.requests) == len(out.starts) == len(lens) == len(out.sample)
     seen = set()
-    for s in out.scheduled:
-        r = s.request
+    for r, start, n, sample in row_tuples(out):
         assert r.request_id not in seen and r.request_id not in out.preempted_ids
         seen.add(r.request_id)
-        assert s.start == r.num_computed_tokens and 1 <= s.num_tokens <= r.num_tokens - s.start
-        assert len(r.block_ids) * BS >= s.start + s.num_tokens          # KV slots exist for every row
-        assert s.sample == (s.start + s.num_tokens == r.num_tokens)
+        assert start == r.num_computed_tokens and 1 <= n <= r.num_tokens - start
+        assert len(r.block_ids) * BS >= start + n          # KV slots exist for every row
+        assert sample == (start + n == r.num_tokens)
 
 
 def check_kv_reads(out, kv_store: dict[int, tuple[int, ...]]) -> None:
@@ -62,13 +66,11 @@ def check_kv_reads(out, kv_store: dict[int, tuple[int, ...]]) -> None:
     Every row writes its new tokens, then must read back exactly its own prefix at every earlier position:
     this catches a wrong prefix hit, a block reused while still referenced, and reads of unwritten slots.
     """
-    for s in out.scheduled:
-        r = s.request
-        for t in range(s.start, s.start + s.num_tokens):
+    for r, start, n, _ in row_tuples(out):
+        for t in range(start, start + n):
             kv_store[r.block_ids[t // BS] * BS + t % BS] = tuple(r.all_token_ids[:t + 1])
-    for s in out.scheduled:
-        r = s.request
-        for t in range(s.start + s.num_tokens):
+    for r, start, n, _ in row_tuples(out):
+        for t in range(start + n):
             assert kv_store.get(r.block_ids[t // BS] * BS + t % BS) == tuple(r.all_token_ids[:t + 1]), \
                 f"{r.request_id} reads foreign KV at position {t}"
 
@@ -84,31 +86,38 @@ def run_step(sched: Scheduler, seed: int, kv_store: dict[int, tuple[int, ...]]) 
     out = sched.schedule()
     check_step_output(sched, out)
     check_kv_reads(out, kv_store)
-    ids = [s.request.request_id for s in out.scheduled if s.sample]
+    ids = [r.request_id for r in out.sampled_requests()]
     tokens = [(seed >> (4 * i) ^ i) % SAMPLE_VOCAB for i in range(len(ids))]
     sched.update(out, ModelRunnerOutput(ids, tokens))
     sched.check_integrity()
     check_published_blocks(sched, kv_store)
 
 
-@settings(max_examples=60, deadline=None)
-@given(cfg=configs, script=ops)
-def test_random_workloads_keep_invariants_and_drain(cfg, script):
-    sched = Scheduler(
+def make_scheduler(cfg, cls=Scheduler) -> Scheduler:
+    return cls(
         SchedulerConfig(max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["budget"],
                         enable_chunked_prefill=cfg["chunked"], long_prefill_token_threshold=cfg["threshold"],
                         policy=cfg["policy"]),
         CacheConfig(block_size=BS, enable_prefix_caching=cfg["caching"]), cfg["num_blocks"], MAX_MODEL_LEN)
+
+
+def make_request(rid: str, arg) -> Request:
+    return Request(rid, arg["prompt"], SamplingParams(max_tokens=arg["max_tokens"], ignore_eos=arg["ignore_eos"],
+                                                      stop_token_ids=arg["stop_token_ids"]),
+                   eos_token_ids=frozenset({0}), priority=arg["priority"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(cfg=configs, script=ops)
+def test_random_workloads_keep_invariants_and_drain(cfg, script):
+    sched = make_scheduler(cfg)
     added, kv_store = [], {}
     for op, arg in script:
         if op == "add":
             rid = f"prop-{len(added)}"           # unique ids within the test
-            req = Request(rid, arg["prompt"], SamplingParams(max_tokens=arg["max_tokens"], ignore_eos=arg["ignore_eos"],
-                                                             stop_token_ids=arg["stop_token_ids"]),
-                          eos_token_ids=frozenset({0}), priority=arg["priority"])
             added.append(rid)
             try:
-                sched.add_request(req)
+                sched.add_request(make_request(rid, arg))
             except ValueError:
                 assert len(arg["prompt"]) + arg["max_tokens"] - 1 > cfg["num_blocks"] * BS
         elif op == "step":
@@ -125,3 +134,94 @@ def test_random_workloads_keep_invariants_and_drain(cfg, script):
     assert not sched.has_unfinished_requests(), "requests still pending: the scheduler stalled"
     assert sched.kv.num_free_blocks == sched.kv.num_blocks and all(c == 0 for c in sched.kv.pool.ref_cnt)
     sched.check_integrity()
+
+
+class RowByRowScheduler(Scheduler):
+    """The scheduler without its plain-decode fast paths: update() always goes row by row, so it never leaves
+    schedule() a known decode batch either."""
+
+    def update(self, out, runner_out):
+        self._check_runner_output(out, runner_out)
+        return self._update_rows(out, runner_out.sampled_token_ids)
+
+
+def observable(sched: Scheduler, out, advanced) -> tuple:
+    """Everything a step decides or changes that anyone could see."""
+    return ([(r.request_id, start, n, sample) for r, start, n, sample in row_tuples(out)], out.preempted_ids,
+            out.num_batched_tokens,
+            [(r.request_id, r.status, r.stop_reason, r.num_computed_tokens, r.output_token_ids, r.block_ids)
+             for r in advanced],
+            [r.request_id for r in sched.running], sched.num_preemptions, sched.kv.pool.free_block_ids(),
+            sorted(sched.kv.pool.cached_blocks()))
+
+
+# Workloads that dwell in steps of plain decodes: a few requests at a time that decode for long, short ones
+# that come and go, a pool that runs dry mid-decode, and sampled tokens that rarely hit a stop id.
+decode_configs = st.fixed_dictionaries({
+    "num_blocks": st.integers(4, 16),
+    "budget": st.integers(4, 64),
+    "max_num_seqs": st.integers(2, 8),
+    "threshold": st.sampled_from([0, 0, 5]),
+    "chunked": st.booleans(),
+    "policy": st.sampled_from(["fcfs", "priority", "static"]),
+    "caching": st.booleans(),
+})
+decode_requests = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(0, PROMPT_VOCAB - 1), min_size=1, max_size=12),
+    "max_tokens": st.sampled_from([1, 2, 3, 12, 24, 36]),
+    "priority": st.integers(0, 3),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.sampled_from([[], [3]]),
+})
+decode_ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), decode_requests),
+    st.tuples(st.just("step"), st.integers(0, 2**31)),
+    st.tuples(st.just("step"), st.integers(0, 2**31)),
+    st.tuples(st.just("abort"), st.integers(0, 40)),
+), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cfg=decode_configs, script=decode_ops)
+def test_plain_decode_fast_paths_match_row_by_row(cfg, script):
+    """Steps of plain decodes take shortcuts in schedule() and update(); they must decide exactly what the
+    row-by-row paths decide: same rows, preemptions, blocks, stops and prefix cache. A request is sometimes
+    aborted between schedule() and update() (an abort or stop string while its step runs)."""
+    scheds = [make_scheduler(cfg), make_scheduler(cfg, RowByRowScheduler)]
+    added = []
+
+    def step(seed: int) -> None:
+        seen = []
+        for sched in scheds:
+            out = sched.schedule()
+            if out.is_empty:                         # the engine runs no step, so nothing to update
+                seen.append(observable(sched, out, []))
+                continue
+            ids = [r.request_id for r in out.sampled_requests()]
+            if out.requests and seed % 5 == 0:
+                sched.abort(out.requests[seed % len(out.requests)].request_id)
+            # 8x the vocabulary: stop tokens are rare, so that runs of steps end on length too.
+            tokens = [(seed >> (4 * i) ^ i) % (8 * SAMPLE_VOCAB) for i in range(len(ids))]
+            advanced = sched.update(out, ModelRunnerOutput(ids, tokens))
+            sched.check_integrity()
+            seen.append(observable(sched, out, advanced))
+        assert seen[0] == seen[1]
+
+    for op, arg in script:
+        if op == "add":
+            rid = f"fast-{len(added)}"
+            added.append(rid)
+            for sched in scheds:
+                try:
+                    sched.add_request(make_request(rid, arg))
+                except ValueError:
+                    pass
+        elif op == "step":
+            step(arg)
+        elif added:
+            assert scheds[0].abort(added[arg % len(added)]) == scheds[1].abort(added[arg % len(added)])
+    for i in range(sum(MAX_MODEL_LEN for _ in added) + 10):
+        if not scheds[0].has_unfinished_requests():
+            break
+        step(i * 7919 + 1)
+    assert not scheds[1].has_unfinished_requests()

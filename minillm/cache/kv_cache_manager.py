@@ -137,6 +137,15 @@ class KVCacheManager:
             return True
         return self._allocate_with_hits(request, total, num_cached_tokens)
 
+    def append_blocks(self, requests: list[Request]) -> bool:
+        """One more block for each request (decodes whose last block is full), all or nothing: False, with
+        nothing allocated, when fewer blocks are free. Same blocks as allocate_slots(r, 1) for each in turn."""
+        if len(requests) > self.pool.num_free_blocks:
+            return False
+        for request, block_id in zip(requests, self.pool.allocate(len(requests))):
+            request.block_ids.append(block_id)
+        return True
+
     def _allocate_with_hits(self, request: Request, total: int, num_cached_tokens: int) -> bool:
         """Admission with a prefix hit: share the hit blocks, allocate the rest; all or nothing."""
         if request.block_ids or num_cached_tokens % self.block_size:

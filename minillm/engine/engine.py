@@ -126,7 +126,7 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if prof is not None and not so.is_empty:
             prof.mark("schedule")
-            prof.count_step(len(so.scheduled), so.num_decodes == len(so.scheduled))
+            prof.count_step(len(so.requests), so.num_decodes == len(so.requests))
         return so
 
     def _after_step(self) -> None:

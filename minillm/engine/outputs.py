@@ -2,45 +2,43 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 
 from minillm.request import Request
 
 
 @dataclass
-class ScheduledSeq:
-    """One request's share of a step: compute tokens [start, start + num_tokens) of request.all_token_ids."""
-    request: Request
-    start: int               # == request.num_computed_tokens when scheduled
-    num_tokens: int
-    # True when this chunk reaches the end of all_token_ids: the runner samples a token for it.
-    # False for a non-final prefill chunk (its logits are not needed).
-    sample: bool
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1
-
-
-@dataclass
 class SchedulerOutput:
+    """One step's rows, held as columns: at 256 decodes a step, one object per row would cost more than the
+    rest of scheduling.
+
+    Row i computes tokens [starts[i], starts[i] + num_tokens[i]) of requests[i].all_token_ids (starts[i] is
+    the request's num_computed_tokens when scheduled). sample[i] is True when that chunk reaches the end of
+    all_token_ids, so the runner samples a token for the row; False for a non-final prefill chunk.
+    """
     # NOTE: order is the runner's row order: all single-token rows (decodes) first, then prefill chunks.
     # The CUDA attention path relies on this to send rows [0, num_decodes) to the decode kernel.
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
     def num_decodes(self) -> int:
-        n = 0
-        for s in self.scheduled:
-            if s.num_tokens != 1:
-                break
-            n += 1
-        return n
+        # Single-token rows come first (see the NOTE above), so they are exactly the leading rows.
+        return self.num_tokens.count(1)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.requests
+
+    def sampled_requests(self) -> list[Request]:
+        """The requests that get a token this step, in row order (the order of the runner's output)."""
+        if all(self.sample):
+            return self.requests
+        return list(compress(self.requests, self.sample))
 
 
 @dataclass
@@ -53,7 +51,7 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    # One entry per ScheduledSeq with sample=True, in schedule order.
+    # One entry per sampled row of the SchedulerOutput (SchedulerOutput.sampled_requests()), in row order.
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None

@@ -15,18 +15,56 @@ than the whole budget would never fit, so it runs alone in budget-sized chunks o
 policy="static" admits a new batch (up to max_num_seqs requests) only when nothing is running; the batch is
 then prefilled and decoded by the phases above until every member finished. Admission never preempts.
 
+At high concurrency most steps are plain decodes of the very requests of the step before. update() then
+leaves them for the next schedule(), which takes them all without a pass over the requests (it only visits
+those whose last block is full), and screens stop conditions per batch rather than per row. These shortcuts
+decide exactly what the row-by-row paths decide (tests/test_scheduler_properties.py compares the two).
+
 The scheduler never touches tensors; the runner never mutates scheduler state.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from minillm.cache.kv_cache_manager import KVCacheManager
 from minillm.config import CacheConfig, SchedulerConfig
-from minillm.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from minillm.engine.policy import insert_running, make_waiting_queue
 from minillm.request import Request, RequestStatus
 
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
+
+
+class _Rows:
+    """Rows of a step as columns, the way SchedulerOutput holds them."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.starts: list[int] = []
+        self.num_tokens: list[int] = []
+        self.sample: list[bool] = []
+
+    def append(self, req: Request, start: int, num_tokens: int, sample: bool) -> None:
+        self.requests.append(req)
+        self.starts.append(start)
+        self.num_tokens.append(num_tokens)
+        self.sample.append(sample)
+
+    def extend_decodes(self, reqs: list[Request], starts: list[int]) -> None:
+        """Plain decodes: one token each, and each samples."""
+        self.requests += reqs
+        self.starts += starts
+        self.num_tokens += [1] * len(reqs)
+        self.sample += [True] * len(reqs)
+
+    def remove(self, req: Request) -> int:
+        """Take req's row out; return its token count (0 when req has no row here)."""
+        for i, r in enumerate(self.requests):
+            if r is req:
+                del self.requests[i], self.starts[i], self.sample[i]
+                return self.num_tokens.pop(i)
+        return 0
 
 
 class _StepPlan:
@@ -35,32 +73,50 @@ class _StepPlan:
     def __init__(self, budget: int) -> None:
         self.full_budget = budget
         self.budget = budget
-        self.decodes: list[ScheduledSeq] = []   # single-token rows (decodes, or a 1-token final chunk)
-        self.chunks: list[ScheduledSeq] = []    # multi-token prefill chunks
+        self.decodes = _Rows()   # single-token rows (decodes, or a 1-token final chunk)
+        self.chunks = _Rows()    # multi-token prefill chunks
         self.preempted_ids: list[str] = []
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.chunks
+        return not self.decodes.requests and not self.chunks.requests
 
     def add(self, req: Request, num_tokens: int) -> None:
         start = req.num_computed_tokens
-        seq = ScheduledSeq(req, start, num_tokens, start + num_tokens == len(req.all_token_ids))
-        (self.decodes if num_tokens == 1 else self.chunks).append(seq)
+        rows = self.decodes if num_tokens == 1 else self.chunks
+        rows.append(req, start, num_tokens, start + num_tokens == len(req.all_token_ids))
         self.budget -= num_tokens
 
     def drop(self, req: Request) -> None:
         """Take a preempted request's row back out (it was scheduled earlier in this step) and refund it."""
-        for rows in (self.decodes, self.chunks):
-            for i, seq in enumerate(rows):
-                if seq.request is req:
-                    self.budget += seq.num_tokens
-                    del rows[i]
-                    return
+        self.budget += self.decodes.remove(req) or self.chunks.remove(req)
 
     def output(self) -> SchedulerOutput:
         # NOTE: all single-token rows first; the attention backend sends rows [0, num_decodes) to decode.
-        return SchedulerOutput(self.decodes + self.chunks, self.preempted_ids, self.full_budget - self.budget)
+        d, c = self.decodes, self.chunks
+        return SchedulerOutput(d.requests + c.requests, d.starts + c.starts, d.num_tokens + c.num_tokens,
+                               d.sample + c.sample, self.preempted_ids, self.full_budget - self.budget)
+
+
+class _Decoding(NamedTuple):
+    """What an update() of plain decodes leaves for the next schedule()."""
+    requests: list[Request]      # got a token and still run, in row order: each is now a 1-token decode
+    full: list[Request]          # those of them whose last block is full
+
+
+class _StopScreen:
+    """update()'s stop screen for a run of all-decode steps over one batch, kept at batch level: the union of
+    the rows' stop ids and the fewest tokens any row has left before max_num_tokens. Rows are screened one by
+    one only in a step where one of these fires (a per-row screen costs ~20 us a step at 256 rows)."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.requests = list(requests)
+        self.stop_ids = frozenset().union(*[r.stop_ids for r in requests])
+        self.tokens_left = min((r.max_num_tokens - len(r.all_token_ids) for r in requests), default=0)
+
+    def may_stop(self, tokens: list[int]) -> bool:
+        """Whether some row could stop on this step's token (one per row), so rows must be screened."""
+        return self.tokens_left <= 1 or not self.stop_ids.isdisjoint(tokens)
 
 
 class Scheduler:
@@ -75,6 +131,10 @@ class Scheduler:
         self.waiting = make_waiting_queue(sched.policy)
         self.running: list[Request] = []           # service order; the preemption victim is the last one
         self.num_preemptions = 0
+        # Left by an update() of plain decodes for the next schedule() only. When its requests are exactly the
+        # running list, the decode phase needs no pass over the requests.
+        self._decoding: _Decoding | None = None
+        self._screen: _StopScreen | None = None   # valid while every update() is a plain-decode one of its batch
 
     # ---- requests in and out ------------------------------------------------------------------------------
 
@@ -136,11 +196,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's rows (module docstring: phases and modes). Mutates only scheduler state."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
+        decoding, self._decoding = self._decoding, None
         admit = self.config.policy != "static"
         if not admit and not self.running:
             self._admit_static_batch()
         if self.config.enable_chunked_prefill:
-            prefills = self._schedule_decodes(plan)
+            prefills = self._schedule_decodes(plan, decoding)
             self._schedule_prefills(plan, prefills, whole=False)
             # NOTE: no admission in a step that preempted: memory is short, and a request preempted just now
             # would otherwise be readmitted at once.
@@ -152,17 +213,24 @@ class Scheduler:
             if admit and not plan.preempted_ids:
                 self._admit_waiting(plan, whole=True)
             if plan.is_empty:
-                self._schedule_decodes(plan)
+                self._schedule_decodes(plan, decoding)
         return plan.output()
 
-    def _schedule_decodes(self, plan: _StepPlan) -> list[Request]:
-        """Give each running decode its one token; return the running requests that still prefill."""
-        prefills = []
+    def _schedule_decodes(self, plan: _StepPlan, decoding: _Decoding | None) -> list[Request]:
+        """Give each running decode its one token; return the running requests that still prefill.
+
+        `decoding`: what the last update() left in self._decoding.
+        """
+        # NOTE: list == compares element identity in C. Equal means nothing joined, left or was preempted
+        # since update(), so every running request is a decode.
+        if decoding is not None and len(decoding.requests) <= plan.budget and decoding.requests == self.running:
+            self._schedule_all_decodes(plan, decoding.full)
+            return []
+        prefills, reqs, starts = [], [], []
         bs, budget = self.block_size, plan.budget
-        add_decode = plan.decodes.append
         # NOTE: iterating the live list is safe: during this loop preemption only pops its last element
         # (an unvisited request or the current one), which just ends the iteration earlier. No row scheduled
-        # here is ever taken back, so the local budget stays exact.
+        # here is ever taken back, so the local budget stays exact, and the rows can join the plan at the end.
         for req in self.running:
             start = req.num_computed_tokens
             if len(req.all_token_ids) - start != 1:
@@ -173,10 +241,27 @@ class Scheduler:
             # Inline capacity test (the common case) saves a call per decode; allocate_slots re-checks.
             if len(req.block_ids) * bs <= start and not self._allocate(req, 1, plan):
                 break                    # req preempted itself: it was the last running request
-            add_decode(ScheduledSeq(req, start, 1, True))
+            reqs.append(req)
+            starts.append(start)
             budget -= 1
+        plan.decodes.extend_decodes(reqs, starts)
         plan.budget = budget
         return prefills
+
+    def _schedule_all_decodes(self, plan: _StepPlan, full: list[Request]) -> None:
+        """_schedule_decodes' loop when every running request is a decode and the budget holds them all: the
+        same rows, blocks and preemptions, with only the requests whose last block is full (`full`) visited."""
+        running = self.running
+        starts = [r.num_computed_tokens for r in running]
+        if not self.kv.append_blocks(full):
+            # Short of blocks: one at a time, preempting as the loop would. A victim is always the last running
+            # request, so once one of these was preempted, so was every later one.
+            for req in full:
+                if req.status is not RUNNING or not self._allocate(req, 1, plan):
+                    break
+        n = len(running)
+        plan.decodes.extend_decodes(running[:n], starts[:n])
+        plan.budget -= n
 
     def _schedule_prefills(self, plan: _StepPlan, prefills: list[Request], whole: bool) -> None:
         """Next chunk of each running partial prefill, in service order, while the budget lasts."""
@@ -266,45 +351,97 @@ class Scheduler:
 
         Returns the requests that got a token (finished ones included) in schedule order.
         """
-        ids, tokens = runner_out.req_ids, runner_out.sampled_token_ids
-        if len(ids) != len(tokens):
-            raise ValueError(f"runner output has {len(ids)} req_ids but {len(tokens)} sampled tokens")
-        bs, caching, kv, max_len = self.block_size, self.kv.enable_caching, self.kv, self.max_model_len
+        self._check_runner_output(out, runner_out)
+        if out.num_decodes == len(out.requests) and all(out.sample):
+            return self._update_decodes(out, runner_out.sampled_token_ids)
+        return self._update_rows(out, runner_out.sampled_token_ids)
+
+    def _update_rows(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+        """update() of any step, row by row."""
+        self._screen = None
+        bs, caching, kv = self.block_size, self.kv.enable_caching, self.kv
         advanced: list[Request] = []
         any_finished = False
         j = 0
-        for seq in out.scheduled:
-            req = seq.request
-            if seq.sample:
-                # NOTE: a runner output shorter than the sampled rows fails here with IndexError (a runner bug).
-                if ids[j] != req.request_id:
-                    raise ValueError(f"runner output row {j} does not match scheduled request {req.request_id!r}")
+        for req, start, num_tokens, sample in zip(out.requests, out.starts, out.num_tokens, out.sample):
+            if sample:
                 token = tokens[j]
                 j += 1
             if req.status is not RUNNING:
                 continue             # finished (e.g. aborted) between schedule() and update()
-            start = seq.start
             if req.num_computed_tokens != start:
                 raise ValueError(f"request {req.request_id}: step applied twice or out of order")
-            end = req.num_computed_tokens = start + seq.num_tokens
+            end = req.num_computed_tokens = start + num_tokens
             if caching and end // bs != start // bs:   # a block just filled
                 kv.cache_full_blocks(req, end)
-            if not seq.sample:
+            if not sample:
                 continue
             req.append_output_token(token)
-            sp = req.sampling_params
             # Cheap screen inline; _check_stop applies min_tokens / ignore_eos only when something could stop.
-            if (token in req.eos_token_ids or token in sp.stop_token_ids or len(req.all_token_ids) >= max_len
-                    or len(req.output_token_ids) >= sp.max_tokens) and self._check_stop(req, token):
+            # (max_num_tokens <= max_model_len: add_request refused longer requests.)
+            if (token in req.stop_ids or len(req.all_token_ids) >= req.max_num_tokens) and \
+                    self._check_stop(req, token):
                 any_finished = True
                 self._release(req)
             advanced.append(req)
-        if j != len(ids):
-            raise ValueError(f"runner output has {len(ids)} sampled rows, the schedule asked for {j}")
         if any_finished:
             # NOTE: finished requests leave the running list here, in one pass, not one list.remove each.
             self.running = [r for r in self.running if r.status is RUNNING]
         return advanced
+
+    def _update_decodes(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+        """_update_rows() of a step whose rows are all 1-token decodes that sample (the common step at high
+        concurrency): the same effects with less work per row. Also leaves self._decoding for the next step."""
+        bs, kv = self.block_size, self.kv if self.kv.enable_caching else None
+        screen = self._screen
+        if screen is None or screen.requests != out.requests:
+            screen = _StopScreen(out.requests)
+        may_stop = screen.may_stop(tokens)
+        full, skipped = [], []
+        any_finished = False
+        for req, start, token in zip(out.requests, out.starts, tokens):
+            if req.status is not RUNNING:
+                skipped.append(req)  # finished (e.g. aborted) between schedule() and update()
+                continue
+            if req.num_computed_tokens != start:
+                raise ValueError(f"request {req.request_id}: step applied twice or out of order")
+            end = req.num_computed_tokens = start + 1
+            if end % bs == 0:        # a block just filled: publish it; the next decode needs a new one
+                if kv is not None:
+                    kv.cache_full_blocks(req, end)
+                if len(req.block_ids) * bs <= end:
+                    full.append(req)
+            # NOTE: Request.append_output_token inlined: a call per row costs ~15 us a step at 256 rows.
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            if may_stop and (token in req.stop_ids or len(req.all_token_ids) >= req.max_num_tokens) and \
+                    self._check_stop(req, token):
+                any_finished = True
+                self._release(req)
+        screen.tokens_left -= 1      # each row got one token; the next step reuses the screen only if so
+        self._screen = screen
+        advanced = [r for r in out.requests if r not in skipped] if skipped else list(out.requests)
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RUNNING]
+            self._decoding = _Decoding([r for r in advanced if r.status is RUNNING],
+                                       [r for r in full if r.status is RUNNING])
+        else:
+            self._decoding = _Decoding(list(advanced), full)
+        return advanced
+
+    @staticmethod
+    def _check_runner_output(out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """The runner output must hold one token per sampled row, in row order (else it is a runner bug)."""
+        ids, tokens = runner_out.req_ids, runner_out.sampled_token_ids
+        if len(ids) != len(tokens):
+            raise ValueError(f"runner output has {len(ids)} req_ids but {len(tokens)} sampled tokens")
+        expected = [r.request_id for r in out.sampled_requests()]
+        if ids == expected:
+            return
+        if len(ids) != len(expected):
+            raise ValueError(f"runner output has {len(ids)} sampled rows, the schedule asked for {len(expected)}")
+        j = next(j for j, (a, b) in enumerate(zip(ids, expected)) if a != b)
+        raise ValueError(f"runner output row {j} does not match scheduled request {expected[j]!r}")
 
     def apply_sampled_token(self, req: Request, out_index: int, token: int) -> bool:
         """Async scheduling: update() appended a placeholder for a token still on the GPU; it is now known.

@@ -1,9 +1,10 @@
 """Step inputs: SchedulerOutput -> flat token ids, positions, slot mapping and AttentionMetadata.
 
 Host work is numpy on persistent (pinned) buffers, one H2D copy per field, because at 256 running decodes
-this runs every ~4 ms step and per-request torch ops would cost more than the GPU step itself.
-Each live request owns one row of a persistent block table; new block ids are appended to that row as
-the KV manager grows request.block_ids, so a decode step copies no block ids at all on the host.
+this runs every ~4 ms step and per-request Python or torch work would cost more than the GPU step itself.
+Each live request owns one row of a persistent block table, which only takes the block ids its context grew
+into; while a step schedules the same requests as the step before (the common decode step), their rows are
+reused as they are. A decode-only step (one token per row) needs no cumsum or repeat: positions are the starts.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ class StepInputs:
     positions: torch.Tensor       # int64 [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampled]: last row of each seq that samples
-    sample_seq_idx: list[int]     # index into scheduled of each sampled row
 
 
 @dataclass
@@ -37,7 +37,7 @@ class PrevTokens:
     index: dict[str, int]
 
 
-def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, seqs, num_decodes: int,
+def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, requests, num_decodes: int,
                        prev: PrevTokens | None) -> None:
     """Replace placeholder (-1) input tokens by the previous step's samples, device to device, no sync.
 
@@ -48,49 +48,79 @@ def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, seqs, num_
         return
     if prev is None or rows[-1] >= num_decodes:
         raise RuntimeError("a placeholder token reached the model outside a decode row after a sampling step")
-    src = [prev.index[seqs[i].request.request_id] for i in rows.tolist()]
+    src = [prev.index[requests[i].request_id] for i in rows.tolist()]
     dev = input_ids.device
     input_ids[to_device(rows, dev)] = prev.token_ids[to_device(np.array(src, dtype=np.int64), dev)]
 
 
 class BlockTableRows:
-    """Persistent [max_num_seqs, max_blocks] block table; one row per live request."""
+    """Persistent [max_num_seqs, max_blocks] block table; one row per live request.
 
-    def __init__(self, max_num_seqs: int, max_blocks: int):
+    A decode step usually schedules the very requests of the step before, so the last batch's rows, and how
+    many tokens each row's block ids cover, are kept while the batch is unchanged; a row only takes the block
+    ids that its context grew into.
+    """
+
+    def __init__(self, max_num_seqs: int, max_blocks: int, block_size: int):
+        self.block_size = block_size
         self.table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
-        # How many block ids of each row are valid: a Python list, since numpy scalar access costs more
-        # than the check itself, 256 times a step.
+        # How many block ids of each row are valid: a list, since numpy scalar access costs more.
         self.synced = [0] * max_num_seqs
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # The last rows_for() batch: its requests, their rows, and the tokens each row's block ids cover.
+        self._batch: list = []
+        self._row_list: list[int] = []
+        self._rows = np.zeros(0, dtype=np.int64)
+        self._covered = np.zeros(0, dtype=np.int32)            # int32: compared with int32 seq_lens
 
     def release(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
+            # Zeroed, so that a later owner's unused entries read 0 as AttentionMetadata promises.
+            self.table[row, : self.synced[row]] = 0
             self.synced[row] = 0
             self.free_rows.append(row)
+            self._batch = []     # the cached rows may include the freed one
 
-    def sync_all(self, seqs) -> tuple[list[int], list[int], list[int]]:
-        """Rows of the scheduled requests (assigned on first sight), with any block ids appended since the
-        last step copied in; also returns the seqs' starts and token counts (one pass over the batch)."""
-        row_of, synced, table = self.row_of, self.synced, self.table
-        rows, starts, counts = [], [], []
-        for s in seqs:
-            req = s.request
-            row = row_of.get(req.request_id)
-            if row is None:
-                row = self.free_rows.pop()
-                row_of[req.request_id] = row
-            bids = req.block_ids
-            n, done = len(bids), synced[row]
-            if n != done:
-                # NOTE: block lists only grow while a request lives; a preempted request is released first.
-                table[row, done:n] = bids[done:n]
-                synced[row] = n
-            rows.append(row)
-            starts.append(s.start)
-            counts.append(s.num_tokens)
-        return rows, starts, counts
+    def rows_for(self, requests) -> np.ndarray:
+        """Row of each request, assigned on first sight; int64 [len(requests)]. Do not modify it."""
+        # NOTE: list == compares element identity in C (~1 us for 256 rows): far cheaper than 256 lookups.
+        if requests != self._batch:
+            row_of, free_rows, rows = self.row_of, self.free_rows, []
+            for req in requests:
+                row = row_of.get(req.request_id)
+                if row is None:
+                    row = row_of[req.request_id] = free_rows.pop()
+                rows.append(row)
+            self._batch, self._row_list, self._rows = list(requests), rows, np.array(rows, dtype=np.int64)
+            self._covered = np.array([self.synced[r] * self.block_size for r in rows], dtype=np.int32)
+        return self._rows
+
+    def sync(self, seq_lens: np.ndarray) -> None:
+        """Copy in the block ids that the rows of the last rows_for() batch lack for this step's context
+        (seq_lens): a decode needs one more block every block_size steps, so a step of 256 decodes of
+        16-token blocks usually extends 16 rows."""
+        # NOTE: vectorised on what the step reads, not on len(block_ids), which would visit 256 Python lists.
+        # A row that covers its context holds every block the step reads (and, as the KV manager allocates
+        # exactly the blocks a context needs, every block id of its request).
+        stale = np.flatnonzero(seq_lens > self._covered).tolist()
+        if not stale:
+            return
+        batch, rows, synced, width = self._batch, self._row_list, self.synced, self.table.shape[1]
+        # Every new id goes into one scatter through the flat table: numpy calls per row would cost ~1.5 us each.
+        flat, new_ids, covered = [], [], []
+        for i in stale:
+            # NOTE: block lists only grow while a request lives; a preempted request is released first.
+            row = rows[i]
+            done = synced[row]
+            new = batch[i].block_ids[done:]
+            flat += range(row * width + done, row * width + done + len(new))
+            new_ids += new
+            synced[row] = done + len(new)
+            covered.append(synced[row] * self.block_size)
+        self.table.reshape(-1)[flat] = new_ids
+        self._covered[stale] = covered
 
 
 class InputBuilder:
@@ -99,7 +129,7 @@ class InputBuilder:
         self.block_size = block_size
         self.max_blocks = cdiv(max_model_len, block_size)
         self.device = device
-        self.rows = BlockTableRows(max_num_seqs, self.max_blocks)
+        self.rows = BlockTableRows(max_num_seqs, self.max_blocks, block_size)
         pin = device.type == "cuda"
 
         def staging() -> dict[str, torch.Tensor]:
@@ -115,8 +145,11 @@ class InputBuilder:
         # non-blocking host-to-device copies may still be queued behind step N-1; they read the other set.
         self._sets = [staging(), staging()]
         self._sets_np = [{k: v.numpy() for k, v in st.items()} for st in self._sets]
+        # Each set's last view of each field as (length, tensor): consecutive decode steps slice the same
+        # lengths, and slicing a tensor costs ~2 us, six times a step.
+        self._views: list[dict[str, tuple[int, torch.Tensor]]] = [{}, {}]
         self._turn = 0
-        self._arange = np.arange(max_num_tokens, dtype=np.int64)
+        self._arange = np.arange(max_num_tokens + 1, dtype=np.int64)   # + 1: query_start_loc has n + 1
 
     def release(self, req_ids) -> None:
         for rid in req_ids:
@@ -128,48 +161,72 @@ class InputBuilder:
         self._turn ^= 1
         self._host, self._np = self._sets[self._turn], self._sets_np[self._turn]
         self.release(so.preempted_ids)
-        seqs = so.scheduled
-        n = len(seqs)
-        rows, starts, counts = self.rows.sync_all(seqs)
-        rows = np.array(rows, dtype=np.int64)
-        starts = np.array(starts, dtype=np.int64)
-        counts = np.array(counts, dtype=np.int64)
-        total = int(counts.sum())
+        reqs, n = so.requests, len(so.requests)
+        rows = self.rows.rows_for(reqs)
+        total, tok_rows, max_query_len = self._layout(so, rows)
 
         h = self._np
-        qsl = h["query_start_loc"][: n + 1]
-        qsl[0] = 0
-        np.cumsum(counts, out=qsl[1:])
+        qsl, pos, seq_lens = h["query_start_loc"][: n + 1], h["positions"][:total], h["seq_lens"][:n]
+        self.rows.sync(seq_lens)
         ids = h["input_ids"][:total]
-        num_decodes = so.num_decodes
-        ids[:num_decodes] = [s.request.all_token_ids[s.start] for s in seqs[:num_decodes]]
-        for i in range(num_decodes, n):
-            s = seqs[i]
-            ids[qsl[i]:qsl[i + 1]] = s.request.all_token_ids[s.start:s.start + s.num_tokens]
-
-        # position of each token = its seq's start + offset inside the seq's chunk
-        pos = h["positions"][:total]
-        np.add(np.repeat(starts - qsl[:-1], counts), self._arange[:total], out=pos)
-        tok_rows = np.repeat(rows, counts)
-        bs = self.block_size
-        h["slot_mapping"][:total] = self.rows.table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
-        seq_lens = h["seq_lens"][:n]
-        np.add(starts, counts, out=seq_lens, casting="unsafe")
-        max_seq_len = int(seq_lens.max()) if n else 0
-        sample_idx = [i for i, s in enumerate(seqs) if s.sample]
-        h["logits_indices"][: len(sample_idx)] = qsl[1:][sample_idx] - 1
-        block_tables = self.rows.table[rows, : cdiv(max_seq_len, bs)]
-        step = self._to_device(so, n, total, num_decodes, int(counts.max()) if n else 0, max_seq_len,
-                               block_tables, sample_idx)
-        if prev is not None or (ids < 0).any():
-            _fill_placeholders(step.input_ids, ids, seqs, num_decodes, prev)
+        self._token_ids(so, qsl, ids)
+        block_idx, offset = np.divmod(pos, self.block_size)
+        slots = h["slot_mapping"][:total]
+        np.multiply(self.rows.table[tok_rows, block_idx], self.block_size, out=slots, dtype=np.int64)
+        slots += offset
+        max_seq_len = int(seq_lens.max(initial=0))
+        logits_indices = h["logits_indices"]
+        if all(so.sample):
+            num_sampled = n
+            np.subtract(qsl[1:], 1, out=logits_indices[:n])           # each seq's last token
+        else:
+            sampled = (qsl[1:] - 1)[np.array(so.sample, dtype=bool)]
+            num_sampled = len(sampled)
+            logits_indices[:num_sampled] = sampled
+        block_tables = self.rows.table[rows, : cdiv(max_seq_len, self.block_size)]
+        step = self._to_device(n, total, so.num_decodes, max_query_len, max_seq_len, block_tables, num_sampled)
+        if prev is not None or ids.min(initial=0) < 0:
+            _fill_placeholders(step.input_ids, ids, reqs, so.num_decodes, prev)
         return step
 
-    def _to_device(self, so, n, total, num_decodes, max_query_len, max_seq_len, block_tables, sample_idx):
-        dev, host = self.device, self._host
+    def _layout(self, so: SchedulerOutput, rows: np.ndarray) -> tuple[int, np.ndarray, int]:
+        """Fill query_start_loc, positions and seq_lens; return (number of tokens, each token's row, max query
+        length)."""
+        h, n = self._np, len(rows)
+        qsl, pos, seq_lens = h["query_start_loc"][: n + 1], h["positions"], h["seq_lens"][:n]
+        if 0 < n == so.num_decodes:
+            # One token per row at its start: the common decode step needs no cumsum or repeat.
+            pos[:n] = so.starts
+            qsl[:] = self._arange[: n + 1]
+            np.add(pos[:n], 1, out=seq_lens, casting="unsafe")
+            return n, rows, 1
+        starts = np.array(so.starts, dtype=np.int64)
+        counts = np.array(so.num_tokens, dtype=np.int64)
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:])
+        total = int(qsl[n])
+        # position of each token = its seq's start + offset inside the seq's chunk
+        np.add(np.repeat(starts - qsl[:-1], counts), self._arange[:total], out=pos[:total])
+        np.add(starts, counts, out=seq_lens, casting="unsafe")
+        return total, np.repeat(rows, counts), int(counts.max(initial=0))
+
+    @staticmethod
+    def _token_ids(so: SchedulerOutput, qsl: np.ndarray, ids: np.ndarray) -> None:
+        """Row i's tokens are all_token_ids[start:start + num_tokens]; the single-token rows go in one list."""
+        reqs, starts, num_decodes = so.requests, so.starts, so.num_decodes
+        ids[:num_decodes] = [r.all_token_ids[s] for r, s in zip(reqs[:num_decodes], starts)]
+        for i in range(num_decodes, len(reqs)):
+            s = starts[i]
+            ids[qsl[i]:qsl[i + 1]] = reqs[i].all_token_ids[s:s + so.num_tokens[i]]
+
+    def _to_device(self, n, total, num_decodes, max_query_len, max_seq_len, block_tables, num_sampled):
+        dev, host, views = self.device, self._host, self._views[self._turn]
 
         def put(name: str, length: int) -> torch.Tensor:
-            return host[name][:length].to(dev, non_blocking=True)
+            view = views.get(name)
+            if view is None or view[0] != length:
+                view = views[name] = (length, host[name][:length])
+            return view[1].to(dev, non_blocking=True)
 
         meta = AttentionMetadata(
             num_seqs=n, num_decodes=num_decodes, num_tokens=total, max_query_len=max_query_len,
@@ -179,4 +236,4 @@ class InputBuilder:
             query_start_loc_cpu=self._np["query_start_loc"][: n + 1].tolist(),
             seq_lens_cpu=self._np["seq_lens"][:n].tolist())
         return StepInputs(input_ids=put("input_ids", total), positions=put("positions", total), meta=meta,
-                          logits_indices=put("logits_indices", len(sample_idx)), sample_seq_idx=sample_idx)
+                          logits_indices=put("logits_indices", num_sampled))

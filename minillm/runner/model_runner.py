@@ -18,7 +18,7 @@ from minillm.model.loader import load_model
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import allocate_kv_cache, choose_num_blocks
 from minillm.runner.warmup import warm_up_shapes
-from minillm.sampling.batch import SamplingBatch
+from minillm.sampling.batch import SamplingBatchCache
 from minillm.sampling.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class ModelRunner:
         # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound.
         self.max_num_tokens = sched.max_num_batched_tokens
         self.sampler = Sampler(seed=cfg.runtime.seed)
+        self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         self.num_blocks = choose_num_blocks(self, cfg.cache)
         self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, cfg.cache.block_size, self.dtype, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
@@ -116,7 +117,7 @@ class ModelRunner:
             hidden = self.graphs.replay(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-        reqs = [so.scheduled[i].request for i in step.sample_seq_idx]
+        reqs = so.sampled_requests()
         if not reqs:
             # Nothing to sample (a prompt chunk in mid-prompt), but resolve() must still wait for this step: the
             # staging buffers its inputs are being copied from are rebuilt two steps later.
@@ -124,7 +125,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices], keep_dtype=True)
         if prof is not None:
             prof.mark("forward")
-        result = self.sampler(logits, SamplingBatch.build(reqs, self.device, self.vocab_size))
+        result = self.sampler(logits, self.sampling.get(reqs))
         return InFlight([r.request_id for r in reqs], result.token_ids, result.logprobs,
                         *self._copy_to_host(result.token_ids))
 

@@ -60,6 +60,12 @@ class SamplingBatch:
     any_unseeded: bool                    # some sampling row draws from the shared generator
     logprobs: list[int | None] | None     # per-row top-N request; None when no row asked
 
+    @property
+    def is_static(self) -> bool:
+        """Whether the same requests give this very batch next step: true unless a row reads its token history
+        (penalties) or output count (per-token seeds, a min_tokens ban; once lifted, a ban never returns)."""
+        return self.penalties is None and self.banned_rows is None and not self.seeded_rows
+
     @classmethod
     def build(cls, requests: Sequence[Request], device: torch.device | str, vocab_size: int) -> "SamplingBatch":
         if not isinstance(vocab_size, int) or vocab_size < 1:
@@ -96,6 +102,25 @@ class SamplingBatch:
             any_unseeded=bool((sampling & (params[_SEEDED] == 0)).any()),
             logprobs=_logprobs(requests) if params[_LOGPROBS].any() else None,
         )
+
+
+class SamplingBatchCache:
+    """Hands back the last step's SamplingBatch while the same requests sample and nothing in it moves with the
+    step: at 256 decodes, consecutive steps usually sample the very same requests, and rebuilding an identical
+    batch would cost a quarter of the step's host budget."""
+
+    def __init__(self, device: torch.device | str, vocab_size: int) -> None:
+        self.device, self.vocab_size = torch.device(device), vocab_size
+        self._requests: list[Request] = []
+        self._batch: SamplingBatch | None = None
+
+    def get(self, requests: Sequence[Request]) -> SamplingBatch:
+        # NOTE: list == compares element identity in C; the sampler never writes into a batch's tensors.
+        batch = self._batch
+        if batch is None or not batch.is_static or requests != self._requests:
+            batch = self._batch = SamplingBatch.build(requests, self.device, self.vocab_size)
+            self._requests = list(requests)
+        return batch
 
 
 def _needs(params: np.ndarray, all_greedy: bool, vocab_size: int) -> dict[str, bool]:
