@@ -174,31 +174,9 @@ __global__ void __launch_bounds__(kWarps * 32)
           if (tok0 + nt * 8 + (lane % 4) * 2 + (e & 1) >= end) sc[nt][e] = -CUDART_INF_F;
     }
 
-    // Online softmax of the thread's two rows (the 4 lanes of a quad share a row).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r == 1 && !hi_rows) break;
-      float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
-      mx = warp_max_xor(mx, 1, 4) * sl2;
-      const float m_new = fmaxf(mrow[r], mx);  // finite: every chunk holds at least one valid token
-      const float alpha = exp2f(mrow[r] - m_new);
-      mrow[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(sc[nt][2 * r + e] * sl2 - m_new);
-          sc[nt][2 * r + e] = p;
-          sum += p;
-        }
-      lrow[r] = lrow[r] * alpha + sum;
-#pragma unroll
-      for (int i2 = 0; i2 < DT; ++i2) {
-        o[i2][2 * r] *= alpha;
-        o[i2][2 * r + 1] *= alpha;
-      }
-    }
+    // Online softmax of the thread's rows; rows 8-15 only when the group reaches them.
+    online_softmax_row<2, DT>(sc, o, mrow[0], lrow[0], sl2, 0);
+    if (hi_rows) online_softmax_row<2, DT>(sc, o, mrow[1], lrow[1], sl2, 1);
 
     // The S accumulators of the two n-tiles are exactly the A fragment of one k-step of P V.
     const uint32_t pa[4] = {DType<T>::from_float2(sc[0][0], sc[0][1]), DType<T>::from_float2(sc[0][2], sc[0][3]),

@@ -148,33 +148,9 @@ __global__ void __launch_bounds__(kThreads)
         }
     }
 
-    // Online softmax for the thread's two rows (4 lanes share a row).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -CUDART_INF_F;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
-      mx = warp_max_xor(mx, 1, 4) * sl2;
-      const float m_new = fmaxf(mrow[r], mx);
-      const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with nothing visible yet
-      const float alpha = exp2f(mrow[r] - m_use);
-      mrow[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(sc[nt][2 * r + e] * sl2 - m_use);
-          sc[nt][2 * r + e] = p;
-          sum += p;
-        }
-      lrow[r] = lrow[r] * alpha + sum;
-#pragma unroll
-      for (int i = 0; i < DT; ++i) {
-        o[i][2 * r] *= alpha;
-        o[i][2 * r + 1] *= alpha;
-      }
-    }
+    // Online softmax for the thread's two rows.
+    online_softmax_row<NT, DT>(sc, o, mrow[0], lrow[0], sl2, 0);
+    online_softmax_row<NT, DT>(sc, o, mrow[1], lrow[1], sl2, 1);
 
     cp_async_wait<1>();  // V_j landed (K_{j+1} may still be in flight)
     __syncthreads();

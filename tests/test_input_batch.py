@@ -9,37 +9,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.config import CacheConfig, SchedulerConfig
 from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from minillm.engine.scheduler import Scheduler
 from minillm.request import Request
 from minillm.runner.input_batch import InputBuilder, StepInputs
 from minillm.sampling_params import SamplingParams
+from sched_strategies import make_scheduler, scheduler_configs, scripts
 
 BS = 8
 MAX_MODEL_LEN = 64
 
-configs = st.fixed_dictionaries({
-    "num_blocks": st.integers(6, 32),
-    "budget": st.integers(4, 64),
-    "max_num_seqs": st.integers(1, 12),
-    "threshold": st.sampled_from([0, 0, 5]),
-    "chunked": st.booleans(),
-    "policy": st.sampled_from(["fcfs", "priority", "static"]),
-    "caching": st.booleans(),
-})
+configs = scheduler_configs(num_blocks=(6, 32), budget=(4, 64), max_num_seqs=(1, 12), thresholds=[0, 0, 5])
 
 requests = st.fixed_dictionaries({
     "prompt": st.lists(st.integers(0, 2), min_size=1, max_size=40),   # tiny vocabulary: prefix hits
     "max_tokens": st.integers(1, 40),
 })
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), requests),
-    st.tuples(st.just("step"), st.integers(0, 2**31)),
-    st.tuples(st.just("step"), st.integers(0, 2**31)),
-    st.tuples(st.just("abort"), st.integers(0, 40)),
-), max_size=80)
+ops = scripts(requests, max_size=80, step_weight=2)
 
 
 def reference(so: SchedulerOutput) -> dict:
@@ -79,11 +65,7 @@ def built(step: StepInputs) -> dict:
 @settings(max_examples=150, deadline=None)
 @given(cfg=configs, first=st.lists(requests, min_size=1, max_size=12), script=ops)
 def test_inputs_match_a_from_scratch_reference(cfg, first, script):
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["budget"],
-                        enable_chunked_prefill=cfg["chunked"], long_prefill_token_threshold=cfg["threshold"],
-                        policy=cfg["policy"]),
-        CacheConfig(block_size=BS, enable_prefix_caching=cfg["caching"]), cfg["num_blocks"], MAX_MODEL_LEN)
+    sched = make_scheduler(cfg, BS, MAX_MODEL_LEN)
     builder = InputBuilder(cfg["max_num_seqs"], cfg["budget"], MAX_MODEL_LEN, BS, torch.device("cpu"))
     added = []
 

@@ -6,26 +6,19 @@ the KV pool is small enough to force preemption, and the invariants are checked 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.config import CacheConfig, SchedulerConfig
 from minillm.engine.outputs import ModelRunnerOutput
 from minillm.engine.scheduler import Scheduler
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
+from sched_strategies import make_scheduler as shared_make_scheduler
+from sched_strategies import scheduler_configs, scripts
 
 BS = 8
 PROMPT_VOCAB = 3     # tiny: prompts share prefixes, so prefix-cache hits are common
 SAMPLE_VOCAB = 16    # sampled tokens: EOS (0) and the stop id (3) each come up 1 time in 16
 MAX_MODEL_LEN = 48
 
-configs = st.fixed_dictionaries({
-    "num_blocks": st.integers(3, 10),
-    "budget": st.integers(1, 40),
-    "max_num_seqs": st.integers(1, 6),
-    "threshold": st.sampled_from([0, 0, 3, 9]),
-    "chunked": st.booleans(),
-    "policy": st.sampled_from(["fcfs", "priority", "static"]),
-    "caching": st.booleans(),
-})
+configs = scheduler_configs(num_blocks=(3, 10), budget=(1, 40), max_num_seqs=(1, 6), thresholds=[0, 0, 3, 9])
 
 requests = st.fixed_dictionaries({
     "prompt": st.lists(st.integers(0, PROMPT_VOCAB - 1), min_size=1, max_size=30),
@@ -35,11 +28,7 @@ requests = st.fixed_dictionaries({
     "stop_token_ids": st.sampled_from([[], [3]]),
 })
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), requests),
-    st.tuples(st.just("step"), st.integers(0, 2**31)),
-    st.tuples(st.just("abort"), st.integers(0, 40)),
-), max_size=60)
+ops = scripts(requests, max_size=60)
 
 
 def row_tuples(out):
@@ -94,11 +83,7 @@ def run_step(sched: Scheduler, seed: int, kv_store: dict[int, tuple[int, ...]]) 
 
 
 def make_scheduler(cfg, cls=Scheduler) -> Scheduler:
-    return cls(
-        SchedulerConfig(max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["budget"],
-                        enable_chunked_prefill=cfg["chunked"], long_prefill_token_threshold=cfg["threshold"],
-                        policy=cfg["policy"]),
-        CacheConfig(block_size=BS, enable_prefix_caching=cfg["caching"]), cfg["num_blocks"], MAX_MODEL_LEN)
+    return shared_make_scheduler(cfg, BS, MAX_MODEL_LEN, cls)
 
 
 def make_request(rid: str, arg) -> Request:
@@ -157,15 +142,7 @@ def observable(sched: Scheduler, out, advanced) -> tuple:
 
 # Workloads that dwell in steps of plain decodes: a few requests at a time that decode for long, short ones
 # that come and go, a pool that runs dry mid-decode, and sampled tokens that rarely hit a stop id.
-decode_configs = st.fixed_dictionaries({
-    "num_blocks": st.integers(4, 16),
-    "budget": st.integers(4, 64),
-    "max_num_seqs": st.integers(2, 8),
-    "threshold": st.sampled_from([0, 0, 5]),
-    "chunked": st.booleans(),
-    "policy": st.sampled_from(["fcfs", "priority", "static"]),
-    "caching": st.booleans(),
-})
+decode_configs = scheduler_configs(num_blocks=(4, 16), budget=(4, 64), max_num_seqs=(2, 8), thresholds=[0, 0, 5])
 decode_requests = st.fixed_dictionaries({
     "prompt": st.lists(st.integers(0, PROMPT_VOCAB - 1), min_size=1, max_size=12),
     "max_tokens": st.sampled_from([1, 2, 3, 12, 24, 36]),
@@ -173,12 +150,7 @@ decode_requests = st.fixed_dictionaries({
     "ignore_eos": st.booleans(),
     "stop_token_ids": st.sampled_from([[], [3]]),
 })
-decode_ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), decode_requests),
-    st.tuples(st.just("step"), st.integers(0, 2**31)),
-    st.tuples(st.just("step"), st.integers(0, 2**31)),
-    st.tuples(st.just("abort"), st.integers(0, 40)),
-), max_size=80)
+decode_ops = scripts(decode_requests, max_size=80, step_weight=2)
 
 
 @settings(max_examples=200, deadline=None)
