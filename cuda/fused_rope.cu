@@ -20,29 +20,6 @@ using namespace fused_detail;
 
 constexpr int kCtaThreads = 128;
 
-template <typename T>
-struct RopeArgs {
-  const T* qkv;
-  int64_t qkv_stride;
-  const int64_t* positions;
-  const float* cos_sin;
-  int64_t max_positions;
-  const T* q_weight;
-  const T* k_weight;
-  T* q;
-  T* k;
-  T* v;
-  int64_t num_tokens;
-  int num_heads;
-  int num_kv_heads;
-  int head_dim;
-  int tph;  // threads per head
-  float eps;
-  T* k_cache;  // null unless the KV-cache write is fused (then with v_cache and slot_mapping)
-  T* v_cache;
-  const int64_t* slot_mapping;
-};
-
 template <int N>
 __device__ __forceinline__ void load_f32(const float* p, float (&out)[N]) {
   if constexpr (N % 4 == 0) {
@@ -87,34 +64,36 @@ __device__ __forceinline__ void norm_head(float (&lo)[K][VEC], float (&hi)[K][VE
 // Where the row of `head` (numbered as in the packed qkv row) of a live token goes: its q, k or v buffer row,
 // or with the caches given its cache row for k and v heads, null when the token's slot is negative (not stored).
 template <typename T>
-__device__ __forceinline__ T* head_dst(const RopeArgs<T>& a, int64_t token, int head) {
-  if (head < a.num_heads) return a.q + (token * a.num_heads + head) * a.head_dim;
+__device__ __forceinline__ T* head_dst(const QkNormRopeArgs& a, int64_t token, int head) {
+  if (head < a.num_heads) return static_cast<T*>(a.q) + (token * a.num_heads + head) * a.head_dim;
   const bool is_k = head < a.num_heads + a.num_kv_heads;
   const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
-  if (a.slot_mapping == nullptr) return (is_k ? a.k : a.v) + (token * a.num_kv_heads + kv_head) * a.head_dim;
+  if (a.slot_mapping == nullptr)
+    return static_cast<T*>(is_k ? a.k : a.v) + (token * a.num_kv_heads + kv_head) * a.head_dim;
   const int64_t slot = a.slot_mapping[token];
   if (slot < 0) return nullptr;
-  return (is_k ? a.k_cache : a.v_cache) + (slot * a.num_kv_heads + kv_head) * a.head_dim;
+  return static_cast<T*>(is_k ? a.k_cache : a.v_cache) + (slot * a.num_kv_heads + kv_head) * a.head_dim;
 }
 
+// tph: threads per head (a power of two, chosen by launch_k).
 template <typename T, int VEC, int K, bool NORM>
-__global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArgs<T> a) {
+__global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const QkNormRopeArgs a, int tph) {
   const int heads = a.num_heads + 2 * a.num_kv_heads;
-  const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / a.tph;
-  const int lane = threadIdx.x % a.tph;
+  const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / tph;
+  const int lane = threadIdx.x % tph;
   const int64_t token = group / heads;
   const int head = static_cast<int>(group % heads);
   // Groups past the last token, and k/v heads of a token whose slot is skipped, have no destination: they
   // still run the (warp-wide) norm reduction but load and store nothing.
   const bool live = token < a.num_tokens;
-  T* const dst = live ? head_dst(a, token, head) : nullptr;
+  T* const dst = live ? head_dst<T>(a, token, head) : nullptr;
   const int half = a.head_dim / 2;
-  const T* src = a.qkv + token * a.qkv_stride + static_cast<int64_t>(head) * a.head_dim;
+  const T* src = static_cast<const T*>(a.qkv) + token * a.qkv_row_stride + static_cast<int64_t>(head) * a.head_dim;
   float lo[K][VEC], hi[K][VEC];
   bool valid[K];
 #pragma unroll
   for (int j = 0; j < K; ++j) {
-    const int c = (lane + j * a.tph) * VEC;
+    const int c = (lane + j * tph) * VEC;
     valid[j] = dst != nullptr && c < half;
     if (valid[j]) {
       load_vec<T, VEC>(src + c, lo[j]);
@@ -126,7 +105,8 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArg
   }
   const bool is_v = head >= a.num_heads + a.num_kv_heads;
   if constexpr (NORM) {
-    norm_head<T, VEC, K>(lo, hi, valid, !is_v, head < a.num_heads ? a.q_weight : a.k_weight, lane, a.tph,
+    norm_head<T, VEC, K>(lo, hi, valid, !is_v,
+                         static_cast<const T*>(head < a.num_heads ? a.q_norm_weight : a.k_norm_weight), lane, tph,
                          half, a.eps);
   }
   const int64_t pos = dst != nullptr ? a.positions[token] : 0;
@@ -135,7 +115,7 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArg
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     if (!valid[j]) continue;
-    const int c = (lane + j * a.tph) * VEC;
+    const int c = (lane + j * tph) * VEC;
     if (!is_v) {
       float cos_v[VEC], sin_v[VEC];
       load_f32<VEC>(cs + c, cos_v);
@@ -153,19 +133,19 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const RopeArg
 }
 
 template <typename T, int VEC, int K>
-cudaError_t launch_k(RopeArgs<T> a, bool norm, cudaStream_t stream) {
+cudaError_t launch_k(const QkNormRopeArgs& a, bool norm, cudaStream_t stream) {
   const int pairs = a.head_dim / 2 / VEC;
   if constexpr (K < 4) {
     if (pairs > 32 * K) return launch_k<T, VEC, K * 2>(a, norm, stream);
   }
   if (pairs > 32 * K) return cudaErrorInvalidValue;
-  a.tph = next_pow2((pairs + K - 1) / K);
+  const int tph = next_pow2((pairs + K - 1) / K);
   const int64_t groups = a.num_tokens * (a.num_heads + 2 * a.num_kv_heads);
-  const int64_t grid = (groups * a.tph + kCtaThreads - 1) / kCtaThreads;
+  const int64_t grid = (groups * tph + kCtaThreads - 1) / kCtaThreads;
   if (norm) {
-    qk_norm_rope_kernel<T, VEC, K, true><<<grid, kCtaThreads, 0, stream>>>(a);
+    qk_norm_rope_kernel<T, VEC, K, true><<<grid, kCtaThreads, 0, stream>>>(a, tph);
   } else {
-    qk_norm_rope_kernel<T, VEC, K, false><<<grid, kCtaThreads, 0, stream>>>(a);
+    qk_norm_rope_kernel<T, VEC, K, false><<<grid, kCtaThreads, 0, stream>>>(a, tph);
   }
   return cudaGetLastError();
 }
@@ -184,11 +164,6 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ActDType dtype, cudaStr
   if (p.num_tokens == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const RopeArgs<T> a{static_cast<const T*>(p.qkv), p.qkv_row_stride, p.positions, p.cos_sin,
-                        p.max_positions, static_cast<const T*>(p.q_norm_weight),
-                        static_cast<const T*>(p.k_norm_weight), static_cast<T*>(p.q), static_cast<T*>(p.k),
-                        static_cast<T*>(p.v), p.num_tokens, p.num_heads, p.num_kv_heads, p.head_dim, 0, p.eps,
-                        static_cast<T*>(p.k_cache), static_cast<T*>(p.v_cache), p.slot_mapping};
     constexpr int kVec = 16 / sizeof(T);
     // cos/sin are read as float4 in the vector path, so their rows must be 16-byte aligned as well. Cache rows
     // start at multiples of head_dim, so aligned cache bases keep every row aligned.
@@ -196,7 +171,7 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ActDType dtype, cudaStr
                                       p.k_cache, p.v_cache},
                                      {p.qkv_row_stride, p.head_dim / 2}) == kVec &&
                      p.head_dim % 4 == 0;
-    return vec ? launch_k<T, kVec, 1>(a, norm, stream) : launch_k<T, 1, 1>(a, norm, stream);
+    return vec ? launch_k<T, kVec, 1>(p, norm, stream) : launch_k<T, 1, 1>(p, norm, stream);
   });
 }
 

@@ -141,13 +141,14 @@ def test_backends_fuse_the_kv_write_only_where_the_kernels_run(monkeypatch):
     assert TorchAttentionBackend().fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None
 
     seen = []
-    monkeypatch.setattr(cuda_backend, "unsupported_reason", lambda q, kc: seen.append(q.shape))  # None: supported
+    # None: supported. Records (head_dim, num_q_heads), the shape of q as qk_norm_rope will return it.
+    monkeypatch.setattr(cuda_backend, "_reason", lambda cuda, d, hq, *rest: seen.append((d, hq)))
     monkeypatch.setattr(fused_ops, "qk_norm_rope_runs_kernel", lambda x: False)
     assert backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None
     monkeypatch.setattr(fused_ops, "qk_norm_rope_runs_kernel", lambda x: True)
     k_out, v_out, slots = backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta)
     assert k_out is k_cache and v_out is v_cache and slots is meta.slot_mapping
-    assert seen == [(3, 4, 64)] * 2
+    assert seen == [(64, 4)] * 2
 
 
 # Random123's published known answers for Philox4x32-10 (counter, key, output).

@@ -16,6 +16,7 @@ so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import warnings
+from functools import lru_cache
 
 import torch
 
@@ -32,16 +33,21 @@ MAX_GQA_GROUP = 16   # the decode kernel puts a group's query heads in the 16 ro
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     """Why the CUDA kernels cannot run this shape/dtype, or None when they can."""
-    head_dim, num_q_heads = q.shape[-1], q.shape[1]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if not q.is_cuda:
+    return _reason(q.is_cuda, q.shape[-1], q.shape[1], k_cache.shape[2], k_cache.shape[1], q.dtype, k_cache.dtype)
+
+
+# Asked for every layer of every eager step with the same few arguments: memoised on them.
+@lru_cache(maxsize=64)
+def _reason(is_cuda: bool, head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int,
+            dtype: torch.dtype, cache_dtype: torch.dtype) -> str | None:
+    if not is_cuda:
         return "tensors are not on a CUDA device"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
     if block_size not in SUPPORTED_BLOCK_SIZES:
         return f"block_size={block_size} (supported: {SUPPORTED_BLOCK_SIZES})"
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype:
-        return f"dtype q={q.dtype} cache={k_cache.dtype} (supported: bfloat16, float16, both the same)"
+    if dtype not in SUPPORTED_DTYPES or cache_dtype != dtype:
+        return f"dtype q={dtype} cache={cache_dtype} (supported: bfloat16, float16, both the same)"
     if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= MAX_GQA_GROUP:
         return f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads} (group must be 1..{MAX_GQA_GROUP})"
     return None
@@ -64,8 +70,10 @@ class CudaAttentionBackend:
         k/v itself), and only when qk_norm_rope runs its CUDA kernel: its torch path could write the cache too,
         but slower than kv_write, so fusing there would cost instead of save.
         """
-        q = qkv[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))  # q as qk_norm_rope returns it
-        if unsupported_reason(q, k_cache) is not None or not fused_ops.qk_norm_rope_runs_kernel(qkv):
+        # The checks forward() will make on q as qk_norm_rope returns it ([T, num_heads, head_dim], qkv's dtype).
+        reason = _reason(qkv.is_cuda, head_dim, num_heads, k_cache.shape[2], k_cache.shape[1], qkv.dtype,
+                         k_cache.dtype)
+        if reason is not None or not fused_ops.qk_norm_rope_runs_kernel(qkv):
             return None
         return k_cache, v_cache, meta.slot_mapping
 
