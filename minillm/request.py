@@ -5,8 +5,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from minillm.sampling_params import SamplingParams
 
 
@@ -50,11 +48,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         sp = self.sampling_params
-        # The per-row scalars the sampler needs every step, packed once as float32 bytes: joining 256 of
-        # these is ~100x cheaper than converting 256 tuples (see minillm/sampling/batch.py for the fields).
-        self.sampling_row = np.array((sp.temperature, sp.top_p, sp.min_p, sp.top_k, sp.presence_penalty,
-                                      sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens,
-                                      sp.seed is not None, sp.logprobs is not None), dtype=np.float32).tobytes()
+        self.sampling_row = sp.packed_row()   # the sampler's per-row scalars, packed once
         # The scheduler's per-token stop screen, precomputed: a request can only stop on a token in stop_ids
         # or on reaching max_num_tokens (max_tokens outputs). min_tokens and ignore_eos are checked after it.
         self.stop_ids = self.eos_token_ids | frozenset(sp.stop_token_ids)

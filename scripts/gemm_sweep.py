@@ -2,8 +2,8 @@
 
     python scripts/gemm_sweep.py [--output results/gemm_sweep.jsonl]
 
-Each shape gets 28 distinct weights (one per layer, 8-12 MB each, so the set is several times the L2) and a graph
-that runs the 28 products back to back, as a decode step does. One line per batch size M: microseconds per call
+Each shape gets 28 distinct weights (one per layer, 8-12 MB each, so the set is several times the L2), timed as
+check-kernels times its kernels: CUDA-graph replays of the 28 products back to back, as a decode step runs them. One line per batch size M: microseconds per call
 of each implementation, the kernel at its automatic K split and at its best split, and its max abs difference
 from cuBLAS. GPU (sm_90) only; this is what set gemm_ops.MAX_ROWS and MAX_N.
 """
@@ -18,26 +18,10 @@ import torch.nn.functional as F
 from minillm.fingerprint import stamp
 from minillm.ops import gemm_ops
 from minillm.ops.build import load_extension
+from minillm.ops.check import _time_graph
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}   # (N, K)
 LAYERS = 28
-
-
-def us_per_call(fn, calls: int, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps / calls
 
 
 def sweep_row(m: int, weights: dict, sms: int) -> dict:
@@ -46,13 +30,16 @@ def sweep_row(m: int, weights: dict, sms: int) -> dict:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ws = weights[name]
 
+        def us(gemm) -> float:   # per call, one call per layer's weight in each graph pass
+            return _time_graph([lambda w=w: gemm(x, w) for w in ws]) * 1000
+
         def skinny(splits):
-            return lambda: [torch.ops.minillm.skinny_gemm(x, w, splits) for w in ws]
+            return lambda x_, w_: torch.ops.minillm.skinny_gemm(x_, w_, splits)
         auto = gemm_ops.gemm_splits(m, n, k, sms)
-        row[f"{name}_cublas_us"] = round(us_per_call(lambda: [F.linear(x, w) for w in ws], len(ws)), 2)
-        row[f"{name}_skinny_us"] = round(us_per_call(skinny(auto), len(ws)), 2)
+        row[f"{name}_cublas_us"] = round(us(F.linear), 2)
+        row[f"{name}_skinny_us"] = round(us(skinny(auto)), 2)
         row[f"{name}_splits"] = auto
-        best = min((us_per_call(skinny(s), len(ws)), s) for s in (1, 2, 4, 8) if k % (s * gemm_ops.TILE_K) == 0)
+        best = min((us(skinny(s)), s) for s in (1, 2, 4, 8) if k % (s * gemm_ops.TILE_K) == 0)
         row[f"{name}_best_us"], row[f"{name}_best_splits"] = round(best[0], 2), best[1]
         diff = torch.ops.minillm.skinny_gemm(x, ws[0], auto).float() - F.linear(x, ws[0]).float()
         row[f"{name}_max_abs_diff"] = diff.abs().max().item()

@@ -16,6 +16,7 @@ import torch
 
 from minillm.device import to_device
 from minillm.request import Request
+from minillm.sampling_params import ROW_FIELDS
 from minillm.sampling.penalties import PenaltyTensors, pad_token_arrays, token_history
 
 _MASK64 = (1 << 64) - 1
@@ -23,8 +24,7 @@ _GREEDY_BELOW = 1e-5
 
 # Rows of the packed [len(_FIELDS), N] float32 parameter matrix: Request.sampling_row, transposed. The last
 # three are host-only flags (min_tokens, seeded, wants logprobs) that say which per-row loops are needed.
-_FIELDS = ("temperature", "top_p", "min_p", "top_k", "presence", "frequency", "repetition",
-           "min_tokens", "seeded", "logprobs")
+_FIELDS = ROW_FIELDS
 _T, _P, _MINP, _K, _PRES, _FREQ, _REP, _MINTOK, _SEEDED, _LOGPROBS = range(len(_FIELDS))
 _DEVICE_FIELDS = _REP + 1   # rows [0, _DEVICE_FIELDS) are shipped to the device
 
