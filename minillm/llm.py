@@ -57,6 +57,10 @@ class LLM:
     def num_preemptions(self) -> int:
         return self.engine.num_preemptions
 
+    def stats(self):
+        """EngineStats: running and waiting requests, KV-cache usage, preemptions (a cheap snapshot)."""
+        return self.engine.stats()
+
     # ---- streaming primitives ----
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, enable_thinking: bool | None = None) -> str:

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from minillm.config import EngineConfig
-from minillm.engine.outputs import CompletionOutput, ModelRunnerOutput, RequestMetrics, RequestOutput, StepOutput
+from minillm.engine.outputs import (CompletionOutput, EngineStats, ModelRunnerOutput, RequestMetrics, RequestOutput,
+                                    StepOutput)
 from minillm.engine.prompts import PromptPreparer
 from minillm.engine.scheduler import Scheduler
 from minillm.request import Request, RequestStatus
@@ -259,6 +260,10 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(s.num_running, s.num_waiting, s.kv.usage, s.num_preemptions)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

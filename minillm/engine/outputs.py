@@ -41,6 +41,15 @@ class SchedulerOutput:
         return list(compress(self.requests, self.sample))
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for metrics and admission control (plain data)."""
+    num_running: int          # requests (completions) scheduled and holding KV blocks
+    num_waiting: int          # queued, not yet running (or preempted)
+    kv_cache_usage: float     # fraction of KV blocks in use, 0..1
+    num_preemptions: int      # since start
+
+
 @dataclass
 class TokenLogprobs:
     """Logprob of the sampled token plus the top-N alternatives (token id -> logprob)."""
