@@ -1,4 +1,4 @@
-"""Build and load the CUDA extension: every cuda/*.cu plus every cuda/*bindings.cpp, one shared library.
+"""Build and load the CUDA extension: every minillm/cuda/*.cu plus every minillm/cuda/*bindings.cpp, one shared library.
 
 Built at first use with torch.utils.cpp_extension (ninja) into a cache folder keyed by a hash of all sources
 and flags (default ~/.cache/minillm/ext/<hash>, or $MINILLM_EXT_DIR/<hash>), so an edit rebuilds and an
@@ -12,7 +12,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"   # shipped as package data
 EXT_NAME = "minillm_ops"
 
 NVCC_FLAGS = [

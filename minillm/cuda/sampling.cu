@@ -17,7 +17,7 @@
 // skip Philox): the same winner for a fraction of the logarithms (group_cannot_win, column_cannot_win).
 // Variants: 16-byte loads (4 fp32 or 8 half-precision columns; vocab and row stride multiples of that,
 // aligned) or scalar loads.
-// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/sampling.cu
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/sampling.cu
 #include <cmath>
 
 #include "fused.h"
