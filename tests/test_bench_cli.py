@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from minillm.bench.plots import plot_latency
 from minillm.bench.report import BENCH_KEYS, LATENCY_KEYS, read_jsonl
-from minillm.cli import app
+from minillm.commands import app
 
 OFFLINE = "kind: offline\nnum_requests: 8\nprompt_len: [8, 40]\noutput_len: [3, 6]\nmax_model_len: 128\n"
 ONLINE = ("kind: online\nnum_requests: 8\nshort_prompt_len: [8, 24]\nlong_prompt_len: [60, 90]\n"

@@ -2,12 +2,14 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from minillm import cli
-from minillm.cli import EngineFlags, app
+from minillm import commands
+from minillm.commands import app
+from minillm.commands.engine_flags import EngineFlags
 
 ENGINE_ARGS = ["--device", "cpu", "--set", "cache.num_kv_blocks=64"]
 
@@ -23,7 +25,7 @@ def answers(text: str) -> list[dict]:
 # ---------------------------------------------------------------- help and lazy commands
 
 def test_help_lists_every_command_without_importing_torch():
-    code = ("import sys; from minillm.cli import app; from typer.testing import CliRunner; "
+    code = ("import sys; from minillm.commands import app; from typer.testing import CliRunner; "
             "r = CliRunner().invoke(app, ['--help']); print(r.output); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -46,7 +48,7 @@ def test_engine_flags_on_engine_commands():
 
 
 def test_command_whose_module_is_missing_says_not_built(monkeypatch):
-    monkeypatch.setitem(cli.LAZY_COMMANDS, "future-thing", ("minillm.no_such_module", "cmd", "Does a thing."))
+    monkeypatch.setitem(commands.COMMANDS, "future-thing", ("minillm.no_such_module", "cmd", "Does a thing."))
     help_result = run_cli("future-thing", "--help")
     assert help_result.exit_code == 0 and "Does a thing." in help_result.output
     result = run_cli("future-thing", "--some-flag", "3")
@@ -54,9 +56,40 @@ def test_command_whose_module_is_missing_says_not_built(monkeypatch):
 
 
 def test_command_whose_function_is_missing_says_not_built(monkeypatch):
-    monkeypatch.setitem(cli.LAZY_COMMANDS, "future-thing", ("minillm.config", "no_such_command", "Thing."))
+    monkeypatch.setitem(commands.COMMANDS, "future-thing", ("minillm.config", "no_such_command", "Thing."))
     result = run_cli("future-thing")
     assert result.exit_code == 2 and "not built yet" in result.stderr
+
+
+def greet_command(name: str = "world", *, engine: EngineFlags) -> None:
+    """Say hello (a stand-in for a command another module adds)."""
+    print(f"hello {name} on {engine.device}")
+
+
+def test_a_new_command_is_one_registry_entry(monkeypatch):
+    from minillm.commands.engine_flags import engine_options
+    monkeypatch.setattr(sys.modules[__name__], "greet_command", engine_options(greet_command))
+    monkeypatch.setitem(commands.COMMANDS, "greet", (__name__, "greet_command", "Say hello."))
+    assert "Say hello." in run_cli("--help").output
+    result = run_cli("greet", "--name", "you", "--device", "cpu")
+    assert result.exit_code == 0 and result.stdout == "hello you on cpu\n"
+    assert "--budget N" in run_cli("greet", "--help").output      # the shared engine flags came with it
+
+
+def test_commands_sit_on_top_of_the_package():
+    """Only minillm/commands/ (and the two entry shims) import the CLI layer: no cycle through it."""
+    import ast
+    root = Path(commands.__file__).parents[1]
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("commands/") or rel in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{rel}: {n}" for n in names if n.startswith(("minillm.commands", "minillm.cli"))]
+    assert offenders == []
 
 
 def test_flags_reach_the_engine_config(tmp_path):

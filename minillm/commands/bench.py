@@ -1,0 +1,145 @@
+"""`minillm bench` and `minillm latency-sweep`: parse flags, then hand over to minillm.bench."""
+# NOTE: no `from __future__ import annotations`: engine_options reads these signatures with the aliases below.
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from minillm.bench.suite import BENCH_SUITE, LATENCY_SUITE
+from minillm.commands.common import fail
+from minillm.commands.engine_flags import EngineFlags, engine_options
+from minillm.config import ConfigError
+
+NumRequestsOpt = Annotated[Optional[int], typer.Option("--num-requests", metavar="N",
+                                                       help="Run only the first N requests.")]
+WorkloadOpt = Annotated[Optional[Path], typer.Option("--workload", metavar="FILE",
+                                                     help="Workload YAML instead of the reference.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
+
+
+@engine_options
+def bench_command(
+    num_requests: NumRequestsOpt = None, workload: WorkloadOpt = None,
+    peer: Annotated[str, typer.Option("--engine", metavar="ENGINE",
+                                      help="minillm | hf (transformers continuous batching)")] = "minillm",
+    repeat: Annotated[int, typer.Option("--repeat", metavar="N",
+                                        help="Timed passes per configuration (median reported).")] = 1,
+    compare: Annotated[bool, typer.Option("--compare", help="Run every entry of the suite's runs list.")] = False,
+    suite: Annotated[Path, typer.Option("--suite", metavar="FILE", help="Base engine + --compare runs.",
+                                        show_default="configs/bench.yaml")] = BENCH_SUITE,
+    output: Annotated[Path, typer.Option("--output", metavar="FILE",
+                                         help="JSONL file to append to.")] = Path("results/bench.jsonl"),
+    progress: ProgressOpt = True, *, engine: EngineFlags,
+) -> None:
+    """Offline throughput on the reference workload (DESIGN 6), with % of the hardware floor (DESIGN 7)."""
+    from minillm.bench.floor import measure_device
+    from minillm.bench.report import append_jsonl, bench_table, print_table
+    from minillm.bench.suite import build_config, device_of, label, offline_workload, prepare_device, read_suite
+
+    try:
+        if peer not in ("minillm", "hf"):
+            raise ConfigError(f"--engine={peer!r} is not allowed: minillm or hf")
+        if peer == "hf" and (compare or repeat != 1):
+            raise ConfigError("--compare and --repeat apply to minillm runs; run --engine hf on its own")
+        if not 1 <= repeat:
+            raise ConfigError(f"--repeat={repeat!r} is not allowed: an integer >= 1")
+        data = read_suite(suite)
+        w = offline_workload(workload, num_requests)
+        entries = data.get("runs", []) if compare else [{}]
+        if not entries or not all(isinstance(e, dict) for e in entries):
+            raise ConfigError(f"suite {suite}: 'runs' must be a non-empty list of mappings")
+        cfgs = [(e.get("name"), build_config(data, engine.config, engine.set or [], engine.overrides(), e,
+                                             w.max_model_len)) for e in entries]
+    except ValueError as e:   # ConfigError included
+        fail(str(e))
+    dev = device_of(cfgs[0][1])
+    extra = prepare_device(dev) if peer == "minillm" else {}
+    rates = measure_device(dev)   # before any engine takes the GPU memory
+    lines, failed = [], []
+    for name, cfg in cfgs:
+        try:
+            line = _run_one(peer, cfg, name or label(cfg), w, rates, repeat, progress)
+        except Exception as e:   # one broken configuration must not cost the others their measurement
+            failed.append(f"{name or label(cfg)}: {type(e).__name__}: {e}")
+            continue
+        lines.append(append_jsonl(output, {**line, **extra}))
+    if lines:
+        print_table(bench_table(lines))
+    typer.echo(f"appended {len(lines)} line(s) to {output}")
+    _report_failures(failed)
+
+
+def _report_failures(failed: list[str]) -> None:
+    for message in failed:
+        typer.echo(f"failed: {message}", err=True)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _run_one(peer: str, cfg, name: str, w, rates, repeat: int, progress: bool) -> dict:
+    from minillm.bench.hf_peer import run_hf
+    from minillm.bench.offline import run_config
+    from minillm.bench.suite import device_of
+
+    if peer == "hf":
+        device = device_of(cfg)
+        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device.startswith("cuda")
+                                                                   else "float32")
+        return run_hf(cfg.model.model, w, rates, device, dtype, show_progress=progress)
+    return run_config(cfg, w, rates, name, repeat, progress)
+
+
+@engine_options
+def latency_sweep_command(
+    num_requests: NumRequestsOpt = None, workload: WorkloadOpt = None,
+    rates: Annotated[Optional[str], typer.Option("--rates", metavar="R1,R2",
+                                                 help="Comma-separated req/s (default: suite's).")] = None,
+    configs: Annotated[Optional[str], typer.Option("--configs", metavar="NAMES",
+                                                   help="Comma-separated config names.")] = None,
+    time_scale: Annotated[float, typer.Option("--time-scale", metavar="X",
+                                              help="Multiply arrival gaps (tiny runs).")] = 1.0,
+    suite: Annotated[Path, typer.Option("--suite", metavar="FILE", help="Base engine, rates, workload, configs.",
+                                        show_default="configs/latency.yaml")] = LATENCY_SUITE,
+    output: Annotated[Path, typer.Option("--output", metavar="FILE", help="JSONL file to append to.")]
+    = Path("results/latency.jsonl"),
+    plot: Annotated[Path, typer.Option("--plot", metavar="FILE", help="PNG to write.")] = Path("results/latency.png"),
+    plot_only: Annotated[Optional[Path], typer.Option("--plot-only", metavar="FILE",
+                                                      help="Redraw from a results JSONL.")] = None,
+    progress: ProgressOpt = True, *, engine: EngineFlags,
+) -> None:
+    """Online latency under Poisson arrivals (DESIGN 6): TTFT and ITL percentiles per config and rate."""
+    from minillm.bench.latency import run_sweep_config
+    from minillm.bench.plots import plot_latency
+    from minillm.bench.report import append_jsonl, latency_table, print_table, read_jsonl
+    from minillm.bench.suite import (build_config, device_of, online_workload, parse_rates, pick_configs,
+                                     prepare_device, read_suite)
+
+    try:
+        if plot_only is not None:
+            lines = read_jsonl(plot_only, kind="latency")
+            print_table(latency_table(lines))
+            typer.echo(f"wrote {plot_latency(lines, plot)}")
+            return
+        if not time_scale > 0:
+            raise ConfigError(f"--time-scale={time_scale!r} is not allowed: a number > 0")
+        data = read_suite(suite)
+        w = online_workload(data, workload, num_requests)
+        rate_list = parse_rates(rates) if rates else parse_rates(",".join(map(str, data.get("rates", []))))
+        cfgs = [(e["name"], build_config(data, engine.config, engine.set or [], engine.overrides(), e,
+                                         w.max_model_len))
+                for e in pick_configs(data.get("configs"), configs)]
+    except ValueError as e:   # ConfigError included
+        fail(str(e))
+    extra = prepare_device(device_of(cfgs[0][1]))
+    lines, failed = [], []
+    for name, cfg in cfgs:
+        try:
+            new = run_sweep_config(cfg, name, w, rate_list, time_scale, progress)
+        except Exception as e:   # as in bench: keep the other configurations' results
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        lines += [append_jsonl(output, {**line, **extra}) for line in new]
+    if lines:
+        print_table(latency_table(lines))
+        typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
+    _report_failures(failed)
