@@ -1,6 +1,8 @@
-"""What every command shares: the one way to stop with an error, and readable --help pages."""
+"""What every command shares: the one way to stop with an error, the exit codes, readable --help pages."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import NoReturn
 
 import typer
@@ -10,6 +12,21 @@ from typer.core import TyperArgument, TyperCommand, TyperOption
 # name (N, FILE, DIR|PRESET, KEY=VALUE) set their metavar where they are declared.
 _TYPE_WORDS = {"int": "INTEGER", "float": "NUMBER", "str": "TEXT", "path": "PATH", "list[str]": "TEXT",
                "list[int]": "INTEGER", "list[path]": "PATH"}
+
+
+EXIT_CODES = ("Exit status: 0 every line answered; 1 some lines got an error answer (all others were still "
+              "answered), or the output could not be written; 2 usage or configuration error, before any work; "
+              "130 / 143 stopped by SIGINT / SIGTERM (every request in flight still gets its final line).")
+
+
+def quiet_broken_pipe() -> None:
+    """The reader of stdout went away (`minillm ... | head -1`). Point stdout at /dev/null so that the
+    interpreter's final flush does not print a BrokenPipeError of its own."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

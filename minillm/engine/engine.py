@@ -56,7 +56,8 @@ class LLMEngine:
         self.cfg = cfg
         self.runner = ModelRunner(cfg)
         self.max_model_len = self.runner.max_model_len
-        self.prompts = PromptPreparer(self.runner.model_dir, self.runner.arch, self.max_model_len)
+        self.prompts = PromptPreparer(self.runner.model_dir, self.runner.arch, self.max_model_len,
+                                      cfg.scheduler.max_num_seqs)
         self.tokenizer = self.prompts.tokenizer
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, self.runner.num_blocks, self.max_model_len)
         self._groups: dict[str, _Group] = {}
