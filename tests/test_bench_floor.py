@@ -1,4 +1,4 @@
-"""The floor formula reproduces DESIGN section 7's figures on the offline reference."""
+"""The floor formula reproduces the figures of docs/architecture.md section 7 on the offline reference."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Reference workloads reproduce DESIGN section 6 exactly and deterministically; YAML files are validated."""
+"""Reference workloads reproduce docs/architecture.md section 6 exactly and deterministically; YAML files are validated."""
 import pytest
 
 from minillm.bench.workloads import (REFERENCE_INPUT_TOKENS, REFERENCE_OUTPUT_TOKENS, check_reference_totals,
@@ -66,7 +66,7 @@ def test_yaml_workload(tmp_path):
     path.write_text("kind: closed\n")
     with pytest.raises(ValueError, match="kind"):
         load_workload(path)
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="not found"):
         load_workload(tmp_path / "missing.yaml")
 
 

@@ -12,8 +12,6 @@ import os
 import time
 from pathlib import Path
 
-import yaml
-
 from minillm.config import ConfigError, EngineConfig
 from minillm.fingerprint import REPO_ROOT
 
@@ -26,12 +24,8 @@ KERNEL_SWITCHES = ("MINILLM_DECODE_CTAS_PER_SM", "MINILLM_DECODE_MIN_PARTITIONS"
 
 
 def read_suite(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"suite file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"suite file {path} is not valid YAML: {e}") from None
+    from minillm.config_loader import read_yaml_file
+    data = read_yaml_file(path, "suite file") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"suite file {path} must hold a mapping")
     return data
@@ -45,22 +39,35 @@ def _section_sets(engine: dict) -> list[str]:
 
 
 def build_config(suite: dict, config: Path | None, sets: list[str], flags: dict, entry: dict,
-                 max_model_len: int) -> EngineConfig:
+                 max_model_len: int | None) -> EngineConfig:
     """One run's EngineConfig. config/sets/flags: the command's --config, --set and explicit engine flags
-    (LLM keyword names, None = not given); entry: a run of the suite's list ({} for the base engine)."""
+    (LLM keyword names, None = not given); entry: a run of the suite's list ({} for the base engine);
+    max_model_len: the workload's (None: the model's own)."""
     from minillm.config_loader import load_config
 
     if flags.get("max_model_len") is not None:
         raise ConfigError("--max-model-len: the workload sets max_model_len (2048 offline, 8192 online); "
                           "use --workload FILE.yaml for another")
     base = [] if config else _section_sets(suite.get("engine", {}))
-    overrides = {k: v for k, v in entry.items() if k != "name"}
+    overrides = {str(k): v for k, v in entry.items() if k != "name"}
     cfg, _ = load_config(config, [*base, *sets], **{**flags, **overrides, "max_model_len": max_model_len})
     model = cfg.model.model
     if model and not Path(model).is_dir() and (PRESET_DIR / f"{model}.json").is_file() \
             and cfg.model.load_format == "auto":
         cfg = EngineConfig.from_kwargs(base=cfg, load_format="dummy")
     return cfg
+
+
+def fit_workload(w, suite: dict, config: Path | None, sets: list[str], flags: dict, entry: dict):
+    """(the workload fitted to the model this run loads, its EngineConfig, notes on what fitting changed).
+    The demo model, for one, has a 4,096-token vocabulary and 2,048 positions: the reference workloads draw ids
+    up to 10,000 and the online one needs 8,192 positions."""
+    from minillm.model.loader import resolve_arch
+
+    probe = build_config(suite, config, sets, flags, entry, None)
+    arch = resolve_arch(probe.model.model, probe.model.load_format)
+    fitted, notes = w.fit(arch.vocab_size, arch.max_position_embeddings)
+    return fitted, build_config(suite, config, sets, flags, entry, fitted.max_model_len), notes
 
 
 def label(cfg: EngineConfig) -> str:
@@ -109,10 +116,26 @@ def offline_workload(workload: Path | None, num_requests: int | None):
 def online_workload(data: dict, workload: Path | None, num_requests: int | None):
     from minillm.bench.workloads import load_workload, online_workload as reference_online
 
-    w = load_workload(workload) if workload else reference_online(**data.get("workload", {}))
+    if workload:
+        w = load_workload(workload)
+    else:
+        settings = data.get("workload", {})
+        if not isinstance(settings, dict):
+            raise ConfigError("suite key 'workload' must be a mapping of online workload settings")
+        try:
+            w = reference_online(**{str(k): v for k, v in settings.items()})
+        except TypeError as e:   # an unknown setting
+            raise ConfigError(f"suite key 'workload': {e}") from None
     if w.unit_arrivals is None:
         raise ConfigError(f"workload {w.name!r} has no arrivals: latency-sweep needs kind: online")
     return w.head(num_requests)
+
+
+def suite_rates(data: dict) -> list[float]:
+    rates = data.get("rates", [])
+    if not isinstance(rates, list):
+        raise ConfigError(f"suite key 'rates' must be a list of request rates, got {rates!r:.60}")
+    return parse_rates(",".join(map(str, rates)))
 
 
 def parse_rates(rates: str) -> list[float]:
@@ -120,7 +143,7 @@ def parse_rates(rates: str) -> list[float]:
         values = [float(x) for x in rates.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or not all(v > 0 for v in values):
+    if not values or not all(0 < v < float("inf") for v in values):
         raise ConfigError(f"--rates={rates!r} is not allowed: comma-separated request rates > 0, e.g. 4,8")
     return values
 

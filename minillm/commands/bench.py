@@ -27,14 +27,20 @@ def bench_command(
     compare: Annotated[bool, typer.Option("--compare", help="Run every entry of the suite's runs list.")] = False,
     suite: Annotated[Path, typer.Option("--suite", metavar="FILE", help="Base engine + --compare runs.",
                                         show_default="configs/bench.yaml")] = BENCH_SUITE,
-    output: Annotated[Path, typer.Option("--output", metavar="FILE",
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE",
                                          help="JSONL file to append to.")] = Path("results/bench.jsonl"),
     progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
-    """Offline throughput on the reference workload (DESIGN 6), with % of the hardware floor (DESIGN 7)."""
+    """Offline throughput on the reference workload, with % of the hardware floor.
+
+    The reference workload and the floor are described in docs/architecture.md.
+    Without a GPU this runs the Qwen3-0.6B preset on the CPU, which takes
+    hours: it says so and how long before it starts; --model demo runs the
+    small demo model instead (token ids are folded into its vocabulary).
+    """
     from minillm.bench.floor import measure_device
     from minillm.bench.report import append_jsonl, bench_table, print_table
-    from minillm.bench.suite import build_config, device_of, label, offline_workload, prepare_device, read_suite
+    from minillm.bench.suite import device_of, label, offline_workload, prepare_device, read_suite
 
     try:
         if peer not in ("minillm", "hf"):
@@ -46,17 +52,18 @@ def bench_command(
         data = read_suite(suite)
         w = offline_workload(workload, num_requests)
         entries = data.get("runs", []) if compare else [{}]
-        if not entries or not all(isinstance(e, dict) for e in entries):
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
             raise ConfigError(f"suite {suite}: 'runs' must be a non-empty list of mappings")
-        cfgs = [(e.get("name"), build_config(data, engine.config, engine.set or [], engine.overrides(), e,
-                                             w.max_model_len)) for e in entries]
-    except ValueError as e:   # ConfigError included
+        runs = [_fitted(e, w, data, engine) for e in entries]
+    except (ValueError, OSError) as e:   # ConfigError included; OSError: a missing model directory
         fail(str(e))
-    dev = device_of(cfgs[0][1])
+    dev = device_of(runs[0][1])
+    if dev == "cpu":
+        _cpu_notice(runs[0][1], runs[0][2], num_requests is None and workload is None)
     extra = prepare_device(dev) if peer == "minillm" else {}
     rates = measure_device(dev)   # before any engine takes the GPU memory
     lines, failed = [], []
-    for name, cfg in cfgs:
+    for name, cfg, w in runs:
         try:
             line = _run_one(peer, cfg, name or label(cfg), w, rates, repeat, progress)
         except Exception as e:   # one broken configuration must not cost the others their measurement
@@ -67,6 +74,32 @@ def bench_command(
         print_table(bench_table(lines))
     typer.echo(f"appended {len(lines)} line(s) to {output}")
     _report_failures(failed)
+
+
+def _fitted(entry: dict, w, data: dict, engine: EngineFlags) -> tuple:
+    """(name, EngineConfig, workload) of one run, the workload fitted to the run's model (notes on stderr)."""
+    from minillm.bench.suite import fit_workload
+
+    fitted, cfg, notes = fit_workload(w, data, engine.config, engine.set or [], engine.overrides(), entry)
+    for note in notes:
+        typer.echo(f"minillm: workload {w.name}: {note}", err=True)
+    return entry.get("name"), cfg, fitted
+
+
+def _cpu_notice(cfg, w, is_default: bool) -> None:
+    """Say up front what a CPU run is in for: the 0.6B preset runs for hours on the full workload."""
+    from minillm.bench.cpu_estimate import estimate_seconds, format_duration
+    from minillm.model.loader import resolve_arch
+
+    arch = resolve_arch(cfg.model.model, cfg.model.load_format)
+    seconds = estimate_seconds(arch, w, cfg)
+    what = cfg.model.model or "the demo model"
+    typer.echo(f"minillm bench: no GPU: running {what} ({arch.num_params / 1e6:,.1f} M parameters) on the CPU, "
+               f"{w.num_requests} requests ({w.input_tokens:,} prompt + {w.output_tokens:,} output tokens); "
+               f"roughly {format_duration(seconds)} on this machine.", err=True)
+    if is_default or seconds > 600:
+        typer.echo("  For a CPU-sized run: `minillm bench --model demo` (the 3.4 M-parameter demo model, all "
+                   "requests) or `--num-requests N` (the first N).", err=True)
 
 
 def _report_failures(failed: list[str]) -> None:
@@ -100,19 +133,24 @@ def latency_sweep_command(
                                               help="Multiply arrival gaps (tiny runs).")] = 1.0,
     suite: Annotated[Path, typer.Option("--suite", metavar="FILE", help="Base engine, rates, workload, configs.",
                                         show_default="configs/latency.yaml")] = LATENCY_SUITE,
-    output: Annotated[Path, typer.Option("--output", metavar="FILE", help="JSONL file to append to.")]
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", help="JSONL file to append to.")]
     = Path("results/latency.jsonl"),
     plot: Annotated[Path, typer.Option("--plot", metavar="FILE", help="PNG to write.")] = Path("results/latency.png"),
     plot_only: Annotated[Optional[Path], typer.Option("--plot-only", metavar="FILE",
                                                       help="Redraw from a results JSONL.")] = None,
     progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
-    """Online latency under Poisson arrivals (DESIGN 6): TTFT and ITL percentiles per config and rate."""
+    """Online latency under Poisson arrivals: TTFT and ITL percentiles per config and rate.
+
+    The online reference workload is described in docs/architecture.md. On a
+    model with fewer positions or a smaller vocabulary (the demo model), the
+    workload is fitted to it first, and a note says what changed.
+    """
     from minillm.bench.latency import run_sweep_config
     from minillm.bench.plots import plot_latency
     from minillm.bench.report import append_jsonl, latency_table, print_table, read_jsonl
-    from minillm.bench.suite import (build_config, device_of, online_workload, parse_rates, pick_configs,
-                                     prepare_device, read_suite)
+    from minillm.bench.suite import (device_of, online_workload, parse_rates, pick_configs, prepare_device,
+                                     read_suite, suite_rates)
 
     try:
         if plot_only is not None:
@@ -124,15 +162,13 @@ def latency_sweep_command(
             raise ConfigError(f"--time-scale={time_scale!r} is not allowed: a number > 0")
         data = read_suite(suite)
         w = online_workload(data, workload, num_requests)
-        rate_list = parse_rates(rates) if rates else parse_rates(",".join(map(str, data.get("rates", []))))
-        cfgs = [(e["name"], build_config(data, engine.config, engine.set or [], engine.overrides(), e,
-                                         w.max_model_len))
-                for e in pick_configs(data.get("configs"), configs)]
-    except ValueError as e:   # ConfigError included
+        rate_list = parse_rates(rates) if rates else suite_rates(data)
+        runs = [_fitted(e, w, data, engine) for e in pick_configs(data.get("configs"), configs)]
+    except (ValueError, OSError) as e:   # ConfigError included; OSError: a missing model directory
         fail(str(e))
-    extra = prepare_device(device_of(cfgs[0][1]))
+    extra = prepare_device(device_of(runs[0][1]))
     lines, failed = [], []
-    for name, cfg in cfgs:
+    for name, cfg, w in runs:
         try:
             new = run_sweep_config(cfg, name, w, rate_list, time_scale, progress)
         except Exception as e:   # as in bench: keep the other configurations' results

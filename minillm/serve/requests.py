@@ -106,7 +106,7 @@ def decode_line(line_no: int, raw: bytes | TooLong) -> dict:
     try:
         obj = loads_json(text)
     except TooNested as e:
-        raise LineError(line_no, "invalid_json", f"line {line_no} is {e}; the limit is {MAX_JSON_DEPTH}") from None
+        raise LineError(line_no, "invalid_json", f"line {line_no} is {e} (JSON depth limit)") from None
     except ValueError as e:   # JSONDecodeError, NaN/Infinity, an integer of more than 4,300 digits
         raise LineError(line_no, "invalid_json", f"line {line_no} is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
