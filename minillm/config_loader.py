@@ -104,7 +104,18 @@ def read_yaml_file(path: Path, what: str = "config file") -> Any:
     try:
         return load_yaml(text)
     except (yaml.YAMLError, ValueError) as e:   # ValueError: TooNested
-        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from None
+
+
+def yaml_problem(e: Exception) -> str:
+    """A YAML error in one line: PyYAML's own message spans several, with a copy of the offending text."""
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(e).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"{context + ': ' if context else ''}{problem}{where}"
 
 
 def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
@@ -138,7 +149,7 @@ def parse_set(item: str) -> tuple[str, str, Any]:
     try:
         value = load_yaml(raw)
     except (yaml.YAMLError, ValueError) as e:   # ValueError: TooNested
-        raise ConfigError(f"--set {name}: value {short_repr(raw)} is not valid YAML: {e}") from None
+        raise ConfigError(f"--set {name}: value {short_repr(raw)} is not valid YAML: {yaml_problem(e)}") from None
     return section, key, value
 
 

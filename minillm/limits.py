@@ -39,21 +39,24 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _cgroup_free() -> int | None:
+def cgroup_free(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes this process's memory cgroup still allows (v2 or v1), or None without a limit. Inside a container
     the OOM killer acts on this limit, not on the host's free memory."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         rel = path.lstrip("/")
         if controllers == "":          # v2
-            candidates = [(Path("/sys/fs/cgroup", rel), "memory.max", "memory.current")]
+            candidates = [(root / rel, "memory.max", "memory.current")]
         elif "memory" in controllers.split(","):
-            candidates = [(Path("/sys/fs/cgroup/memory", rel), "memory.limit_in_bytes", "memory.usage_in_bytes"),
-                          (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes")]
+            candidates = [(root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+                          (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]
         else:
             continue
         for base, limit_file, usage_file in candidates:
@@ -77,7 +80,7 @@ def host_free_bytes() -> int | None:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):
             free = None
-    cgroup = _cgroup_free()
+    cgroup = cgroup_free()
     if cgroup is not None:
         free = cgroup if free is None else min(free, cgroup)
     return free
@@ -98,15 +101,22 @@ def usable(free: int | None) -> int | None:
 # ---------------------------------------------------------------- model weights
 
 def check_weights_fit(arch, dtype_bytes: int, device, source: str) -> None:
-    """Refuse a model whose parameters alone do not fit in the device's free memory."""
-    need = arch.num_params * dtype_bytes
+    """Refuse a model whose parameters, with the RoPE table built for every position it supports (float32,
+    about twice its size while it is built), do not fit in the device's free memory."""
+    weights = arch.num_params * dtype_bytes
+    rope = arch.max_position_embeddings * arch.head_dim * 4 * 2
     room = usable(device_free_bytes(device))
-    if room is not None and need > room:
-        raise ConfigError(
-            f"{source} has {arch.num_params:,} parameters: {fmt_bytes(need)} at {dtype_bytes} bytes each, and "
-            f"{device.type} memory has {fmt_bytes(room)} free to use (hidden_size={arch.hidden_size}, "
-            f"vocab_size={arch.vocab_size}, num_hidden_layers={arch.num_hidden_layers}, "
-            f"intermediate_size={arch.intermediate_size}); a smaller model or dtype would fit")
+    if room is None or weights + rope <= room:
+        return
+    where = f"{device.type} memory has {fmt_bytes(room)} free to use"
+    if rope > weights:
+        raise ConfigError(f"{source}: max_position_embeddings={arch.max_position_embeddings:,} needs a RoPE table of "
+                          f"{fmt_bytes(rope)}, and {where}")
+    raise ConfigError(
+        f"{source} has {arch.num_params:,} parameters: {fmt_bytes(weights)} at {dtype_bytes} bytes each, and "
+        f"{where} (hidden_size={arch.hidden_size}, vocab_size={arch.vocab_size}, num_hidden_layers="
+        f"{arch.num_hidden_layers}, intermediate_size={arch.intermediate_size}); a smaller model or dtype would "
+        f"fit")
 
 
 # ---------------------------------------------------------------- step buffers and the KV pool
@@ -141,7 +151,8 @@ class EngineShape:
 
     @property
     def logits_bytes(self) -> int:
-        """float32 logits rows the sampler holds for the rows it samples (logits, probabilities, noise)."""
+        """float32 logits rows the sampler holds for the rows it samples (logits, probabilities, noise): one
+        per sequence, and no more than the step has tokens."""
         return min(self.max_num_seqs, self.max_num_tokens) * self.vocab_size * 4 * 3
 
     @property
@@ -164,11 +175,21 @@ def check_step_fits(shape: EngineShape, free: int | None, where: str) -> None:
             f"scheduler.max_num_seqs={shape.max_num_seqs:,} needs {fmt_bytes(seq_part)} of per-sequence buffers "
             f"(block tables for max_model_len {shape.max_model_len}), and {where} has {fmt_bytes(room)} free to "
             f"use: at most {fit:,} would fit")
-    per_tok = shape.per_token_bytes + min(1, shape.max_num_seqs) * shape.vocab_size * 12
-    fit = max((room - seq_part) // per_tok, 0)
+    fit = _max_tokens(shape, room - seq_part)
     raise ConfigError(
         f"scheduler.max_num_batched_tokens={shape.max_num_tokens:,} needs {fmt_bytes(tok_part)} of step buffers and "
         f"activations, and {where} has {fmt_bytes(room)} free to use: at most {fit:,} tokens per step would fit")
+
+
+def _max_tokens(shape: EngineShape, room: int) -> int:
+    """The largest step budget whose buffers fit in `room`; logits rows grow with it up to max_num_seqs."""
+    row = shape.vocab_size * 4 * 3
+    if room <= 0:
+        return 0
+    full_rows = (room - shape.max_num_seqs * row) // shape.per_token_bytes
+    if full_rows >= shape.max_num_seqs:
+        return full_rows
+    return room // (shape.per_token_bytes + row)
 
 
 def check_kv_fits(num_blocks: int, bytes_per_block: int, free: int | None, where: str, setting: str) -> None:

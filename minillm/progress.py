@@ -21,8 +21,9 @@ def stderr_is_terminal() -> bool:
 class PlainProgress:
     """The part of rich.progress.Progress that the bench uses (add_task, update), as timed plain lines."""
 
-    def __init__(self, every_s: float = PLAIN_EVERY_S, stream=None):
-        self.every_s, self.stream = every_s, stream
+    def __init__(self, every_s: float | None = None, stream=None):
+        self.every_s = PLAIN_EVERY_S if every_s is None else every_s
+        self.stream = stream
         self.tasks: dict[int, dict] = {}
 
     def __enter__(self) -> "PlainProgress":

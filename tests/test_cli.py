@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from minillm import commands
@@ -179,3 +180,59 @@ def test_serve_stdin_in_process_stdin(tiny_model):
     events = answers(result.stdout)
     assert [e["event"] for e in events if e["id"] == "a"][-1] == "done"
     assert [e["event"] for e in events if e["id"] == "zzz"] == ["error"]
+
+
+# ---------------------------------------------------------------- readable help, README commands
+
+COMMANDS = ["generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"]
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_reads_like_a_man_page(command):
+    text = run_cli(*command, "--help").output
+    for tag in ("<bool>", "<str>", "<int>", "<path>", "<float>", "{input}", "{INPUT}"):
+        assert tag not in text, (command, tag)
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_generate_help_names_every_field_and_the_exit_codes():
+    from minillm.serve.requests import ALLOWED_KEYS
+    text = run_cli("generate", "--help").output
+    assert "Usage: minillm generate [OPTIONS] INPUT" in text
+    missing = [key for key in ALLOWED_KEYS if key not in text]
+    assert missing == []
+    for word in ("Exit status", "0 every line answered", "2 usage", "130", "143"):
+        assert word in text
+
+
+def test_check_kernels_without_a_gpu_says_so_on_stderr():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = run_cli("check-kernels", "--quick")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("minillm: error: ") and "no GPU" in result.stderr
+
+
+def readme_commands() -> list[list[str]]:
+    import shlex
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    return [shlex.split(line.strip())[1:] for line in readme.read_text().splitlines()
+            if line.startswith("    minillm ")]
+
+
+@pytest.mark.parametrize("args", readme_commands(), ids=" ".join)
+def test_every_readme_command_parses(args):
+    """Each `minillm ...` line of README names a real command and real flags (parsed, not run)."""
+    group = typer.main.get_command(app)
+    with group.make_context("minillm", list(args), resilient_parsing=False) as ctx:
+        name, cmd, rest = group.resolve_command(ctx, list(args))
+        cmd.make_context(name, rest, parent=ctx)
+
+
+def test_readme_installs_cpu_torch_before_the_project():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("##", 1)[0]
+    steps = [line.strip() for line in setup.splitlines() if line.startswith("    python")]
+    assert "download.pytorch.org/whl/cpu" in steps[0] and steps[1] == 'python -m pip install -e ".[dev]"'
+    assert "hf download" in readme and "huggingface-cli" not in readme

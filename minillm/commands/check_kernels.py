@@ -18,7 +18,7 @@ def check_kernels_command(
     import torch
 
     if not torch.cuda.is_available():
-        fail("check-kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+        fail("check-kernels needs a CUDA GPU: no GPU is visible (torch.cuda.is_available() is False)")
     from minillm.ops.check import run_all
 
     passed, total, num_timings = run_all(output, quick, timing)

@@ -52,9 +52,11 @@ class EngineFlags:
 _P = inspect.Parameter
 _ENGINE_PARAMS = [
     _P("config", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[Path], typer.Option(
-        "--config", "-c", metavar="FILE", help="YAML config (sections model, cache, scheduler, runtime, sampling).")]),
+        "--config", "-c", metavar="FILE",
+        help="YAML config (sections model, cache, scheduler, runtime, sampling).")]),
     _P("model", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
-        metavar="DIR|PRESET", help="HF checkpoint directory, preset name, or demo (the default: the embedded demo model).")]),
+        metavar="DIR|PRESET", help="HF checkpoint directory, preset name, or demo (the default: the embedded "
+                                   "demo model).")]),
     _P("device", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
         metavar="DEVICE", help="auto | cpu | cuda | cuda:N")]),
     _P("dtype", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(

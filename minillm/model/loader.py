@@ -74,22 +74,31 @@ def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype 
 
 
 def _resolve_source(model: str | None, load_format: str) -> tuple[ModelArchConfig, Path | None]:
-    if model is None or model == DEMO_NAME and not Path(model).exists():
+    if model is None or model == DEMO_NAME and not _is(Path(model).exists):
         if not DEMO_MODEL_DIR.is_dir():
             raise FileNotFoundError(f"the demo model directory {DEMO_MODEL_DIR} is missing; pass a model "
                                     f"directory or a preset ({', '.join(preset_names())})")
         return ModelArchConfig.from_dir(DEMO_MODEL_DIR), DEMO_MODEL_DIR
     preset = PRESET_DIR / f"{model}.json"
     path = Path(model).expanduser()   # `--model=~/x` and LLM("~/x") reach us unexpanded
-    if "/" not in model and preset.is_file() and not path.exists():
+    if "/" not in model and _is(preset.is_file) and not _is(path.exists):
         if load_format == "safetensors":
             raise ConfigError(f"preset {model!r} ships no weights: use load_format dummy (or auto)")
         return ModelArchConfig.from_hf_dict(json.loads(preset.read_text())), None
-    if not path.is_dir():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise FileNotFoundError(f"model directory {path} {what} (and {model!r} is not a preset; presets: "
+    if not _is(path.is_dir):
+        what = "is not a directory" if _is(path.exists) else "does not exist"
+        shown = str(path) if len(str(path)) <= 200 else str(path)[:197] + "..."
+        raise FileNotFoundError(f"model directory {shown} {what}, and it is not a preset either (presets: "
                                 f"{', '.join(preset_names())}, or {DEMO_NAME} for the demo model)")
     return ModelArchConfig.from_dir(path), path
+
+
+def _is(check) -> bool:
+    """A path test that says False where the OS refuses the question (a name too long, a bad character)."""
+    try:
+        return check()
+    except (OSError, ValueError):
+        return False
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
