@@ -1,22 +1,24 @@
-"""ModelRunner: owns the model, the paged KV cache and the sampler; executes one SchedulerOutput.
-
-It reads requests and never mutates scheduler state: the only thing that flows back is a
-ModelRunnerOutput (the sampled token of each sequence that asked for one).
+"""ModelRunner: owns the model, the paged KV cache, the sampler and its own copy of every request's state;
+executes one plain SchedulerOutput (minillm/contract.py) and hands back a ModelRunnerOutput (the sampled token of
+each row that asked for one). It never sees a scheduler object, so the same messages could drive it in another
+process.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import compress
 
 import torch
 
 from minillm.attention import make_attention_backend
 from minillm.config import ConfigError, EngineConfig
 from minillm.device import resolve_device, resolve_dtype
-from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import allocate_kv_cache, choose_num_blocks
+from minillm.runner.request_state import CachedRequest, RequestStates
 from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatchCache
 from minillm.sampling.sampler import Sampler
@@ -31,11 +33,12 @@ class InFlight:
     logprobs: list | None
     host_ids: torch.Tensor | None           # pinned host copy being filled (CPU: the tokens themselves)
     done: object | None                     # torch.cuda.Event recorded after that copy (None on the CPU)
+    sampled: list[CachedRequest] | None = None   # the request state each token belongs to
 
     def prev_tokens(self) -> PrevTokens | None:
         if self.token_ids is None:
             return None
-        return PrevTokens(self.token_ids, {rid: i for i, rid in enumerate(self.req_ids)})
+        return PrevTokens(self.token_ids, self.req_ids)
 
 
 class ModelRunner:
@@ -58,6 +61,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, cfg.cache.block_size, self.dtype, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
+        self.states = RequestStates()
         self.graphs = self._capture_graphs()
         if self.device.type == "cuda":
             warm_up_shapes(self)
@@ -95,9 +99,9 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 
-    def release(self, req_ids) -> None:
-        """Forget finished/aborted requests' block-table rows."""
-        self.inputs.release(req_ids)
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's request-state changes (new, finished, preempted requests, new blocks)."""
+        self.inputs.release(self.states.apply(so))
 
     def execute(self, so: SchedulerOutput, prof=None) -> ModelRunnerOutput:
         """One synchronous step: launch it and wait for its tokens."""
@@ -109,7 +113,9 @@ class ModelRunner:
 
         `prev`: the step still in flight, whose sampled tokens feed this step's placeholder inputs.
         """
-        step = self.inputs.build(so, prev.prev_tokens() if prev is not None else None)
+        self.update_states(so)
+        reqs = self.states.rows(so.req_ids)
+        step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
         meta = step.meta
         if prof is not None:
             prof.mark("build")
@@ -117,17 +123,18 @@ class ModelRunner:
             hidden = self.graphs.replay(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-        reqs = so.sampled_requests()
-        if not reqs:
+        sampled = reqs if all(so.sample) else list(compress(reqs, so.sample))
+        if not sampled:
             # Nothing to sample (a prompt chunk in mid-prompt), but resolve() must still wait for this step: the
             # staging buffers its inputs are being copied from are rebuilt two steps later.
             return InFlight([], None, None, None, self._step_done())
         logits = self.model.compute_logits(hidden[step.logits_indices], keep_dtype=True)
         if prof is not None:
             prof.mark("forward")
-        result = self.sampler(logits, self.sampling.get(reqs))
-        return InFlight([r.request_id for r in reqs], result.token_ids, result.logprobs,
-                        *self._copy_to_host(result.token_ids))
+        seq_lens = meta.seq_lens_cpu if len(sampled) == len(reqs) else list(compress(meta.seq_lens_cpu, so.sample))
+        result = self.sampler(logits, self.sampling.get(sampled, seq_lens))
+        return InFlight(so.sampled_req_ids(), result.token_ids, result.logprobs,
+                        *self._copy_to_host(result.token_ids), sampled=sampled)
 
     def _copy_to_host(self, token_ids: torch.Tensor):
         """Start the device-to-host copy of the sampled ids right behind the sampler, so that waiting for
@@ -152,6 +159,8 @@ class ModelRunner:
         if inflight.done is not None:
             inflight.done.synchronize()
         tokens = inflight.host_ids.tolist() if inflight.host_ids is not None else []
+        if inflight.sampled is not None:
+            self.states.append_sampled(inflight.sampled, tokens)
         if prof is not None:
             prof.mark("sample_sync")
         return ModelRunnerOutput(req_ids=inflight.req_ids, sampled_token_ids=tokens, logprobs=inflight.logprobs)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.engine.outputs import TokenLogprobs
+from minillm.contract import TokenLogprobs
 from minillm.sampling.batch import SamplingBatch
 from minillm.ops.sampling_ops import LOGIT_DTYPES
 from minillm.sampling.penalties import apply_penalties
