@@ -9,7 +9,6 @@ sets max_model_len, and a preset model name gets random `dummy` weights.
 # NOTE: no `from __future__ import annotations`: engine_options re-exports these signatures from minillm.cli,
 # where string annotations naming this module's aliases could not be resolved.
 import json
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -97,22 +96,18 @@ def _device(cfg: EngineConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# Environment switches of the kernels (each defaults to on / its tuned value); a results line names those set.
-KERNEL_SWITCHES = ("MINILLM_DECODE_CTAS_PER_SM", "MINILLM_DECODE_MIN_PARTITIONS", "MINILLM_SKINNY_GEMM")
-
-
 def _prepare_device(device: str) -> dict:
     """Build/load the CUDA extension up front, so its compile time is reported on its own, not inside the first
-    configuration's load time. Returns the fields every results line of this process carries."""
-    from minillm.ops.attention_ops import CTAS_PER_SM_TARGET, MIN_PARTITIONS
-    from minillm.ops.build import cuda_ops_available
+    configuration's load time. The kernels each configuration ran are on its own line (`kernels`)."""
+    from minillm.ops.build import ExtensionError, load_extension
 
     t0 = time.perf_counter()
-    ok = device.startswith("cuda") and cuda_ops_available()
-    # kernel choices can be overridden from the environment for A/B timings: record what this run used
-    overrides = {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}
-    return {"kernel_build_s": time.perf_counter() - t0, "cuda_ops": ok, "decode_ctas_per_sm": CTAS_PER_SM_TARGET,
-            "decode_min_partitions": MIN_PARTITIONS, "kernel_overrides": overrides}
+    if device.startswith("cuda"):
+        try:
+            load_extension()
+        except ExtensionError:
+            pass   # each configuration resolves its kernels and says why they are unavailable
+    return {"kernel_build_s": time.perf_counter() - t0}
 
 
 def _offline_workload(workload: Path | None, num_requests: int | None):

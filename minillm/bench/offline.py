@@ -114,6 +114,7 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
             walls.append(wall)
             preemptions += preempted
         work, dtype = floor_work(llm, workload, cfg.scheduler.max_num_seqs)
+        kernels = llm.engine.runner.kernels.record()
     finally:
         del llm
         free_device_memory()
@@ -123,5 +124,5 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
             "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,
             "output_tok_s": workload.output_tokens / wall,
             "total_tok_s": (workload.input_tokens + workload.output_tokens) / wall,
-            "preemptions": preemptions, "floor": floor_record(work, rates, wall),
+            "preemptions": preemptions, "floor": floor_record(work, rates, wall), "kernels": kernels,
             "step_profile": profile.summary()}

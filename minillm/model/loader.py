@@ -36,13 +36,13 @@ def preset_names() -> list[str]:
 
 
 def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype | str = "auto",
-               device: torch.device | str = "auto", attn_backend=None, *, seed: int = 0
+               device: torch.device | str = "auto", attn_backend=None, *, seed: int = 0, kernels=None
                ) -> tuple[QwenForCausalLM, ModelArchConfig, Path | None]:
     """Returns (model in eval mode, its ModelArchConfig, the model directory or None for a preset).
 
     model: HF directory, preset name (see preset_names()), or None for the bundled demo model.
     load_format: auto | safetensors | dummy (auto = dummy for presets, safetensors for directories).
-    seed: seeds the dummy weights.
+    seed: seeds the dummy weights. kernels: the engine's KernelChoice (None: plain torch).
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format={load_format!r} is not allowed: one of auto, safetensors, dummy")
@@ -54,7 +54,7 @@ def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype 
     arch, path = _resolve_source(model, load_format)
     fmt = "dummy" if path is None or load_format == "dummy" else "safetensors"
     files = _weight_files(path) if fmt == "safetensors" else {}
-    net = get_model_class(arch.architecture)(arch, attn_backend, dtype=torch_dtype, device=dev)
+    net = get_model_class(arch.architecture)(arch, attn_backend, dtype=torch_dtype, device=dev, kernels=kernels)
     if fmt == "dummy":
         init_dummy_weights(net, seed)
     else:

@@ -16,6 +16,7 @@ from minillm.config import ConfigError, EngineConfig
 from minillm.device import resolve_device, resolve_dtype
 from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
+from minillm.ops.choice import resolve_kernels
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import allocate_kv_cache, choose_num_blocks
 from minillm.runner.request_state import CachedRequest, RequestStates
@@ -46,16 +47,17 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(cfg.runtime.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
-        torch.manual_seed(cfg.runtime.seed)
-        self.attn_backend = make_attention_backend(cfg.runtime.attention, cfg.runtime.attention_mode, self.device)
+        self.kernels = resolve_kernels(cfg, self.device)
+        self.attn_backend = make_attention_backend(self.kernels)
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
-                                                           self.device, self.attn_backend, seed=cfg.runtime.seed)
+                                                           self.device, self.attn_backend, seed=cfg.runtime.seed,
+                                                           kernels=self.kernels)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
         # No step holds more tokens than the budget, prefill-first included (the scheduler's contract: a longer
         # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound.
         self.max_num_tokens = sched.max_num_batched_tokens
-        self.sampler = Sampler(seed=cfg.runtime.seed)
+        self.sampler = Sampler(seed=cfg.runtime.seed, cuda=self.kernels.cuda)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         self.num_blocks = choose_num_blocks(self, cfg.cache)
         self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, cfg.cache.block_size, self.dtype, self.device)
@@ -75,7 +77,7 @@ class ModelRunner:
         """Decode graphs only where they are safe: a GPU, our CUDA attention (host-sync free), not eager."""
         if self.device.type != "cuda" or self.cfg.runtime.enforce_eager:
             return None
-        if type(self.attn_backend).__name__ != "CudaAttentionBackend":
+        if self.kernels.attention != "cuda":
             log.info("CUDA graphs need the CUDA attention backend; running decode eagerly")
             return None
         from minillm.runner.cuda_graphs import DecodeGraphs
