@@ -6,7 +6,8 @@ block tables are random and never adjacent, lengths are ragged (1, block boundar
 import pytest
 import torch
 
-from minillm.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from minillm.attention.torch_backend import TorchAttentionBackend
+from minillm.ops.reference import kv_write_ref as write_kv_cache
 from tiny_models import alloc_block_tables, build_metadata
 
 D = 8

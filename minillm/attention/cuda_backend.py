@@ -62,8 +62,19 @@ class CudaAttentionBackend:
         self.mode = mode
         self.min_partitions, self.ctas_per_sm = min_partitions, ctas_per_sm
         self.fuse_kv_write = fuse_kv_write   # the model's qk_norm_rope runs its kernel (KernelChoice.cuda)
+        self.kv_spec = None
         self._fallback = None
         self._warned: set[str] = set()
+
+    def bind_kv_cache(self, spec) -> None:
+        """The engine's KVCacheSpec (minillm/cache/spec.py). A layout the kernels do not read is refused here, once,
+        rather than discovered per call."""
+        if spec.layout != "nhd":
+            raise ValueError(f"the CUDA attention kernels read the 'nhd' KV layout, not {spec.layout!r}")
+        self.kv_spec = spec
+        if self._fallback is None:
+            self._fallback = _torch_backend()
+        self._fallback.bind_kv_cache(spec)
 
     def fused_kv_write_target(self, qkv: torch.Tensor, num_heads: int, head_dim: int, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, meta: AttentionMetadata
@@ -108,7 +119,11 @@ class CudaAttentionBackend:
             self._warned.add(reason)
             warnings.warn(f"CUDA attention kernels do not cover {reason}; using the torch backend", stacklevel=3)
         if self._fallback is None:
-            from minillm.attention.torch_backend import TorchAttentionBackend  # lazy: optional dependency
-
-            self._fallback = TorchAttentionBackend()
+            self._fallback = _torch_backend()
         return self._fallback.forward(*args)
+
+
+def _torch_backend():
+    from minillm.attention.torch_backend import TorchAttentionBackend   # lazy: only for uncovered shapes
+
+    return TorchAttentionBackend()

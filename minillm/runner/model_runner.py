@@ -12,13 +12,14 @@ from itertools import compress
 import torch
 
 from minillm.attention import make_attention_backend
+from minillm.cache.spec import KVCacheSpec
 from minillm.config import ConfigError, EngineConfig
 from minillm.device import resolve_device, resolve_dtype
 from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
 from minillm.ops.choice import resolve_kernels
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
-from minillm.runner.kv_sizing import allocate_kv_cache, choose_num_blocks
+from minillm.runner.kv_sizing import choose_num_blocks
 from minillm.runner.request_state import CachedRequest, RequestStates
 from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatchCache
@@ -52,6 +53,8 @@ class ModelRunner:
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
                                                            self.device, self.attn_backend, seed=cfg.runtime.seed,
                                                            kernels=self.kernels)
+        self.kv_spec = KVCacheSpec.for_model(self.arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, self.dtype)
+        self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
         # No step holds more tokens than the budget, prefill-first included (the scheduler's contract: a longer
@@ -60,7 +63,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=self.kernels.cuda)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         self.num_blocks = choose_num_blocks(self, cfg.cache)
-        self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, cfg.cache.block_size, self.dtype, self.device)
+        self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
         self.states = RequestStates()
@@ -168,9 +171,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=inflight.req_ids, sampled_token_ids=tokens, logprobs=inflight.logprobs)
 
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
-        return 2 * a.num_hidden_layers * self.cfg.cache.block_size * a.num_key_value_heads * a.head_dim * \
-            torch.tensor([], dtype=self.dtype).element_size()
+        return self.kv_spec.bytes_per_block
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.cfg.cache.block_size)
