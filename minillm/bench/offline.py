@@ -40,9 +40,11 @@ def progress_bar(enabled: bool):
 def build_llm(cfg):
     """Returns (llm, seconds): construction includes weight load, kernel build and graph capture."""
     from minillm import LLM
+    from minillm.llm import freeze_heap
 
     t0 = time.perf_counter()
     llm = LLM.from_config(cfg)
+    freeze_heap()
     return llm, time.perf_counter() - t0
 
 
@@ -51,7 +53,7 @@ def free_device_memory() -> None:
     The caller must have deleted its last reference to the engine first."""
     import torch
 
-    gc.unfreeze()   # LLM() froze the heap, the dropped engine's cycles included: let the collector reach them
+    gc.unfreeze()   # build_llm froze the heap, the dropped engine's cycles included: let the collector reach them
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
