@@ -77,8 +77,8 @@ class AsyncEngine:
 
     async def add(self, rid: str, prompt_ids: list[int], params, priority: int, q: asyncio.Queue,
                   arrival: float) -> None:
-        """Hand one request to the engine thread and wait until it is admitted; ValueError if the engine refused
-        it. Its StepOutputs then arrive on q."""
+        """Hand one request to the engine thread and wait until it is admitted; raises what add_request raised
+        (ValueError: the engine refused it). Its StepOutputs then arrive on q."""
         fut = self._loop.create_future()
         self._streams[rid] = _Stream(q, arrival)
         self._adding += 1
@@ -123,7 +123,7 @@ class AsyncEngine:
             if error is None:
                 fut.set_result(None)
             else:
-                fut.set_exception(ValueError(error))
+                fut.set_exception(error)
 
     def _dispatch(self, outputs: list, stats: EngineStats) -> None:
         self.stats = stats
@@ -191,10 +191,13 @@ class AsyncEngine:
                 try:
                     self.llm.add_request(ids, params, request_id=rid, priority=priority)
                     admitted.append((rid, fut, None))
-                except ValueError as e:
-                    admitted.append((rid, fut, str(e)))
+                except Exception as e:  # noqa: BLE001 - ValueError is a refusal (400); anything else a 500
+                    admitted.append((rid, fut, e))
             elif cmd[0] == "abort":
-                self.llm.abort(cmd[1])
+                try:
+                    self.llm.abort(cmd[1])
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad abort
+                    log.exception("abort of %s failed", cmd[1])
             else:
                 self._stopping = True
         if admitted:
