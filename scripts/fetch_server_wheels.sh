@@ -2,11 +2,13 @@
 # Download the wheels `minillm serve`, `latency-sweep --target` and the HTTP tests need, for a machine without
 # network access (CPython 3.12, manylinux x86_64), into .whl/ (git-ignored). scripts/http_latency.py installs
 # them from there when they are missing:
-#     python3 -m pip install --no-index --find-links .whl fastapi uvicorn prometheus_client httpx openai
+#     python3 -m pip install --no-index --find-links .whl fastapi uvicorn prometheus_client httpx openai uvloop httptools
 #
 # The list is the dependency closure of fastapi, uvicorn, prometheus_client, httpx and openai on Linux/CPython 3.12,
-# pinned to the versions the project is tested with. Pure-Python packages ship one py3-none-any wheel, which a
-# manylinux platform filter does not match: those are fetched with `--platform any`.
+# pinned to the versions the project is tested with, plus uvloop and httptools: uvicorn uses them when present, and
+# they cut the event loop's CPU per streamed chunk (the HTTP tests pass with and without them). Pure-Python
+# packages ship one py3-none-any wheel, which a manylinux platform filter does not match: those are fetched with
+# `--platform any`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.whl}
@@ -18,6 +20,7 @@ PINS=(
     jiter==0.19.0 openai==3.57.0 opentelemetry-api==1.45.2 prometheus_client==0.26.0 pydantic==2.13.4
     pydantic_core==2.46.4 sniffio==1.3.1 starlette==1.10.0 truststore==0.10.5 typing_extensions==4.16.0
     typing-inspection==0.4.2 uvicorn==0.54.0
+    httptools==0.9.0 uvloop==0.23.0
 )
 
 fetch() {   # $1: NAME==VERSION; $2...: platform flags

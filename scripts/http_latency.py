@@ -4,8 +4,8 @@
     python3 scripts/http_latency.py                       # chunked-2048 of configs/latency.yaml, 4 and 8 req/s
     python3 scripts/http_latency.py --config-name prefill-first --rates 8
 
-1. Installs the server's wheels from .whl/ (scripts/fetch_server_wheels.sh) if fastapi, uvicorn, prometheus_client
-   or httpx is missing, and builds the CUDA extension once, before anything is timed.
+1. Installs the server's wheels from .whl/ (scripts/fetch_server_wheels.sh) if fastapi, uvicorn, prometheus_client,
+   httpx (or uvloop, httptools) is missing, and builds the CUDA extension once, before anything is timed.
 2. Writes the suite entry's resolved engine config to a YAML file, starts `minillm serve --config` on it in the
    background and waits for /health.
 3. `minillm latency-sweep --target` replays the online workload against it (a separate client process).
@@ -31,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
+SPEEDUPS = ("uvloop", "httptools")   # used by uvicorn when present; installed from .whl/ if it has them
 READY = re.compile(r"ready on (http://\S+)")
 
 
@@ -50,15 +51,17 @@ def _args() -> argparse.Namespace:
 
 
 def _ensure_server_wheels() -> None:
-    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
     wheels = REPO / ".whl"
-    if not wheels.is_dir():
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing and not wheels.is_dir():
         sys.exit(f"missing {', '.join(missing)} and no .whl/ to install them from: run scripts/fetch_server_wheels.sh "
                  "on a machine with network access and bring .whl/ along")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-                    *SERVER_MODULES], check=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
+    if missing:
+        subprocess.run([*pip, *missing], check=True)
+    speedups = [m for m in SPEEDUPS if importlib.util.find_spec(m) is None and any(wheels.glob(f"{m}-*.whl"))]
+    if speedups and subprocess.run([*pip, *speedups]).returncode != 0:
+        print(f"could not install {', '.join(speedups)}: serving on asyncio + h11", flush=True)
 
 
 def _server_config(args, out_dir: Path) -> Path:

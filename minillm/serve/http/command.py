@@ -8,6 +8,7 @@ aborted and the process exits 0 (a second SIGINT skips the wait: exit 130).
 # NOTE: no `from __future__ import annotations`: engine_options re-exports this signature from minillm.cli (see
 # minillm/bench/commands.py).
 import contextlib
+import importlib.util
 import signal
 import socket
 from typing import Annotated, Optional
@@ -60,7 +61,7 @@ def serve_command(
     app = create_app(llm, sampling, settings)
     bound = sock.getsockname()[1]
     ready = (f"minillm serve: ready on http://{_url_host(host)}:{bound} (model {settings.served_model_name!r}, "
-             f"max_model_len {llm.max_model_len})")
+             f"max_model_len {llm.max_model_len}; {_implementations()})")
     # uvicorn's own deadline is a backstop: at drain_timeout the engine aborts what still runs, so streams end
     # with a final chunk and connections close by themselves; only a client that never reads is cut off.
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
@@ -81,6 +82,13 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         raise _fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+def _implementations() -> str:
+    """What uvicorn's "auto" picks: uvloop and httptools when installed (less event-loop CPU per streamed chunk, so
+    less competition with the engine thread for the GIL), else asyncio and h11."""
+    have = {name: importlib.util.find_spec(name) is not None for name in ("uvloop", "httptools")}
+    return f"{'uvloop' if have['uvloop'] else 'asyncio'} + {'httptools' if have['httptools'] else 'h11'}"
 
 
 def _url_host(host: str) -> str:
