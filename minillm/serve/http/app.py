@@ -96,17 +96,18 @@ class OpenAIServer:
         return ids, (params if given else with_room(params, len(ids), self.llm.max_model_len, req))
 
     async def _admit(self, rids, prepared, req, given: bool, queue, arrival: float) -> None:
-        done = []
-        try:
-            for r, (ids, params) in zip(rids, prepared):
-                await self.engine.add(r, ids, params, req.priority or 0, queue, arrival)
-                done.append(r)
-        except ValueError as e:   # the engine refused one (e.g. more KV blocks than the pool has)
-            self._abort(done)
-            raise prompt_error(str(e), req, given) from None
-        except BaseException:     # cancelled: the client left
-            self._abort(done)
-            raise
+        """Hand every prompt to the engine at once (one admission round trip, however many prompts); if the engine
+        refuses one, the others are aborted and the refusal is the answer. Cancelled (the client left): each add
+        aborts its own request."""
+        adds = [self.engine.add(r, ids, params, req.priority or 0, queue, arrival)
+                for r, (ids, params) in zip(rids, prepared)]
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:
+            self._abort(rids)
+            if isinstance(errors[0], ValueError):   # e.g. more KV blocks than the pool has
+                raise prompt_error(str(errors[0]), req, given) from None
+            raise errors[0]
 
     def _abort(self, rids) -> None:
         for r in rids:
