@@ -40,7 +40,8 @@ def error_response(err: APIError) -> JSONResponse:
 
 # Fields whose type is a union: pydantic reports one error per member; one sentence reads better.
 _UNION_HINTS = {"prompt": "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists",
-                "stop": "a string or a list of strings"}
+                "stop": "a string or a list of strings",
+                "content": 'a string or a list of {"type": "text", "text": ...} parts'}
 _TYPE_TAG = {"str", "int", "float", "bool", "list", "dict", "none"}
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
 
@@ -70,8 +71,9 @@ def validation_error(errors) -> APIError:
         return APIError(400, f"unknown field {path!r}", param=param)
     if kind == "missing":
         return APIError(400, f"{path} is required", param=param)
-    if param in _UNION_HINTS and len(loc) > 1 and not isinstance(loc[1], int):
-        return APIError(400, f"{param} must be {_UNION_HINTS[param]}", param=param)
+    for i, part in enumerate(loc[:-1]):   # an error inside a union member: name the union field instead
+        if part in _UNION_HINTS and isinstance(loc[i + 1], str) and _path([loc[i + 1]]) == "":
+            return APIError(400, f"{_path(loc[:i + 1])} must be {_UNION_HINTS[part]}", param=param)
     return APIError(400, f"{path}: {err['msg']}", param=param)
 
 
