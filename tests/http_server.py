@@ -58,7 +58,7 @@ class ServerProcess:
         return self.url + "/v1"
 
     def metrics(self) -> dict[str, float]:
-        """/metrics as {sample name with labels: value}, e.g. 'minillm_requests_finished_total{finish_reason="abort"}'."""
+        """/metrics as {sample (with its labels): value}."""
         text = httpx.get(self.url + "/metrics").text
         out = {}
         for line in text.splitlines():

@@ -8,7 +8,7 @@ so a client never gets something other than what it asked for in silence. minill
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -25,42 +25,42 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: Optional[bool] = False
+    include_usage: bool | None = False
 
 
 class _Common(_Strict):
     """What both endpoints take. None = not given: the server's sampling defaults (the config's `sampling`)."""
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     # OpenAI parameters without an implementation here: neutral values only (see UNSUPPORTED)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
     # minillm's extras (vLLM's names), sent by the openai client through extra_body
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = None
-    ignore_eos: Optional[bool] = None
-    stop_token_ids: Optional[list[int]] = None
-    priority: Optional[int] = None
-    return_token_ids: Optional[bool] = False   # vLLM's: token ids of the prompt and of every choice / delta
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int | None = None
+    return_token_ids: bool | None = False   # vLLM's: token ids of the prompt and of every choice / delta
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = None
-    echo: Optional[bool] = None
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class TextPart(_Strict):
@@ -73,32 +73,32 @@ class ChatMessage(BaseModel):
     # audio: null, ...). Keys that would change the prompt are refused in check_request.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart]]
-    name: Optional[str] = None
-    tool_calls: Optional[list[Any]] = None
+    content: str | list[TextPart]
+    name: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI parameters without an implementation here: neutral values only (see UNSUPPORTED)
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    parallel_tool_calls: Optional[bool] = None
-    functions: Optional[list[Any]] = None
-    function_call: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
-    reasoning_effort: Optional[str] = None
-    modalities: Optional[list[str]] = None
-    audio: Optional[Any] = None
-    prediction: Optional[Any] = None
-    web_search_options: Optional[Any] = None
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: Any | None = None
+    prediction: Any | None = None
+    web_search_options: Any | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
 
 # field -> the values that mean "not used"; anything else is refused with 400 naming the field
