@@ -25,6 +25,8 @@ LAZY_COMMANDS = {
                       "Online latency under Poisson arrivals, over several configs."),
     "check-kernels": ("minillm.ops.check", "check_kernels_command",
                       "Check every CUDA kernel against its fp32 reference, then time it."),
+    "serve": ("minillm.serve.http.command", "serve_command",
+              "OpenAI-compatible HTTP server (completions, chat, SSE streaming, metrics)."),
 }
 
 

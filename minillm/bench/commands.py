@@ -230,10 +230,11 @@ def latency_sweep_command(
     output: Annotated[Path, typer.Option("--output", help="JSONL file to append to.")] = Path("results/latency.jsonl"),
     plot: Annotated[Path, typer.Option("--plot", help="PNG to write.")] = Path("results/latency.png"),
     plot_only: Annotated[Optional[Path], typer.Option("--plot-only", help="Redraw from a results JSONL.")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", help="Replay against this OpenAI-compatible server "
+                      "(http://HOST:PORT) instead; --configs NAME records the config it runs.")] = None,
     progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
     """Online latency under Poisson arrivals (DESIGN 6): TTFT and ITL percentiles per config and rate."""
-    from minillm.bench.latency import run_sweep_config
     from minillm.bench.plots import plot_latency
     from minillm.bench.report import append_jsonl, latency_table, print_table, read_jsonl
 
@@ -250,8 +251,26 @@ def latency_sweep_command(
         rate_list = _parse_rates(rates) if rates else _parse_rates(",".join(map(str, data.get("rates", []))))
         cfgs = [(e["name"], _build(data, engine, e, w.max_model_len))
                 for e in _pick_configs(data.get("configs"), configs)]
+        if target is not None and configs is not None and len(cfgs) != 1:
+            raise ConfigError("--target measures one server: name at most one config with --configs")
     except ValueError as e:   # ConfigError included
         raise _fail(str(e)) from None
+    if target is not None:   # the server serves; its rows are measured on the client side
+        from minillm.bench.http_load import sweep_target
+        lines, failed = sweep_target(target, w, rate_list, time_scale, progress, cfgs if configs else [],
+                                     lambda line: append_jsonl(output, line))
+    else:
+        lines, failed = _sweep_in_process(cfgs, w, rate_list, time_scale, progress, output)
+    if lines:
+        print_table(latency_table(lines))
+        typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
+    _report_failures(failed)
+
+
+def _sweep_in_process(cfgs, w, rate_list, time_scale, progress, output) -> tuple[list[dict], list[str]]:
+    from minillm.bench.latency import run_sweep_config
+    from minillm.bench.report import append_jsonl
+
     extra = _prepare_device(_device(cfgs[0][1]))
     lines, failed = [], []
     for name, cfg in cfgs:
@@ -261,10 +280,7 @@ def latency_sweep_command(
             failed.append(f"{name}: {type(e).__name__}: {e}")
             continue
         lines += [append_jsonl(output, {**line, **extra}) for line in new]
-    if lines:
-        print_table(latency_table(lines))
-        typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
-    _report_failures(failed)
+    return lines, failed
 
 
 if __name__ == "__main__":
