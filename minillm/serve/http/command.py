@@ -17,7 +17,7 @@ import typer
 import uvicorn
 
 from minillm.cli import EngineFlags, build_llm, engine_options
-# Imported before any engine is built, so LLM()'s gc.freeze() also takes these modules out of the collector's way.
+from minillm.llm import freeze_heap
 from minillm.serve.http.app import create_app
 from minillm.serve.http.settings import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING,
                                          ServerSettings)
@@ -59,6 +59,7 @@ def serve_command(
     sock = _bind(host, port)
     llm = build_llm(cfg)
     app = create_app(llm, sampling, settings)
+    freeze_heap()   # a serving process: no full collection pauses (the modules above included)
     bound = sock.getsockname()[1]
     ready = (f"minillm serve: ready on http://{_url_host(host)}:{bound} (model {settings.served_model_name!r}, "
              f"max_model_len {llm.max_model_len}; {_implementations()})")
