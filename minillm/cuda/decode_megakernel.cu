@@ -384,23 +384,39 @@ __device__ void qkv_epilogue(const MegakernelParams& p, const Dims& d, int layer
   }
 }
 
-// Epilogue of O and DOWN: y rounded, then the residual stream row += y (rounded), in place: this CTA owns the rows.
+// O and DOWN add their output to the residual stream rows they own (the same rows in both phases). Thread t
+// (< granules x 32) handles C fragment t % 32 of granule t / 32: rows m0 = lane / 4 and m0 + 8 of the batch, two
+// adjacent columns. Its old residual values are loaded at the start of the phase, so that round trip overlaps the
+// A-fragment loads instead of following the GEMV.
+static_assert(kMaxGran * 32 <= kMegaThreads, "one epilogue fragment per thread");
+
 template <typename T>
-__device__ void residual_epilogue(const MegakernelParams& p, const Dims& d, const Phase& ph, const float4* red) {
-  const int n_gran = ph.gran.end - ph.gran.begin;
-  for (int t = threadIdx.x; t < n_gran * 32; t += kMegaThreads) {
-    const int g = t / 32, lane = t % 32;
-    const float4 c = gemv_sum(red, n_gran, g, lane);
-    const int r = (ph.gran.begin + g) * 8 + 2 * (lane % 4), m0 = lane / 4;
+__device__ __forceinline__ void resid_prefetch(const MegakernelParams& p, const Dims& d, const Phase& ph,
+                                               uint32_t (&old)[2]) {
+  const int t = threadIdx.x, lane = t % 32, m0 = lane / 4;
+  old[0] = old[1] = 0;
+  if (t >= (ph.gran.end - ph.gran.begin) * 32) return;
+  const int r = (ph.gran.begin + t / 32) * 8 + 2 * (lane % 4);
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.resid) + r);
+  if (m0 < p.batch) old[0] = __ldcg(base + (int64_t)m0 * d.H / 2);
+  if (m0 + 8 < p.batch) old[1] = __ldcg(base + (int64_t)(m0 + 8) * d.H / 2);
+}
+
+// y rounded, then residual row += y, rounded (as the torch path's x + residual), in place.
+template <typename T>
+__device__ void residual_epilogue(const MegakernelParams& p, const Dims& d, const Phase& ph, const float4* red,
+                                  const uint32_t (&old)[2]) {
+  const int n_gran = ph.gran.end - ph.gran.begin, t = threadIdx.x, lane = t % 32;
+  if (t >= n_gran * 32) return;
+  const float4 c = gemv_sum(red, n_gran, t / 32, lane);
+  const int r = (ph.gran.begin + t / 32) * 8 + 2 * (lane % 4), m0 = lane / 4;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + 8 * h;
-      if (m >= p.batch) continue;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.resid) + (int64_t)m * d.H + r);
-      const uint32_t old = __ldcg(dst);
-      const float y0 = round_t<T>(h ? c.z : c.x), y1 = round_t<T>(h ? c.w : c.y);
-      *dst = pack2<T>(y0 + lo_f<T>(old), y1 + hi_f<T>(old));
-    }
+  for (int h = 0; h < 2; ++h) {
+    const int m = m0 + 8 * h;
+    if (m >= p.batch) continue;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.resid) + (int64_t)m * d.H + r);
+    const float y0 = round_t<T>(h ? c.z : c.x), y1 = round_t<T>(h ? c.w : c.y);
+    *dst = pack2<T>(y0 + lo_f<T>(old[h]), y1 + hi_f<T>(old[h]));
   }
 }
 
@@ -506,28 +522,73 @@ __device__ void attn_prep(const MegakernelParams& p, const Dims& d, int layer, i
   }
 }
 
-// Copy one 16-token chunk of K and V into a swizzled ring slot (as paged_decode.cu's issue_chunk). Tokens past
-// `end` are zero-filled without a read; the token at stash_pos (the new one) comes from the stash instead of
-// the cache, so no CTA reads a slot written during this phase.
+// Where one attention item works: sequence b, KV head kvh, tokens [start, end) of partition `part` of `parts`,
+// and this warp's chunks (every kWarps-th 16-token chunk from ch0, `mine` of them). The item that holds the
+// sequence's last position makes the new token's k/v (slot >= 0; a padded row, slot -1, reads its last position
+// from the cache like the torch path): that token is then taken from the stash, never read from the cache, so no
+// CTA reads a slot written during this phase.
+struct Item {
+  int b, kvh, part, parts, ctx, start, end, ch0, mine, stash_pos;
+  int64_t slot;
+  const int* bt;
+};
+
+__device__ __forceinline__ Item locate_item(const MegakernelParams& p, const AttnPlan& plan, int item) {
+  Item it;
+  it.b = 0;
+  while (it.b + 1 < p.batch && plan.base[it.b + 1] <= item) ++it.b;
+  it.parts = plan.parts[it.b];
+  const int r = item - plan.base[it.b];
+  it.kvh = r / it.parts;
+  it.part = r % it.parts;
+  it.ctx = max(p.seq_lens[it.b], 0);
+  const int64_t span = (int64_t)plan.chunks_per_part * kChunk;
+  it.start = (int)min((int64_t)it.part * span, (int64_t)it.ctx);
+  it.end = (int)min((int64_t)it.start + span, (int64_t)it.ctx);
+  it.slot = it.part == it.parts - 1 ? p.slot_mapping[it.b] : -1;
+  it.stash_pos = it.slot >= 0 ? it.ctx - 1 : -1;
+  const int warp = threadIdx.x / 32, first = it.start / kChunk, last = (it.end + kChunk - 1) / kChunk;
+  it.ch0 = first + warp;
+  it.mine = it.ch0 < last ? (last - it.ch0 + kWarps - 1) / kWarps : 0;
+  it.bt = p.block_tables + (int64_t)it.b * p.bt_stride;
+  return it;
+}
+
+// Start the copy of this warp's j-th chunk of the item into ring slot j % S (as paged_decode.cu's issue_chunk),
+// and commit it as one cp.async group (an empty group when the warp has no j-th chunk, so counts stay uniform).
+// Tokens past `end` and the stash token are zero-filled without a read (the stash token is written in later).
 template <typename T, int D>
-__device__ __forceinline__ void issue_chunk(T* slot, const T* kc, const T* vc, const int* bt, int bs_shift, int chunk,
-                                            int end, int stash_pos, const T* stash, int64_t tok_stride, int lane) {
-  constexpr int CH = Att<D>::CH, PIECES = 2 * kChunk * CH / 32;
-  const int tok0 = chunk * kChunk, bsz = 1 << bs_shift;
-  const int64_t slot0 = (int64_t)bt[tok0 >> bs_shift] * bsz + (tok0 & (bsz - 1));
+__device__ __forceinline__ void issue_chunk(const MegakernelParams& p, const Dims& d, int layer, const Item& it, int j,
+                                            T* ring, int lane) {
+  using A = Att<D>;
+  constexpr int CH = A::CH, PIECES = 2 * kChunk * CH / 32;
+  if (j < it.mine) {
+    T* slot = ring + (j % A::S) * A::SLOT;
+    const int tok0 = (it.ch0 + j * kWarps) * kChunk, bs_shift = __ffs(p.block_size) - 1, bsz = p.block_size;
+    const int64_t slot0 = (int64_t)it.bt[tok0 >> bs_shift] * bsz + (tok0 & (bsz - 1));
+    const int64_t tok_stride = (int64_t)d.Hkv * D;
+    const T* kc = static_cast<const T*>(p.k_cache[layer]) + it.kvh * D;
+    const T* vc = static_cast<const T*>(p.v_cache[layer]) + it.kvh * D;
 #pragma unroll
-  for (int i = 0; i < PIECES; ++i) {
-    const int pc = lane + 32 * i, row = pc / CH, c = pc % CH, t = row % kChunk;
-    const bool is_k = row < kChunk;
-    T* dst = slot + swz<CH>(row, c);
-    if (tok0 + t == stash_pos) {
-      *reinterpret_cast<uint4*>(dst) = reinterpret_cast<const uint4*>(stash + (is_k ? 0 : D))[c];
-    } else {
-      const bool valid = tok0 + t < end;
-      const T* base = is_k ? kc : vc;
-      cp_async16(dst, valid ? base + (slot0 + t) * tok_stride + c * 8 : base, valid ? 16 : 0);
+    for (int i = 0; i < PIECES; ++i) {
+      const int pc = lane + 32 * i, row = pc / CH, c = pc % CH, t = row % kChunk;
+      const bool valid = tok0 + t < it.end && tok0 + t != it.stash_pos;
+      const T* base = row < kChunk ? kc : vc;
+      cp_async16(slot + swz<CH>(row, c), valid ? base + (slot0 + t) * tok_stride + c * 8 : base, valid ? 16 : 0);
     }
   }
+  cp_async_commit();
+}
+
+// The ring's first S chunks of this warp. Called before the item's q/k/v exist (even before the grid barrier that
+// publishes them): the cached K/V of earlier tokens do not depend on this step.
+template <typename T, int D>
+__device__ __forceinline__ void attn_prologue(const MegakernelParams& p, const Dims& d, int layer, const Item& it,
+                                              const Smem& sm) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  T* ring = reinterpret_cast<T*>(sm.uni) + warp * Att<D>::S * Att<D>::SLOT;
+#pragma unroll
+  for (int j = 0; j < Att<D>::S; ++j) issue_chunk<T, D>(p, d, layer, it, j, ring, lane);
 }
 
 // Writes head row j of the group for sequence b (fp32 values of D dims, dims d and d + 1) into the A fragments.
@@ -570,28 +631,24 @@ __device__ void merge_partitions(const MegakernelParams& p, const Dims& d, int b
   }
 }
 
+// One attention item. `prefetched`: attn_prologue already ran for it (before the grid barrier).
 template <typename T, int D>
-__device__ void attention_item(const MegakernelParams& p, const Dims& d, int layer, const Smem& sm, int item) {
+__device__ void attention_item(const MegakernelParams& p, const Dims& d, int layer, const Smem& sm, int item,
+                               bool prefetched) {
   using A = Att<D>;
   const AttnPlan& plan = *sm.plan;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = d.G;
-  int b = 0;
-  while (b + 1 < p.batch && plan.base[b + 1] <= item) ++b;
-  const int parts = plan.parts[b], r = item - plan.base[b], kvh = r / parts, part = r % parts;
-  const int ctx = p.seq_lens[b];
-  const int64_t span = (int64_t)plan.chunks_per_part * kChunk;
-  const int start = (int)min((int64_t)part * span, (int64_t)max(ctx, 0));
-  const int end = (int)min((int64_t)start + span, (int64_t)max(ctx, 0));
-  if (start >= end) {  // an empty context (never a real row): a defined all-zero output
+  const Item it = locate_item(p, plan, item);
+  if (it.start >= it.end) {  // an empty context (never a real row): a defined all-zero output
+    cp_async_wait<0>();      // (a prefetch issued nothing for it)
     for (int t = threadIdx.x; t < G * D / 2; t += kMegaThreads)
-      store_attn<T>(p, b, kvh * G + t / (D / 2), D, 2 * (t % (D / 2)), 0.f, 0.f);
+      store_attn<T>(p, it.b, it.kvh * G + t / (D / 2), D, 2 * (t % (D / 2)), 0.f, 0.f);
     return;
   }
-  const bool last = part == parts - 1;
-  const int64_t slot = last ? p.slot_mapping[b] : -1;
+  if (!prefetched) attn_prologue<T, D>(p, d, layer, it, sm);
   T* sq = reinterpret_cast<T*>(sm.qtile);
   T* stash = sq + kMegaMaxBatch * A::QS;
-  attn_prep<T, D>(p, d, layer, b, kvh, slot >= 0, slot, sq, stash);
+  attn_prep<T, D>(p, d, layer, it.b, it.kvh, it.slot >= 0, it.slot, sq, stash);
   __syncthreads();
 
   // Q as the A operand (rows = the group's heads), from the tile.
@@ -610,34 +667,22 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   for (int i = 0; i < A::DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
   const float sl2 = p.scale * kLog2e;
-  const int stash_pos = slot >= 0 ? ctx - 1 : -1;
-  const int64_t tok_stride = (int64_t)d.Hkv * D;
-  const int* bt = p.block_tables + (int64_t)b * p.bt_stride;
-  const int bs_shift = __ffs(p.block_size) - 1;
-  const T* kc = static_cast<const T*>(p.k_cache[layer]) + kvh * D;
-  const T* vc = static_cast<const T*>(p.v_cache[layer]) + kvh * D;
-  const int first = start / kChunk, lastc = (end + kChunk - 1) / kChunk;
-  const int ch0 = first + warp;
-  const int mine = ch0 < lastc ? (lastc - ch0 + kWarps - 1) / kWarps : 0;
   T* ring = reinterpret_cast<T*>(sm.uni) + warp * A::S * A::SLOT;
-#pragma unroll
-  for (int i = 0; i < A::S - 1; ++i) {
-    if (i < mine)
-      issue_chunk<T, D>(ring + i * A::SLOT, kc, vc, bt, bs_shift, ch0 + i * kWarps, end, stash_pos, stash, tok_stride, lane);
-    cp_async_commit();
-  }
-  for (int i = 0; i < mine; ++i) {
-    const int j = i + A::S - 1;
-    __syncwarp();  // every lane is done with the slot refilled here
-    if (j < mine)
-      issue_chunk<T, D>(ring + (j % A::S) * A::SLOT, kc, vc, bt, bs_shift, ch0 + j * kWarps, end, stash_pos, stash,
-                        tok_stride, lane);
-    cp_async_commit();
-    cp_async_wait<A::S - 1>();
-    __syncwarp();
-    const T* sK = ring + (i % A::S) * A::SLOT;
+  for (int i = 0; i < it.mine; ++i) {
+    cp_async_wait<A::S - 1>();  // this lane's copies of chunk i have landed ...
+    __syncwarp();               // ... and, after this, every lane's
+    T* sK = ring + (i % A::S) * A::SLOT;
     const T* sV = sK + kChunk * D;
-    const int tok0 = (ch0 + i * kWarps) * kChunk;
+    const int tok0 = (it.ch0 + i * kWarps) * kChunk;
+    if (it.stash_pos >= tok0 && it.stash_pos < tok0 + kChunk) {  // the new token's K and V rows, from the stash
+      const int t = it.stash_pos - tok0;
+      if (lane < 2 * A::CH) {
+        const int row = lane < A::CH ? t : kChunk + t, c = lane % A::CH;
+        *reinterpret_cast<uint4*>(sK + swz<A::CH>(row, c)) =
+            reinterpret_cast<const uint4*>(stash + (lane < A::CH ? 0 : D))[c];
+      }
+      __syncwarp();
+    }
     float sc[2][4] = {};
 #pragma unroll
     for (int ks = 0; ks < A::KS; ++ks) {
@@ -646,12 +691,12 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
       mma16816<T>(sc[0], qa[ks], bb[0], bb[1]);
       mma16816<T>(sc[1], qa[ks], bb[2], bb[3]);
     }
-    if (tok0 + kChunk > end) {
+    if (tok0 + kChunk > it.end) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (tok0 + nt * 8 + (lane % 4) * 2 + (e & 1) >= end) sc[nt][e] = -CUDART_INF_F;
+          if (tok0 + nt * 8 + (lane % 4) * 2 + (e & 1) >= it.end) sc[nt][e] = -CUDART_INF_F;
     }
     online_softmax_row<2, A::DT>(sc, o, mrow[0], lrow[0], sl2, 0);
     if (G > 8) online_softmax_row<2, A::DT>(sc, o, mrow[1], lrow[1], sl2, 1);
@@ -664,6 +709,8 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
       mma16816<T>(o[2 * dp], pa, bb[0], bb[1]);
       mma16816<T>(o[2 * dp + 1], pa, bb[2], bb[3]);
     }
+    __syncwarp();  // every lane is done with slot i % S before it is refilled
+    issue_chunk<T, D>(p, d, layer, it, i + A::S, ring, lane);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is out of its ring: the warp merge reuses it
@@ -690,6 +737,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   __syncthreads();
 
   const int RS = D + 2;
+  if (it.parts > 1 && item >= (int)gridDim.x) fail("attention item has no partial row", item, it.parts);
   for (int t = threadIdx.x; t < G * D / 2; t += kMegaThreads) {
     const int g = t / (D / 2), dd = 2 * (t % (D / 2));
     float mmax = -CUDART_INF_F;
@@ -703,8 +751,8 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
       o0 += sm_acc[(w * G + g) * D + dd] * f;
       o1 += sm_acc[(w * G + g) * D + dd + 1] * f;
     }
-    if (parts == 1) {
-      store_attn<T>(p, b, kvh * G + g, D, dd, o0 / lsum, o1 / lsum);
+    if (it.parts == 1) {
+      store_attn<T>(p, it.b, it.kvh * G + g, D, dd, o0 / lsum, o1 / lsum);
     } else {
       float* row = p.partials + ((int64_t)item * G + g) * RS;
       *reinterpret_cast<float2*>(row + dd) = make_float2(o0, o1);
@@ -714,20 +762,21 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
       }
     }
   }
-  if (parts == 1) return;
+  if (it.parts == 1) return;
 
   // Split sequence: the last of its P items to get here merges them (threadFenceReduction pattern).
-  unsigned* ticket = p.sync + kTicketBase + b * d.Hkv + kvh;
+  unsigned* ticket = p.sync + kTicketBase + it.b * d.Hkv + it.kvh;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const unsigned prev = atomicAdd(ticket, 1u);
-    sm.plan->last_flag = prev == (unsigned)parts - 1;
+    sm.plan->last_flag = prev == (unsigned)it.parts - 1;
   }
   __syncthreads();
   if (sm.plan->last_flag) {
     __threadfence();
-    merge_partitions<T, D>(p, d, b, kvh, plan.base[b] + kvh * parts, parts, reinterpret_cast<float*>(sm.uni));
+    merge_partitions<T, D>(p, d, it.b, it.kvh, plan.base[it.b] + it.kvh * it.parts, it.parts,
+                           reinterpret_cast<float*>(sm.uni));
     if (threadIdx.x == 0) *ticket = 0;  // ready for the next layer (after at least one grid barrier)
   }
 }
@@ -811,16 +860,22 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph_qkv.gran.end - ph_qkv.gran.begin, red);
     __syncthreads();
     qkv_epilogue<T>(p, d, layer, ph_qkv, red);
+    // The first attention item's K/V chunks start streaming now, across the barrier (the ring aliases `red`).
+    const bool has_item = (int)blockIdx.x < sm.plan->items;
+    __syncthreads();
+    if (has_item) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
     grid_barrier(counter, ++epoch);
 
     // Attention.
     for (int item = blockIdx.x; item < sm.plan->items; item += gridDim.x) {
-      attention_item<T, D>(p, d, layer, sm, item);
+      attention_item<T, D>(p, d, layer, sm, item, item == (int)blockIdx.x);
       __syncthreads();
     }
     grid_barrier(counter, ++epoch);
 
     // O: A fragments from global memory; then buffer 1 takes DOWN's slice.
+    uint32_t old_resid[2];
+    resid_prefetch<T>(p, d, ph_o, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
     gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph_o.gran.end - ph_o.gran.begin, d.Kq / 32,
@@ -829,7 +884,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     if (threadIdx.x == 0) issue<T>(p.w_down, down_layer, layer, ph_down, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph_o.gran.end - ph_o.gran.begin, red);
     __syncthreads();
-    residual_epilogue<T>(p, d, ph_o, red);
+    residual_epilogue<T>(p, d, ph_o, red, old_resid);
     grid_barrier(counter, ++epoch);
 
     // GU: norm -> A fragments; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
@@ -848,6 +903,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     grid_barrier(counter, ++epoch);
 
     // DOWN: A fragments from global memory; then buffer 1 takes the next layer's O slice.
+    resid_prefetch<T>(p, d, ph_down, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
     gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph_down.gran.end - ph_down.gran.begin, d.I / 32,
@@ -856,7 +912,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     if (threadIdx.x == 0 && more) issue<T>(p.w_o, o_layer, layer + 1, ph_o, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph_down.gran.end - ph_down.gran.begin, red);
     __syncthreads();
-    residual_epilogue<T>(p, d, ph_down, red);
+    residual_epilogue<T>(p, d, ph_down, red, old_resid);
     grid_barrier(counter, ++epoch);
   }
   final_norm<T>(p);
