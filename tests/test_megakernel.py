@@ -91,12 +91,17 @@ def test_partition_plan_covers_every_token_once(seq_lens, hkv, ctas):
         assert covered == list(range(ctx))
         assert all(e > s for s, e in ranges) or ctx == 0
         assert all(s % 16 == 0 for s, _ in ranges)
+        sizes = [e - s for s, e in ranges]
+        assert all(x == sizes[0] for x in sizes[:-1]) and sizes[-1] <= sizes[0], "equal partitions but the last"
+        assert plan.lens[b] <= plan.chunks_per_part
 
 
 def test_partition_plan_examples():
     assert mk.partition_plan([128], 8, 132).items == 8                 # one chunk per warp, no merge
     long = mk.partition_plan([2048], 8, 132)
     assert long.parts == [15] and long.items == 120                     # nearly one item per SM
+    assert long.lens == [9]                                             # 14 x 144 tokens + 32
+    assert mk.partition_plan([512] * 8, 8, 132).lens == [16] * 8        # 2 x 256, not 496 + 16
     assert mk.partition_plan([2048] * 16, 8, 132).parts == [1] * 16     # 128 items: no split needed
 
 
@@ -212,3 +217,20 @@ def test_check_harness_catches_a_stray_write_and_a_wrong_output():
     assert not chk.compare(model, case, 16, runner=stray)["untouched_slots_equal"]
     res = chk.compare(model, case, 16, runner=off)
     assert not res["passed"] and res["hidden_rel_err"] > 5e-3
+
+
+def test_partition_plan_random_batches():
+    """Many random batches: every partition non-empty, coverage exact, items within the grid when it can be."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        b, hkv, ctas = rng.randint(1, 16), rng.choice([1, 2, 4, 8]), rng.choice([16, 78, 114, 132])
+        lens = [rng.choice([1, rng.randint(1, 64), rng.randint(1, 9000)]) for _ in range(b)]
+        plan = mk.partition_plan(lens, hkv, ctas, min_chunks=rng.choice([1, 4, 8]))
+        if ctas > hkv * b:
+            assert plan.items <= ctas
+        for s, ctx in enumerate(lens):
+            ranges = plan.token_ranges(s, ctx)
+            assert all(e > st for st, e in ranges) and ranges[0][0] == 0 and ranges[-1][1] == ctx
+            assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))

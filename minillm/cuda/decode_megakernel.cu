@@ -161,9 +161,10 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned epoch) 
 
 // ---- shared memory -----------------------------------------------------------------------------------------------
 struct AttnPlan {  // attention work split, computed once per launch from seq_lens (partition_plan in Python)
-  int chunks_per_part;
+  int chunks_per_part;         // the largest partition, in 16-token chunks
   int items;
-  int parts[kMegaMaxBatch];
+  int parts[kMegaMaxBatch];    // partitions of each sequence ...
+  int len[kMegaMaxBatch];      // ... each this many chunks (the last one possibly shorter, never empty)
   int base[kMegaMaxBatch + 1];
   int last_flag;  // "this CTA merges the partitions": broadcast from thread 0
 };
@@ -188,8 +189,10 @@ __device__ __forceinline__ Range split_range(int n) {
 }
 
 // The attention partition plan (mirrored by minillm/ops/megakernel.py: partition_plan). Partitions hold whole
-// 16-token chunks; their size is chosen so that the items (sequence, KV head, partition) never outnumber the CTAs
-// when they can all fit (then each CTA has at most one item, and split sequences fit the per-CTA partial rows).
+// 16-token chunks; the largest size `per` is chosen so that the items (sequence, KV head, partition) never
+// outnumber the CTAs when they can all fit (then each CTA has at most one item, and split sequences fit the
+// per-CTA partial rows); a sequence of c chunks is then cut into P = ceil(c / per) partitions of ceil(c / P)
+// chunks (equal but for the last, which is never empty: (P - 1) * ceil(c / P) <= (P - 1) * per < c).
 __device__ void make_plan(const MegakernelParams& p, AttnPlan* plan) {
   int chunks[kMegaMaxBatch];
   int64_t total = 0;
@@ -210,6 +213,7 @@ __device__ void make_plan(const MegakernelParams& p, AttnPlan* plan) {
   for (int b = 0; b < p.batch; ++b) {
     const int parts = max(1, (int)((chunks[b] + per - 1) / per));
     plan->parts[b] = parts;
+    plan->len[b] = (chunks[b] + parts - 1) / parts;
     plan->base[b] = base;
     base += parts * p.num_kv_heads;
   }
@@ -542,7 +546,7 @@ __device__ __forceinline__ Item locate_item(const MegakernelParams& p, const Att
   it.kvh = r / it.parts;
   it.part = r % it.parts;
   it.ctx = max(p.seq_lens[it.b], 0);
-  const int64_t span = (int64_t)plan.chunks_per_part * kChunk;
+  const int64_t span = (int64_t)plan.len[it.b] * kChunk;
   it.start = (int)min((int64_t)it.part * span, (int64_t)it.ctx);
   it.end = (int)min((int64_t)it.start + span, (int64_t)it.ctx);
   it.slot = it.part == it.parts - 1 ? p.slot_mapping[it.b] : -1;
@@ -640,6 +644,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = d.G;
   const Item it = locate_item(p, plan, item);
   if (it.start >= it.end) {  // an empty context (never a real row): a defined all-zero output
+    if (it.parts != 1) fail("empty attention partition", item, it.parts);
     cp_async_wait<0>();      // (a prefetch issued nothing for it)
     for (int t = threadIdx.x; t < G * D / 2; t += kMegaThreads)
       store_attn<T>(p, it.b, it.kvh * G + t / (D / 2), D, 2 * (t % (D / 2)), 0.f, 0.f);

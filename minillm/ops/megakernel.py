@@ -118,8 +118,9 @@ def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int) -> t
 
 @dataclass(frozen=True)
 class PartitionPlan:
-    chunks_per_part: int          # 16-token chunks per attention partition
+    chunks_per_part: int          # the largest attention partition, in 16-token chunks
     parts: list[int]              # partitions per sequence
+    lens: list[int]               # chunks per partition of each sequence (its last one may be shorter)
     base: list[int]               # first item of each sequence (items: sequence-major, KV head, partition)
 
     @property
@@ -128,25 +129,27 @@ class PartitionPlan:
 
     def token_ranges(self, b: int, ctx: int) -> list[tuple[int, int]]:
         """[start, end) of each partition of sequence b (context ctx)."""
-        span = self.chunks_per_part * CHUNK
+        span = self.lens[b] * CHUNK
         return [(min(p * span, max(ctx, 0)), min(p * span + span, max(ctx, 0))) for p in range(self.parts[b])]
 
 
 def partition_plan(seq_lens: list[int], num_kv_heads: int, num_ctas: int,
                    min_chunks: int = MIN_PARTITION_CHUNKS) -> PartitionPlan:
-    """The attention work split of decode_megakernel.cu (make_plan): partitions of whole 16-token chunks, just
-    large enough that the items never outnumber the CTAs when B x Hkv leaves room, and at least min_chunks long;
-    one partition per sequence otherwise."""
+    """The attention work split of decode_megakernel.cu (make_plan): partitions of whole 16-token chunks, at most
+    `per` long where `per` is just large enough that the items never outnumber the CTAs when B x Hkv leaves room
+    (and at least min_chunks); one partition per sequence otherwise. A sequence's partitions are equal but for
+    the last."""
     chunks = [-(-c // CHUNK) if c > 0 else 0 for c in seq_lens]
     slack = num_ctas - num_kv_heads * len(seq_lens)
     per = 1 << 24
     if slack > 0:
         per = min(max(-(-num_kv_heads * sum(chunks) // slack), max(min_chunks, 1)), 1 << 24)
     parts = [max(1, -(-c // per)) for c in chunks]
+    lens = [-(-c // p) for c, p in zip(chunks, parts)]
     base = [0]
     for p in parts:
         base.append(base[-1] + p * num_kv_heads)
-    return PartitionPlan(per, parts, base)
+    return PartitionPlan(per, parts, lens, base)
 
 
 def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int, num_ctas: int) -> dict:
@@ -161,7 +164,7 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     plan = dict(w0=up(2 * max(gq * 8 * hidden, gp * 16 * hidden)), w1=up(2 * max(go * 8 * kq, go * 8 * inter)))
     uni = max(16 * hidden * 2, WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
               WARPS * group * d * 4 + 2 * WARPS * group * 4, group * MAX_PARTITIONS * 4 + group * 4)
-    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(16 + 4 * (3 + 2 * MAX_BATCH + 1)))
+    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(16 + 4 * (3 + 3 * MAX_BATCH + 1)))
     plan["total"] = sum(plan.values())
     plan["max_granules"] = max_gran
     return plan
