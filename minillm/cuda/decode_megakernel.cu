@@ -961,10 +961,16 @@ cudaError_t launch_typed(const MegakernelParams& p, const MegakernelSmemPlan& pl
   auto kernel = mk::decode_megakernel<T, D>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.total);
   if (err != cudaSuccess) return err;
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMegaThreads, plan.total);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidValue;  // registers or shared memory do not fit one CTA per SM
+  // Registers and shared memory must fit one CTA per SM. Asked once per variant and size, so that launches during
+  // CUDA-graph capture (always preceded by an eager one in minillm) make no occupancy query.
+  static int verified_smem = -1;
+  if (verified_smem != plan.total) {
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMegaThreads, plan.total);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidValue;
+    verified_smem = plan.total;
+  }
   err = cudaMemsetAsync(p.sync, 0, sizeof(unsigned) * megakernel_sync_words(p.num_kv_heads), stream);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg = {};
