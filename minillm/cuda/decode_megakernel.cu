@@ -53,6 +53,9 @@ constexpr int kMaxVec = kMegaMaxHidden / 8 / 32;  // 16-byte vectors per lane of
 constexpr unsigned kBulkPiece = 16384;         // bytes per bulk-copy instruction
 constexpr unsigned long long kTimeoutNs = 4000000000ull;  // a wait this long is a bug: trap loudly
 constexpr int kTicketBase = 4;                 // sync words: [0] barrier counter, [4..] merge tickets
+// The thread that issues the weight bulk copies: not thread 0, whose barrier release (a GPU-scope fence) then never
+// has copies of its own in flight to wait for, whatever the hardware's fence does with them.
+constexpr int kIssuer = 32;
 
 // ---- element helpers (raw 16-bit patterns, so no implicit conversions are needed) ----------------------------
 template <typename T> struct Elem;
@@ -127,7 +130,7 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
       : "memory");
 }
 
-// Thread 0 only: bulk-copy `bytes` (a multiple of 16, possibly 0) into a weight buffer, completing on `bar`.
+// Thread kIssuer only: bulk-copy `bytes` (a multiple of 16, possibly 0) into a weight buffer, completing on `bar`.
 // The buffer's previous readers finished before a __syncthreads; the proxy fence orders their generic-proxy
 // reads before the async-proxy writes.
 __device__ __forceinline__ void issue_weights(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
@@ -137,13 +140,17 @@ __device__ __forceinline__ void issue_weights(void* dst, const void* src, unsign
     bulk_g2s(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, min(kBulkPiece, bytes - off), bar);
 }
 
-// Grid-wide barrier number `epoch` (1, 2, ...): thread 0 adds one with release semantics (ordering every write
-// the CTA made before the __syncthreads) and spins with acquire loads until all CTAs have arrived.
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned epoch) {
+// Grid-wide barrier number `epoch` (1, 2, ...), in two halves so that work can be issued between them. Arrive:
+// thread 0 adds one with release semantics (ordering every write the CTA made before the __syncthreads). Wait:
+// thread 0 spins with acquire loads until all CTAs have arrived.
+__device__ __forceinline__ void grid_arrive(unsigned* counter) {
   __syncthreads();
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+__device__ __forceinline__ void grid_wait(unsigned* counter, unsigned epoch) {
   if (threadIdx.x == 0) {
     const unsigned target = epoch * gridDim.x;
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     unsigned seen;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
     if (seen < target) {
@@ -157,6 +164,11 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned epoch) 
     }
   }
   __syncthreads();
+}
+
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned epoch) {
+  grid_arrive(counter);
+  grid_wait(counter, epoch);
 }
 
 // ---- shared memory -----------------------------------------------------------------------------------------------
@@ -838,14 +850,14 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned epoch = 0;
   unsigned parity[2] = {0, 0};
 
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == kIssuer) {
     mbar_init(&sm.bars[0]);
     mbar_init(&sm.bars[1]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     issue<T>(p.w_qkv, qkv_layer, 0, ph_qkv, sm.w0, &sm.bars[0]);
     issue<T>(p.w_o, o_layer, 0, ph_o, sm.w1, &sm.bars[1]);
-    make_plan(p, sm.plan);
   }
+  if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
   float acc[kMaxGran][4];
   uint32_t* act = reinterpret_cast<uint32_t*>(sm.uni);
@@ -861,15 +873,15 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), ph_qkv.gran.end - ph_qkv.gran.begin, d.H / 32,
                               reinterpret_cast<const uint4*>(act), acc);
     __syncthreads();
-    if (threadIdx.x == 0) issue<T>(p.w_gu, gu_layer, layer, ph_gu, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph_gu, sm.w0, &sm.bars[0]);
     gemv_stage(acc, ph_qkv.gran.end - ph_qkv.gran.begin, red);
     __syncthreads();
     qkv_epilogue<T>(p, d, layer, ph_qkv, red);
-    // The first attention item's K/V chunks start streaming now, across the barrier (the ring aliases `red`).
-    const bool has_item = (int)blockIdx.x < sm.plan->items;
-    __syncthreads();
-    if (has_item) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
-    grid_barrier(counter, ++epoch);
+    // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
+    // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
+    grid_arrive(counter);
+    if ((int)blockIdx.x < sm.plan->items) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
+    grid_wait(counter, ++epoch);
 
     // Attention.
     for (int item = blockIdx.x; item < sm.plan->items; item += gridDim.x) {
@@ -886,7 +898,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph_o.gran.end - ph_o.gran.begin, d.Kq / 32,
                              static_cast<const uint4*>(p.attn_frag), acc);
     __syncthreads();
-    if (threadIdx.x == 0) issue<T>(p.w_down, down_layer, layer, ph_down, sm.w1, &sm.bars[1]);
+    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph_down, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph_o.gran.end - ph_o.gran.begin, red);
     __syncthreads();
     residual_epilogue<T>(p, d, ph_o, red, old_resid);
@@ -901,7 +913,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32,
                               reinterpret_cast<const uint4*>(act), acc);
     __syncthreads();
-    if (threadIdx.x == 0 && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph_qkv, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph_qkv, sm.w0, &sm.bars[0]);
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
     swiglu_epilogue<T>(p, ph_gu, red);
@@ -914,7 +926,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph_down.gran.end - ph_down.gran.begin, d.I / 32,
                              static_cast<const uint4*>(p.h_frag), acc);
     __syncthreads();
-    if (threadIdx.x == 0 && more) issue<T>(p.w_o, o_layer, layer + 1, ph_o, sm.w1, &sm.bars[1]);
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph_o, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph_down.gran.end - ph_down.gran.begin, red);
     __syncthreads();
     residual_epilogue<T>(p, d, ph_down, red, old_resid);
