@@ -234,3 +234,17 @@ def test_partition_plan_random_batches():
             ranges = plan.token_ranges(s, ctx)
             assert all(e > st for st, e in ranges) and ranges[0][0] == 0 and ranges[-1][1] == ctx
             assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+
+
+def test_check_harness_catches_a_nan_row():
+    from minillm.ops.megakernel import reference_decode_step
+
+    chk, model, case = _cpu_case(pad=0)
+
+    def nan_row(m, caches, c):
+        out = reference_decode_step(m, c.input_ids, c.positions, caches, c.meta).clone()
+        out[1, 3] = float("nan")
+        return out
+
+    res = chk.compare(model, case, 16, runner=nan_row)
+    assert res["hidden_rel_err"] == float("inf") and not res["passed"]

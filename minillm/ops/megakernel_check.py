@@ -141,9 +141,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error; inf when either side has a non-finite value (inf survives max(), NaN would not)."""
     a, b = a.float(), b.float()
-    if not torch.isfinite(a).all():
-        return float("nan")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf")
     return float((a - b).norm() / b.norm().clamp_min(1e-6))
 
 
