@@ -181,12 +181,16 @@ struct AttnPlan {  // attention work split, computed once per launch from seq_le
   int last_flag;  // "this CTA merges the partitions": broadcast from thread 0
 };
 
+struct Phase;
+struct Phases;
+
 struct Smem {
   unsigned char* w0;   // QKV / GU weight slices
   unsigned char* w1;   // O / DOWN weight slices
   unsigned char* uni;  // norm output (A fragments) | GEMV cross-warp sums | attention ring and merges
   unsigned char* qtile;
   uint64_t* bars;      // [2] mbarriers of w0 / w1
+  Phases* ph;          // this CTA's weight slices (kept in shared memory, not in registers)
   AttnPlan* plan;
 };
 
@@ -241,6 +245,7 @@ template <typename T>
 __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, uint32_t* act) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = p.hidden, nvec = H / 8;
+#pragma unroll 1  // one row at a time: two rows' registers at once would spill
   for (int m = warp; m < kMegaMaxBatch; m += kWarps) {
     const bool live = m < p.batch;
     const T* row = static_cast<const T*>(p.resid) + (int64_t)m * H;
@@ -309,8 +314,10 @@ __device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint4
 }
 
 // Each warp takes an equal share of the K dimension (in k-pairs = 32 columns) for all of the CTA's granules; the
-// warps' partial sums are added in gemv_reduce. A comes from shared memory (the CTA's own norm output) or, with
-// A_GLOBAL, from a global A-fragment buffer another phase wrote (read through L2, kRound k-pairs at a time).
+// warps' partial sums are added in gemv_sum. A comes from shared memory (the CTA's own norm output) or, with
+// A_GLOBAL, from a global A-fragment buffer another phase wrote, read through L2 into registers kRound k-pairs at a
+// time (o_proj of Qwen3-0.6B: 8 k-pairs per warp, one round; down_proj: 12, two). Loading only the live half of
+// each fragment at B <= 8 would make down one round, but its registers made the whole kernel spill (tried).
 template <typename T, bool A_GLOBAL>
 __device__ __forceinline__ void gemv_accumulate(const uint4* w, int n_gran, int kpairs, const uint4* a,
                                                 float (&acc)[kMaxGran][4]) {
@@ -323,6 +330,7 @@ __device__ __forceinline__ void gemv_accumulate(const uint4* w, int n_gran, int 
     for (int kp = kp_begin; kp < kp_end; ++kp)
       mma_kpair<T>(acc, a[(2 * kp) * 32 + lane], a[(2 * kp + 1) * 32 + lane], w, n_gran, kpairs, kp, lane);
   } else {
+#pragma unroll 1
     for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound) {
       uint4 f[2 * kRound];
 #pragma unroll
@@ -359,6 +367,12 @@ struct Phase {  // the weight slice of one GEMV phase for this CTA
   Range gran;       // granules (GU: gate/up pairs)
   int64_t offset;   // elements from the layer's start
   unsigned bytes;
+};
+
+// The four slices of a CTA, computed once and kept in shared memory: registers are the kernel's scarcest resource
+// (255 per thread), and spilled values would live in an L1 of ~28 KB next to 227 KB of shared memory.
+struct Phases {
+  Phase qkv, o, gu, down;
 };
 
 __device__ __forceinline__ Phase slice(int granules, int64_t granule_elems) {
@@ -801,6 +815,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
 template <typename T>
 __device__ void final_norm(const MegakernelParams& p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, H = p.hidden, nvec = H / 8;
+#pragma unroll 1
   for (int m = blockIdx.x * kWarps + warp; m < p.batch; m += gridDim.x * kWarps) {
     const uint4* row = reinterpret_cast<const uint4*>(static_cast<const T*>(p.resid) + (int64_t)m * H);
     uint4 v[kMaxVec];
@@ -841,9 +856,10 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   sm.uni = sm.w1 + plan.w1;
   sm.qtile = sm.uni + plan.uni;
   sm.bars = reinterpret_cast<uint64_t*>(sm.qtile + plan.qtile);
-  sm.plan = reinterpret_cast<AttnPlan*>(sm.bars + 2);
+  sm.ph = reinterpret_cast<Phases*>(sm.bars + 2);
+  sm.plan = reinterpret_cast<AttnPlan*>(sm.ph + 1);
   const Dims d(p);
-  const Phase ph_qkv = d.qkv(), ph_o = d.o(), ph_gu = d.gu(), ph_down = d.down();
+  const Phases& ph = *sm.ph;
   const int64_t qkv_layer = (int64_t)d.Nqkv * d.H, o_layer = (int64_t)d.H * d.Kq, gu_layer = 2LL * d.I * d.H,
                 down_layer = (int64_t)d.H * d.I;
   unsigned* counter = p.sync;
@@ -851,11 +867,12 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned parity[2] = {0, 0};
 
   if (threadIdx.x == kIssuer) {
+    *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
     mbar_init(&sm.bars[0]);
     mbar_init(&sm.bars[1]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    issue<T>(p.w_qkv, qkv_layer, 0, ph_qkv, sm.w0, &sm.bars[0]);
-    issue<T>(p.w_o, o_layer, 0, ph_o, sm.w1, &sm.bars[1]);
+    issue<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0]);
+    issue<T>(p.w_o, o_layer, 0, sm.ph->o, sm.w1, &sm.bars[1]);
   }
   if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
@@ -870,13 +887,13 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     __syncthreads();
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
-    gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), ph_qkv.gran.end - ph_qkv.gran.begin, d.H / 32,
+    gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32,
                               reinterpret_cast<const uint4*>(act), acc);
     __syncthreads();
-    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph_gu, sm.w0, &sm.bars[0]);
-    gemv_stage(acc, ph_qkv.gran.end - ph_qkv.gran.begin, red);
+    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
     __syncthreads();
-    qkv_epilogue<T>(p, d, layer, ph_qkv, red);
+    qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
     grid_arrive(counter);
@@ -892,16 +909,16 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
 
     // O: A fragments from global memory; then buffer 1 takes DOWN's slice.
     uint32_t old_resid[2];
-    resid_prefetch<T>(p, d, ph_o, old_resid);
+    resid_prefetch<T>(p, d, ph.o, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
-    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph_o.gran.end - ph_o.gran.begin, d.Kq / 32,
+    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
                              static_cast<const uint4*>(p.attn_frag), acc);
     __syncthreads();
-    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph_down, sm.w1, &sm.bars[1]);
-    gemv_stage(acc, ph_o.gran.end - ph_o.gran.begin, red);
+    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
     __syncthreads();
-    residual_epilogue<T>(p, d, ph_o, red, old_resid);
+    residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier(counter, ++epoch);
 
     // GU: norm -> A fragments; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
@@ -909,27 +926,27 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     __syncthreads();
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
-    const int gu_gran = 2 * (ph_gu.gran.end - ph_gu.gran.begin);
+    const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
     gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32,
                               reinterpret_cast<const uint4*>(act), acc);
     __syncthreads();
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph_qkv, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
-    swiglu_epilogue<T>(p, ph_gu, red);
+    swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier(counter, ++epoch);
 
     // DOWN: A fragments from global memory; then buffer 1 takes the next layer's O slice.
-    resid_prefetch<T>(p, d, ph_down, old_resid);
+    resid_prefetch<T>(p, d, ph.down, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
-    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph_down.gran.end - ph_down.gran.begin, d.I / 32,
+    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
                              static_cast<const uint4*>(p.h_frag), acc);
     __syncthreads();
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph_o, sm.w1, &sm.bars[1]);
-    gemv_stage(acc, ph_down.gran.end - ph_down.gran.begin, red);
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+    gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
     __syncthreads();
-    residual_epilogue<T>(p, d, ph_down, red, old_resid);
+    residual_epilogue<T>(p, d, ph.down, red, old_resid);
     grid_barrier(counter, ++epoch);
   }
   final_norm<T>(p);
@@ -962,7 +979,7 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
   const int64_t part_merge = (int64_t)G * kMegaMaxPartitions * 4 + G * 4;
   plan->uni = round_up(std::max(std::max(act, red), std::max(ring, std::max(warp_merge, part_merge))), 128);
   plan->qtile = round_up(2LL * (kMegaMaxBatch * (D + 8) + 2 * D), 128);
-  plan->misc = round_up(2 * 8 + (int64_t)sizeof(AttnPlan), 128);
+  plan->misc = round_up(2 * 8 + (int64_t)sizeof(Phases) + (int64_t)sizeof(AttnPlan), 128);
   plan->total = plan->w0 + plan->w1 + plan->uni + plan->qtile + plan->misc;
   return cudaSuccess;
 }
