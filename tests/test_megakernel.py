@@ -248,3 +248,78 @@ def test_check_harness_catches_a_nan_row():
 
     res = chk.compare(model, case, 16, runner=nan_row)
     assert res["hidden_rel_err"] == float("inf") and not res["passed"]
+
+
+def _bindings_schema():
+    import re
+
+    src = (Path(mk.__file__).resolve().parents[1] / "cuda" / "megakernel_bindings.cpp").read_text()
+    body = re.search(r'm\.def\((.*?)\);', src, re.S).group(1)
+    return torch._C.parse_schema("".join(re.findall(r'"(.*?)"', body)))
+
+
+def test_wrapper_call_matches_the_op_schema(monkeypatch):
+    """DecodeMegakernel.forward's call, checked against the schema in megakernel_bindings.cpp and the sizes the
+    binding demands (on the CPU: the wrapper is assembled by hand, the op replaced by this check)."""
+    from minillm.attention.metadata import AttentionMetadata
+    from minillm.attention.torch_backend import TorchAttentionBackend
+    from minillm.model.loader import init_dummy_weights
+    from minillm.model.qwen3 import QwenForCausalLM
+
+    for arch in (_tiny_arch(), _tiny_arch(architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=None)):
+        model = QwenForCausalLM(arch, TorchAttentionBackend(), dtype=torch.bfloat16)
+        init_dummy_weights(model)
+        caches = [(torch.zeros(4, 16, arch.num_key_value_heads, arch.head_dim, dtype=torch.bfloat16),) * 2
+                  for _ in range(arch.num_hidden_layers)]
+        wrapper = mk.DecodeMegakernel.__new__(mk.DecodeMegakernel)
+        wrapper.arch, wrapper.max_batch, wrapper.block_size = arch, 4, 16
+        wrapper.device, wrapper.dtype, wrapper.limits = torch.device("cpu"), torch.bfloat16, {"num_ctas": 132}
+        wrapper.min_partition_chunks, wrapper.cooperative = 8, True
+        wrapper._caches = [c for kv in caches for c in kv]
+        wrapper._pack(model)
+        wrapper._alloc_workspaces()
+        schema = _bindings_schema()
+        seen = {}
+
+        def fake_op(*args):
+            assert len(args) == len(schema.arguments)
+            for a, v in zip(schema.arguments, args):
+                t = str(a.type)
+                if t == "Tensor":
+                    assert isinstance(v, torch.Tensor), a.name
+                elif t == "Optional[Tensor]":
+                    assert v is None or isinstance(v, torch.Tensor), a.name
+                elif t == "List[Tensor]":
+                    assert isinstance(v, list) and all(isinstance(x, torch.Tensor) for x in v), a.name
+                else:
+                    assert isinstance(v, {"int": int, "float": float, "bool": bool}[t]), (a.name, t, v)
+                seen[a.name] = v
+
+        monkeypatch.setattr(torch.ops.minillm, "decode_megakernel", fake_op, raising=False)
+        meta = AttentionMetadata(num_seqs=3, num_decodes=3, num_tokens=3, max_query_len=1, max_seq_len=9,
+                                 slot_mapping=torch.tensor([1, 2, -1]), query_start_loc=torch.arange(4),
+                                 seq_lens=torch.tensor([2, 3, 9], dtype=torch.int32),
+                                 block_tables=torch.zeros(3, 2, dtype=torch.int32), block_size=16)
+        out = wrapper.forward(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 8]), meta)
+        assert out.shape == (3, arch.hidden_size)
+        # What megakernel_bindings.cpp checks: dtypes and minimum sizes.
+        h, i, d, layers = arch.hidden_size, arch.intermediate_size, arch.head_dim, arch.num_hidden_layers
+        hq, hkv = arch.num_attention_heads, arch.num_key_value_heads
+        nqkv, kq = (hq + 2 * hkv) * d, hq * d
+        assert seen["input_ids"].dtype == seen["positions"].dtype == seen["slot_mapping"].dtype == torch.int64
+        assert seen["seq_lens"].dtype == seen["block_tables"].dtype == torch.int32
+        assert len(seen["kv_caches"]) == 2 * layers
+        assert seen["w_qkv"].numel() >= layers * nqkv * h and seen["w_o"].numel() >= layers * h * kq
+        assert seen["w_gu"].numel() >= layers * 2 * i * h and seen["w_down"].numel() >= layers * h * i
+        assert (seen["b_qkv"] is None) == (not arch.qkv_bias) and (seen["q_norm"] is None) == (not arch.qk_norm)
+        assert seen["ln1"].numel() >= layers * h and seen["final_norm"].numel() == h
+        assert seen["cos_sin"].dtype == torch.float32 and seen["cos_sin"].shape[1] == d
+        assert seen["act_ws"].numel() >= 16 * (nqkv + kq + i + h) and seen["act_ws"].dtype == torch.bfloat16
+        assert seen["partials"].dtype == torch.float32 and seen["partials"].numel() >= 132 * (hq // hkv) * (d + 2)
+        assert seen["sync"].dtype == torch.int32 and seen["sync"].numel() >= 4 + 16 * hkv
+        assert seen["out"].shape == (16, h)
+        assert (seen["num_heads"], seen["num_kv_heads"], seen["head_dim"], seen["intermediate"]) == (hq, hkv, d, i)
+        assert seen["scale"] == d ** -0.5 and seen["num_ctas"] == 132
+        assert all(t.is_contiguous() for n, t in seen.items() if isinstance(t, torch.Tensor) and n not in
+                   ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"))
