@@ -323,3 +323,33 @@ def test_wrapper_call_matches_the_op_schema(monkeypatch):
         assert seen["scale"] == d ** -0.5 and seen["num_ctas"] == 132
         assert all(t.is_contiguous() for n, t in seen.items() if isinstance(t, torch.Tensor) and n not in
                    ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"))
+
+
+@pytest.mark.slow
+def test_binding_signature_matches_its_schema(tmp_path):
+    """The C++ signatures of decode_megakernel and its Meta twin, registered under the schema of the bindings
+    file in a CPU-only extension (the real file needs CUDA headers): torch refuses a mismatch when the library
+    loads, which on the GPU would take every minillm op down with it. Runs in a subprocess: a mismatch aborts."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    src = (Path(mk.__file__).resolve().parents[1] / "cuda" / "megakernel_bindings.cpp").read_text()
+    sig = re.search(r"void decode_megakernel\((.*?)\) \{", src, re.S).group(1)
+    meta = re.search(r"void decode_megakernel_meta\((.*?)\) \{\}", src, re.S).group(1)
+    schema = "".join(re.findall(r'"(.*?)"', re.search(r"m\.def\((.*?)\);", src, re.S).group(1)))
+    (tmp_path / "sig.cpp").write_text(
+        "#include <ATen/ATen.h>\n#include <torch/library.h>\nusing at::Tensor;\n"
+        f"void decode_megakernel({sig}) {{}}\nvoid decode_megakernel_meta({meta}) {{}}\n"
+        f'TORCH_LIBRARY(minillm_sig_probe, m) {{\n  m.def("{schema}");\n'
+        '  m.impl("decode_megakernel", c10::DispatchKey::CPU, TORCH_FN(decode_megakernel));\n'
+        '  m.impl("decode_megakernel", c10::DispatchKey::Meta, TORCH_FN(decode_megakernel_meta));\n}\n')
+    code = (f"from torch.utils.cpp_extension import load\n"
+            f"load(name='minillm_sig_probe', sources=[{str(tmp_path / 'sig.cpp')!r}], build_directory={str(tmp_path)!r},"
+            f" is_python_module=False)\nimport torch\nprint(torch.ops.minillm_sig_probe.decode_megakernel.default._schema)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Tensor(a!)[] kv_caches" in run.stdout
