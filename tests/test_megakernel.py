@@ -353,3 +353,22 @@ def test_binding_signature_matches_its_schema(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Tensor(a!)[] kv_caches" in run.stdout
+
+
+def test_phase_reference_is_the_model_path_and_fragments_unpack():
+    """The step-by-step torch twin used by the GPU phase test computes what the model computes (one layer, fp32),
+    and A-fragment buffers unpack to what was packed."""
+    import dataclasses
+
+    from minillm.ops import megakernel_check as chk
+    from minillm.ops.megakernel import reference_decode_step
+
+    arch = dataclasses.replace(chk.tiny_arch("qwen2", hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16,
+                                             max_pos=512), num_hidden_layers=1)
+    model = chk.random_model(arch, torch.float32, "cpu", seed=4)
+    case = chk.make_decode_case(arch, [1, 17, 40], 0, 16, torch.float32, "cpu", seed=5)
+    phases = chk.phase_reference(model, case)
+    full = reference_decode_step(model, case.input_ids, case.positions, chk._clone(case.caches), case.meta)
+    torch.testing.assert_close(phases["out"], full, rtol=1e-5, atol=1e-5)
+    x = torch.randn(5, 96)
+    assert torch.equal(chk.unpack_act_fragments(mk.pack_act_fragments(x), 5, 96), x)

@@ -128,3 +128,19 @@ def test_bad_inputs_raise_value_error():
         mk.forward(torch.zeros(3, dtype=torch.int64, device="cuda"), case.positions, case.meta)
     with pytest.raises(ValueError, match="does not cover"):
         DecodeMegakernel(model, case.caches, 17, bs, 16384)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-d128-g4-bs32", "qwen2-d64-g8-bias"])
+def test_phase_by_phase_one_layer(shape):
+    """Each phase's output in the kernel's workspaces against the torch path step by step (one layer): when the
+    end-to-end tests fail, the first phase listed here that fails is where to look."""
+    import dataclasses
+
+    arch, dtype, bs = SHAPES[shape]
+    arch1 = dataclasses.replace(arch, num_hidden_layers=1)
+    model = _model(shape + "-1layer", arch1, dtype)
+    case = chk.make_decode_case(arch1, [1, 40, 700, 3000], 0, bs, dtype, seed=3)
+    errs = chk.phase_errors(model, case, bs)
+    print(shape, errs)
+    for phase in ("qkv", "attn", "swiglu", "resid", "out"):
+        assert errs[phase] <= chk.TOL[dtype], (phase, errs)

@@ -233,3 +233,70 @@ def run_megakernel_cases(quick: bool = False) -> list[dict]:
             err = float("inf")
         rows.append({"case": label, **res, "max_abs_err": err})
     return rows
+
+
+def unpack_act_fragments(buf: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """[rows, k] from a flat 16-row A-fragment buffer (inverse of megakernel.pack_act_fragments)."""
+    from minillm.ops.megakernel import act_fragment_index
+
+    m = torch.arange(rows, device=buf.device)[:, None].expand(rows, k)
+    kk = torch.arange(k, device=buf.device)[None, :].expand(rows, k)
+    return buf[act_fragment_index(m, kk)]
+
+
+@torch.no_grad()
+def phase_reference(model, case: DecodeCase) -> dict:
+    """The torch path of a one-layer model, phase by phase (fused_ops' torch code, F.linear, the fp32 paged
+    attention reference): qkv [B, Nqkv], attn [B, Hq D], swiglu [B, I], resid [B, H] (after down), out [B, H]."""
+    import torch.nn.functional as F
+
+    from minillm.ops import fused_ops
+    from minillm.ops.reference import kv_write_ref, paged_attention_ref
+
+    a = model.arch
+    if a.num_hidden_layers != 1:
+        raise ValueError("the phase-by-phase check needs a one-layer model")
+    layer, n, d = model.model.layers[0], case.input_ids.shape[0], a.head_dim
+    saved = fused_ops._cuda_ok.enabled
+    fused_ops._cuda_ok.set(False)
+    try:
+        sa, mlp, eps = layer.self_attn, layer.mlp, a.rms_norm_eps
+        x0 = F.embedding(case.input_ids, model.model.embed_tokens.weight)
+        qkv = F.linear(fused_ops.rms_norm(x0, layer.input_layernorm.weight, eps), sa.qkv_proj.weight, sa.qkv_proj.bias)
+        q, k, v = fused_ops.qk_norm_rope(qkv, case.positions, model.cos_sin_cache, a.num_attention_heads,
+                                         a.num_key_value_heads, d, sa.q_norm.weight if sa.q_norm else None,
+                                         sa.k_norm.weight if sa.k_norm else None, eps)
+        caches = _clone(case.caches)
+        kv_write_ref(k, v, caches[0][0], caches[0][1], case.meta.slot_mapping)
+        attn = paged_attention_ref(q, caches[0][0], caches[0][1], case.meta.block_tables, case.meta.seq_lens_cpu,
+                                   list(range(n + 1)), d ** -0.5).to(q.dtype).reshape(n, a.q_size)
+        resid1 = F.linear(attn, sa.o_proj.weight) + x0
+        normed2 = fused_ops.rms_norm(resid1, layer.post_attention_layernorm.weight, eps)
+        swiglu = fused_ops.silu_and_mul(F.linear(normed2, mlp.gate_up_proj.weight))
+        resid2 = F.linear(swiglu, mlp.down_proj.weight) + resid1
+        final = fused_ops.rms_norm(resid2, model.model.norm.weight, eps)
+    finally:
+        fused_ops._cuda_ok.set(saved)
+    return dict(qkv=qkv, attn=attn, swiglu=swiglu, resid=resid2, out=final)
+
+
+@torch.no_grad()
+def phase_errors(model, case: DecodeCase, block_size: int) -> dict:
+    """For a one-layer model: the relative error of each phase's output as the kernel leaves it in its workspaces
+    (qkv, attention output, SwiGLU output, residual stream, final hidden) against phase_reference. Tells which
+    phase is wrong when the end-to-end check fails. Real rows only."""
+    from minillm.ops.megakernel import DecodeMegakernel
+
+    a, n = model.arch, case.input_ids.shape[0]
+    h, i = a.hidden_size, a.intermediate_size
+    nqkv, kq = a.q_size + 2 * a.kv_size, a.q_size
+    want = phase_reference(model, case)
+    mk = DecodeMegakernel(model, _clone(case.caches), max_batch=n, block_size=block_size,
+                          max_model_len=model.cos_sin_cache.shape[0])
+    out = mk.forward(case.input_ids, case.positions, case.meta).clone()
+    ws = mk.act_ws
+    got = dict(qkv=ws[:16 * nqkv].view(16, nqkv)[:n],
+               attn=unpack_act_fragments(ws[16 * nqkv:16 * (nqkv + kq)], n, kq),
+               swiglu=unpack_act_fragments(ws[16 * (nqkv + kq):16 * (nqkv + kq + i)], n, i),
+               resid=ws[16 * (nqkv + kq + i):16 * (nqkv + kq + i + h)].view(16, h)[:n], out=out)
+    return {name: max(_rel(got[name][r], want[name][r]) for r in case.real_rows) for name in want}
