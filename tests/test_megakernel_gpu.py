@@ -50,6 +50,23 @@ BATCHES = {
 }
 
 
+@pytest.mark.parametrize("shape", ["qwen3-d128-g4-bs32", "qwen2-d64-g8-bias"])
+def test_phase_by_phase_one_layer(shape):
+    """Each phase's output in the kernel's workspaces against the torch path step by step (one layer): when the
+    end-to-end tests fail, the first phase listed here that fails is where to look. First in the file: a kernel
+    that traps leaves the CUDA context unusable for every test after it."""
+    import dataclasses
+
+    arch, dtype, bs = SHAPES[shape]
+    arch1 = dataclasses.replace(arch, num_hidden_layers=1)
+    model = _model(shape + "-1layer", arch1, dtype)
+    case = chk.make_decode_case(arch1, [1, 40, 700, 3000], 0, bs, dtype, seed=3)
+    errs = chk.phase_errors(model, case, bs)
+    print(shape, errs)
+    for phase in ("qkv", "attn", "swiglu", "resid", "out"):
+        assert errs[phase] <= chk.TOL[dtype], (phase, errs)
+
+
 def _check(res):
     assert res["untouched_slots_equal"], "a cache slot other than this step's new ones changed"
     assert res["graph_replay_equal"], "a CUDA-graph replay differs from the eager launch"
@@ -129,18 +146,3 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="does not cover"):
         DecodeMegakernel(model, case.caches, 17, bs, 16384)
 
-
-@pytest.mark.parametrize("shape", ["qwen3-d128-g4-bs32", "qwen2-d64-g8-bias"])
-def test_phase_by_phase_one_layer(shape):
-    """Each phase's output in the kernel's workspaces against the torch path step by step (one layer): when the
-    end-to-end tests fail, the first phase listed here that fails is where to look."""
-    import dataclasses
-
-    arch, dtype, bs = SHAPES[shape]
-    arch1 = dataclasses.replace(arch, num_hidden_layers=1)
-    model = _model(shape + "-1layer", arch1, dtype)
-    case = chk.make_decode_case(arch1, [1, 40, 700, 3000], 0, bs, dtype, seed=3)
-    errs = chk.phase_errors(model, case, bs)
-    print(shape, errs)
-    for phase in ("qkv", "attn", "swiglu", "resid", "out"):
-        assert errs[phase] <= chk.TOL[dtype], (phase, errs)
