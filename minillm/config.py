@@ -103,6 +103,12 @@ class KernelConfig:
     # SM decode_ctas_per_sm CTAs, and at least decode_min_partitions (minillm/ops/attention_ops.py).
     decode_min_partitions: int = 1
     decode_ctas_per_sm: int = 8
+    # Decode steps of up to megakernel_max_batch rows run all decoder layers in one persistent kernel
+    # (minillm/ops/megakernel.py) where it covers the model and GPU (sm_90); its attention partitions are at least
+    # megakernel_min_chunks x 16 tokens.
+    megakernel: bool = True
+    megakernel_max_batch: int = 16
+    megakernel_min_chunks: int = 8
 
     def validate(self) -> None:
         _check(self.backend in ("auto", "cuda", "torch"), "kernels.backend", self.backend,
@@ -111,6 +117,10 @@ class KernelConfig:
                "kernels.decode_min_partitions", self.decode_min_partitions, "an integer in [1, 32]")
         _check(isinstance(self.decode_ctas_per_sm, int) and 1 <= self.decode_ctas_per_sm <= 64,
                "kernels.decode_ctas_per_sm", self.decode_ctas_per_sm, "an integer in [1, 64]")
+        _check(isinstance(self.megakernel_max_batch, int) and 1 <= self.megakernel_max_batch <= 16,
+               "kernels.megakernel_max_batch", self.megakernel_max_batch, "an integer in [1, 16]")
+        _check(isinstance(self.megakernel_min_chunks, int) and 1 <= self.megakernel_min_chunks <= 64,
+               "kernels.megakernel_min_chunks", self.megakernel_min_chunks, "an integer in [1, 64]")
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -150,7 +160,9 @@ class EngineConfig:
         "async_scheduling": ("runtime", "async_scheduling"), "kv_cache_dtype": ("cache", "kv_cache_dtype"),
         "kernels": ("kernels", "backend"), "skinny_gemm": ("kernels", "skinny_gemm"),
         "decode_min_partitions": ("kernels", "decode_min_partitions"),
-        "decode_ctas_per_sm": ("kernels", "decode_ctas_per_sm"),
+        "decode_ctas_per_sm": ("kernels", "decode_ctas_per_sm"), "megakernel": ("kernels", "megakernel"),
+        "megakernel_max_batch": ("kernels", "megakernel_max_batch"),
+        "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"),
     }
 
     @classmethod

@@ -1028,9 +1028,9 @@ cudaError_t launch_decode_megakernel(const MegakernelParams& p, cudaStream_t str
   err = megakernel_smem_plan(p, &plan);
   if (err != cudaSuccess) return err;
   if (p.num_ctas > sms || plan.total > smem_optin || p.sync == nullptr || p.partials == nullptr) return cudaErrorInvalidValue;
-  if (p.dtype == 0) return p.head_dim == 128 ? launch_typed<__nv_bfloat16, 128>(p, plan, stream)
+  if (p.dtype == ScalarType::kBFloat16) return p.head_dim == 128 ? launch_typed<__nv_bfloat16, 128>(p, plan, stream)
                                              : launch_typed<__nv_bfloat16, 64>(p, plan, stream);
-  if (p.dtype == 1) return p.head_dim == 128 ? launch_typed<__half, 128>(p, plan, stream)
+  if (p.dtype == ScalarType::kFloat16) return p.head_dim == 128 ? launch_typed<__half, 128>(p, plan, stream)
                                              : launch_typed<__half, 64>(p, plan, stream);
   return cudaErrorInvalidValue;
 }

@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "dtype.h"
+
 namespace minillm {
 
 constexpr int kMegaMaxLayers = 64;
@@ -66,7 +68,7 @@ struct MegakernelParams {
   int num_ctas;              // grid size: at most one CTA per SM
   int min_partition_chunks;  // attention partitions hold at least this many 16-token chunks
   int cooperative;           // 1: cooperative launch (co-residency guaranteed); 0: plain launch
-  int dtype;                 // 0 bf16, 1 fp16
+  ScalarType dtype;          // kBFloat16 or kFloat16
 };
 
 // Byte sizes of the shared-memory regions (see decode_megakernel.cu); minillm/ops/megakernel.py mirrors this.

@@ -163,7 +163,7 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
   p.num_ctas = int(num_ctas);
   p.min_partition_chunks = int(min_partition_chunks);
   p.cooperative = cooperative ? 1 : 0;
-  p.dtype = dt == at::kBFloat16 ? 0 : 1;
+  p.dtype = dt == at::kBFloat16 ? minillm::ScalarType::kBFloat16 : minillm::ScalarType::kFloat16;
 
   minillm::MegakernelSmemPlan plan;
   MEGA_CHECK(minillm::megakernel_smem_plan(p, &plan) == cudaSuccess,

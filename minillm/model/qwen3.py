@@ -6,6 +6,8 @@ from ModelArchConfig. Parameter names follow HF's with q/k/v packed into `qkv_pr
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,6 +86,31 @@ class QwenForCausalLM(nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
                              f"{self.arch.num_hidden_layers} layers")
         return self.model(input_ids, positions, self.cos_sin_cache, kv_caches, meta)
+
+    @contextlib.contextmanager
+    def torch_path(self):
+        """Within the block the model runs plain torch on its own weights (no minillm kernel, the torch attention
+        backend): the reference a fused path is checked against. Restores its kernels afterwards."""
+        from minillm.attention.torch_backend import TorchAttentionBackend
+        from minillm.model.layers import Attention, Linear
+
+        saved = []
+        torch_attn = TorchAttentionBackend()
+        for m in self.modules():
+            if hasattr(m, "cuda_ops"):
+                saved.append((m, "cuda_ops", m.cuda_ops))
+                m.cuda_ops = False
+            if isinstance(m, Linear):
+                saved.append((m, "skinny", m.skinny))
+                m.skinny = False
+            if isinstance(m, Attention):
+                saved.append((m, "attn_backend", m.attn_backend))
+                m.attn_backend = torch_attn
+        try:
+            yield self
+        finally:
+            for m, name, value in saved:
+                setattr(m, name, value)
 
     def compute_logits(self, hidden: torch.Tensor, *, keep_dtype: bool = False) -> torch.Tensor:
         """Logits [N, vocab] of hidden [N, H]: float32, or with keep_dtype the lm_head GEMM's output as it is

@@ -18,7 +18,6 @@ path keeps its own for prefill.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ BLOCK_SIZES = (16, 32)
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_GROUP = 16
 DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
-MIN_PARTITION_CHUNKS = int(os.environ.get("MINILLM_MEGAKERNEL_MIN_CHUNKS", "8"))
+MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
 
 
 # ---- weight and activation layouts -------------------------------------------------------------------------------
@@ -222,14 +221,16 @@ def applies(arch, dtype: torch.dtype, block_size: int, num_rows: int, device: to
 class DecodeMegakernel:
     """All decoder layers of a decode step of `model` in one kernel launch, for up to max_batch rows.
 
-    kv_caches: the engine's per-layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D], contiguous.
+    kv_caches: the engine's per-layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D], contiguous; or
+    None, and bind_caches() later (the engine packs the weights before it sizes the KV pool, so the pool is sized
+    around them).
     forward(input_ids [B], positions [B], meta) -> hidden [B, H] (a view of a buffer owned here: copy it before
     the next call), after writing this step's k/v into the caches. The metadata must describe a decode-only step
     (row b = sequence b, one token each); padded rows carry slot -1 and a seq_len of at least 1.
     """
 
     def __init__(self, model, kv_caches, max_batch: int, block_size: int, max_model_len: int, *,
-                 min_partition_chunks: int = MIN_PARTITION_CHUNKS, cooperative: bool | None = None):
+                 min_partition_chunks: int = MIN_PARTITION_CHUNKS, cooperative: bool = True):
         arch = model.arch
         embed = model.model.embed_tokens.weight
         self.device, self.dtype = embed.device, embed.dtype
@@ -243,18 +244,24 @@ class DecodeMegakernel:
             raise ValueError(f"max_model_len={max_model_len} exceeds the RoPE table ({model.cos_sin_cache.shape[0]})")
         self.arch, self.max_batch, self.block_size = arch, max_batch, block_size
         self.min_partition_chunks = min_partition_chunks
-        if cooperative is None:
-            cooperative = os.environ.get("MINILLM_MEGAKERNEL_COOPERATIVE", "1") != "0"
+        # cooperative: launched so that every CTA is resident at once, which the grid barriers need
         self.cooperative = cooperative
-        self._caches = [c for kv in kv_caches for c in kv]
-        if len(self._caches) != 2 * arch.num_hidden_layers:
+        self._caches = None
+        self._pack(model)
+        self._alloc_workspaces()
+        if kv_caches is not None:
+            self.bind_caches(kv_caches)
+
+    def bind_caches(self, kv_caches) -> None:
+        arch, block_size = self.arch, self.block_size
+        caches = [c for kv in kv_caches for c in kv]
+        if len(caches) != 2 * arch.num_hidden_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has {arch.num_hidden_layers}")
-        for c in self._caches:
+        for c in caches:
             if tuple(c.shape[1:]) != (block_size, arch.num_key_value_heads, arch.head_dim) or not c.is_contiguous():
                 raise ValueError(f"KV cache of shape {tuple(c.shape)} (contiguous [num_blocks, {block_size}, "
                                  f"{arch.num_key_value_heads}, {arch.head_dim}] needed)")
-        self._pack(model)
-        self._alloc_workspaces()
+        self._caches = caches
 
     @torch.no_grad()
     def _pack(self, model) -> None:
@@ -301,6 +308,8 @@ class DecodeMegakernel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         b = input_ids.shape[0]
+        if self._caches is None:
+            raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
         if not 1 <= b <= self.max_batch:
             raise ValueError(f"{b} decode rows; this megakernel was built for 1..{self.max_batch}")
         a = self.arch
@@ -372,26 +381,9 @@ class MegakernelGraphs:
 def reference_decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
     """hidden [B, H] of the model's pure-torch path for the same decode step (torch attention backend, torch
     norm/RoPE/SwiGLU, F.linear GEMMs), writing this step's k/v into kv_caches as the kernel does. The model's
-    backends and kernel switches are restored afterwards."""
-    from minillm.attention.torch_backend import TorchAttentionBackend
-    from minillm.ops import fused_ops, gemm_ops
-
-    attns = [layer.self_attn for layer in model.model.layers]
-    saved = [m.attn_backend for m in attns]
-    switches = (fused_ops._cuda_ok, gemm_ops._cuda_ok)
-    enabled = [s.enabled for s in switches]
-    torch_backend = TorchAttentionBackend()
-    try:
-        for m in attns:
-            m.attn_backend = torch_backend
-        for s in switches:
-            s.set(False)
+    kernels are restored afterwards (QwenForCausalLM.torch_path)."""
+    with model.torch_path():
         return model(input_ids, positions, kv_caches, meta)
-    finally:
-        for m, backend in zip(attns, saved):
-            m.attn_backend = backend
-        for s, e in zip(switches, enabled):
-            s.set(e)
 
 
 def step_bytes(arch, seq_lens: list[int], dtype_bytes: int = 2) -> dict:

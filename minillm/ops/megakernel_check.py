@@ -257,26 +257,22 @@ def phase_reference(model, case: DecodeCase) -> dict:
     if a.num_hidden_layers != 1:
         raise ValueError("the phase-by-phase check needs a one-layer model")
     layer, n, d = model.model.layers[0], case.input_ids.shape[0], a.head_dim
-    saved = fused_ops._cuda_ok.enabled
-    fused_ops._cuda_ok.set(False)
-    try:
-        sa, mlp, eps = layer.self_attn, layer.mlp, a.rms_norm_eps
-        x0 = F.embedding(case.input_ids, model.model.embed_tokens.weight)
-        qkv = F.linear(fused_ops.rms_norm(x0, layer.input_layernorm.weight, eps), sa.qkv_proj.weight, sa.qkv_proj.bias)
-        q, k, v = fused_ops.qk_norm_rope(qkv, case.positions, model.cos_sin_cache, a.num_attention_heads,
-                                         a.num_key_value_heads, d, sa.q_norm.weight if sa.q_norm else None,
-                                         sa.k_norm.weight if sa.k_norm else None, eps)
-        caches = _clone(case.caches)
-        kv_write_ref(k, v, caches[0][0], caches[0][1], case.meta.slot_mapping)
-        attn = paged_attention_ref(q, caches[0][0], caches[0][1], case.meta.block_tables, case.meta.seq_lens_cpu,
-                                   list(range(n + 1)), d ** -0.5).to(q.dtype).reshape(n, a.q_size)
-        resid1 = F.linear(attn, sa.o_proj.weight) + x0
-        normed2 = fused_ops.rms_norm(resid1, layer.post_attention_layernorm.weight, eps)
-        swiglu = fused_ops.silu_and_mul(F.linear(normed2, mlp.gate_up_proj.weight))
-        resid2 = F.linear(swiglu, mlp.down_proj.weight) + resid1
-        final = fused_ops.rms_norm(resid2, model.model.norm.weight, eps)
-    finally:
-        fused_ops._cuda_ok.set(saved)
+    # fused_ops.* with cuda=False (the default) is the torch path
+    sa, mlp, eps = layer.self_attn, layer.mlp, a.rms_norm_eps
+    x0 = F.embedding(case.input_ids, model.model.embed_tokens.weight)
+    qkv = F.linear(fused_ops.rms_norm(x0, layer.input_layernorm.weight, eps), sa.qkv_proj.weight, sa.qkv_proj.bias)
+    q, k, v = fused_ops.qk_norm_rope(qkv, case.positions, model.cos_sin_cache, a.num_attention_heads,
+                                     a.num_key_value_heads, d, sa.q_norm.weight if sa.q_norm else None,
+                                     sa.k_norm.weight if sa.k_norm else None, eps)
+    caches = _clone(case.caches)
+    kv_write_ref(k, v, caches[0][0], caches[0][1], case.meta.slot_mapping)
+    attn = paged_attention_ref(q, caches[0][0], caches[0][1], case.meta.block_tables, case.meta.seq_lens_cpu,
+                               list(range(n + 1)), d ** -0.5).to(q.dtype).reshape(n, a.q_size)
+    resid1 = F.linear(attn, sa.o_proj.weight) + x0
+    normed2 = fused_ops.rms_norm(resid1, layer.post_attention_layernorm.weight, eps)
+    swiglu = fused_ops.silu_and_mul(F.linear(normed2, mlp.gate_up_proj.weight))
+    resid2 = F.linear(swiglu, mlp.down_proj.weight) + resid1
+    final = fused_ops.rms_norm(resid2, model.model.norm.weight, eps)
     return dict(qkv=qkv, attn=attn, swiglu=swiglu, resid=resid2, out=final)
 
 

@@ -5,6 +5,7 @@ process.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from itertools import compress
@@ -62,12 +63,15 @@ class ModelRunner:
         self.max_num_tokens = sched.max_num_batched_tokens
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=self.kernels.cuda)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
+        # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
+        self.megakernel = self._pack_megakernel()
         self.num_blocks = choose_num_blocks(self, cfg.cache)
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
         self.states = RequestStates()
         self.graphs = self._capture_graphs()
+        self.mega_graphs = self._capture_megakernel()
         if self.device.type == "cuda":
             warm_up_shapes(self)
         # Two pinned buffers for sampled ids, used in turn: the copy of step N's tokens may still be pending
@@ -87,6 +91,33 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.inputs.max_blocks,
                               self.cfg.cache.block_size, self.max_model_len, self.arch.hidden_size, self.dtype,
                               self.device)
+        graphs.capture()
+        return graphs
+
+    def _pack_megakernel(self):
+        """The persistent decode kernel for small decode steps, where the KernelChoice allows it and it covers this
+        model and GPU (it runs under CUDA graphs only, like the decode graphs it stands in for)."""
+        rows = min(self.kernels.megakernel_max_batch, self.cfg.scheduler.max_num_seqs)
+        if rows == 0 or self.device.type != "cuda" or self.cfg.runtime.enforce_eager:
+            return None
+        from minillm.ops import megakernel as mkops
+
+        reason = mkops.unsupported_reason(self.arch, self.dtype, self.cfg.cache.block_size, rows,
+                                          **mkops.device_limits(self.device))
+        if reason is not None:
+            log.info("decode megakernel not used: %s", reason)
+            self.kernels = dataclasses.replace(self.kernels, megakernel_max_batch=0)   # results lines say so
+            return None
+        return mkops.DecodeMegakernel(self.model, None, rows, self.cfg.cache.block_size, self.max_model_len,
+                                      min_partition_chunks=self.kernels.megakernel_min_chunks)
+
+    def _capture_megakernel(self):
+        if self.megakernel is None:
+            return None
+        from minillm.ops.megakernel import MegakernelGraphs
+
+        self.megakernel.bind_caches(self.kv_caches)
+        graphs = MegakernelGraphs(self.megakernel, self.inputs.max_blocks)
         graphs.capture()
         return graphs
 
@@ -124,7 +155,10 @@ class ModelRunner:
         meta = step.meta
         if prof is not None:
             prof.mark("build")
-        if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.bucket(meta.num_seqs):
+        decode_only = meta.num_decodes == meta.num_seqs
+        if decode_only and self.mega_graphs is not None and self.mega_graphs.bucket(meta.num_seqs):
+            hidden = self.mega_graphs.replay(step.input_ids, step.positions, meta)
+        elif decode_only and self.graphs is not None and self.graphs.bucket(meta.num_seqs):
             hidden = self.graphs.replay(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
