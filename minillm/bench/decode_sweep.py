@@ -78,7 +78,12 @@ def measure_batch(llm, batch: int, rates: DeviceRates, prompt_len: int = PROMPT_
     return {"kind": "decode_step", "batch_size": batch, "ms_per_step": ms, "ms_per_step_runs": diffs,
             "floor_ms": floor, "fraction_of_floor": floor / ms if floor else None, "prompt_len": prompt_len,
             "out_tokens": out_tokens, "copy_bytes_per_s": rates.copy_bytes_per_s, "dtype": str(llm.dtype),
-            "kernels": llm.engine.runner.kernels.record(), "config": dataclasses.asdict(llm.config)}
+            "kernels": _kernels(llm), "config": dataclasses.asdict(llm.config)}
+
+
+def _kernels(llm) -> dict | None:
+    kernels = getattr(llm.engine.runner, "kernels", None)   # None: a tree from before KernelChoice (an A/B run)
+    return kernels.record() if kernels is not None else None
 
 
 def run_decode_sweep(cfg, rates: DeviceRates, batch_sizes=BATCH_SIZES, prompt_len: int = PROMPT_LEN,
@@ -134,3 +139,39 @@ def plot_decode_steps(lines: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def sweep_and_record(cfg, output, batch_sizes=BATCH_SIZES, plot: bool = True) -> list[dict]:
+    """Measure the device, run the sweep, append each line to `output` (stamped) as it comes, redraw the figure
+    next to it (decode_steps.png) from every line the file holds. Prints one row per batch size."""
+    from pathlib import Path
+
+    from minillm.bench.floor import measure_device
+    from minillm.bench.report import append_jsonl, read_jsonl
+
+    rates = measure_device("cuda" if cfg.runtime.device != "cpu" else "cpu")
+    print(f"{'batch':>6} {'ms/step':>9} {'floor ms':>9} {'% floor':>8}", flush=True)
+
+    def show(line: dict) -> None:
+        append_jsonl(output, line)
+        frac = line["fraction_of_floor"]
+        print(f"{line['batch_size']:>6} {line['ms_per_step']:>9.3f} {line['floor_ms'] or float('nan'):>9.3f} "
+              f"{100 * frac if frac else float('nan'):>7.1f}%", flush=True)
+
+    lines = run_decode_sweep(cfg, rates, batch_sizes, on_line=show)
+    if plot:
+        plot_decode_steps(read_jsonl(output), Path(output).with_name("decode_steps.png"))
+    return lines
+
+
+if __name__ == "__main__":   # python -m minillm.bench.decode_sweep [--output FILE]: the 0.6B preset, dummy weights
+    import argparse
+
+    from minillm.config import EngineConfig
+
+    ap = argparse.ArgumentParser(description="decode step vs batch size on the Qwen3-0.6B shape")
+    ap.add_argument("--output", default="results/decode_steps.jsonl")
+    ap.add_argument("--batches", default=",".join(map(str, BATCH_SIZES)))
+    args = ap.parse_args()
+    base = EngineConfig.from_kwargs("qwen3-0.6b", load_format="dummy")
+    sweep_and_record(base, args.output, tuple(int(b) for b in args.batches.split(",")))
