@@ -29,6 +29,7 @@ from minillm.attention.metadata import AttentionMetadata  # noqa: E402
 from minillm.bench.floor import measure_copy_bandwidth  # noqa: E402
 from minillm.fingerprint import stamp  # noqa: E402
 from minillm.model.loader import load_model  # noqa: E402
+from minillm.ops.build import load_extension  # noqa: E402
 from minillm.ops.choice import KernelChoice  # noqa: E402
 from minillm.ops import megakernel as mkops  # noqa: E402
 from minillm.runner.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -123,6 +124,7 @@ def main() -> int:
     t0 = time.time()
     kernels = KernelChoice(cuda=True, attention="cuda", attention_mode="split", skinny_gemm=True,
                            decode_min_partitions=1, decode_ctas_per_sm=8)   # the engine's defaults
+    load_extension()
     backend = make_attention_backend(kernels)
     model, arch, _ = load_model(args.model, "dummy", torch.bfloat16, dev, backend, seed=0, kernels=kernels)
     max_len = max(contexts) + bs
