@@ -41,29 +41,34 @@ if [[ -d .old ]]; then   # build the previous commit's kernels meanwhile (its ow
   (cd .old && MINILLM_COMMIT=old PYTHONPATH=$PWD timeout 400 python3 -c \
     "from minillm.ops.build import load_extension; load_extension()" > "$LOG/oldbuild.log" 2>&1) &
 fi
-stage build 400 python3 -c "from minillm.ops.build import load_extension; load_extension(); print('extension ok')"
+stage build 240 python3 -c "from minillm.ops.build import load_extension; load_extension(); print('extension ok')"
 
 for s in "$@"; do
   case "$s" in
     build) ;;
     mk)
-      stage mk_tests 200 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
-      stage mk_bench 200 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
+      stage mk_tests 150 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
+      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
+    mkbench)
+      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
+    e2e)
+      stage e2e 200 python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
+        tests/test_engine_gpu.py ;;
     gputests)
-      stage gputests 360 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
+      stage gputests 240 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
         tests/test_engine_gpu.py tests/test_fused_gpu.py tests/test_gemm_gpu.py tests/test_kernels_gpu.py ;;
     sweep)
-      stage sweep 300 python3 -m minillm.bench.decode_sweep --output "$OUT/decode_steps.jsonl" ;;
+      stage sweep 200 python3 -m minillm.bench.decode_sweep --output "$OUT/decode_steps.jsonl" ;;
     oldsweep)   # the same sweep (this tree's module) over the previous commit's engine
       wait
       cp minillm/bench/decode_sweep.py .old/minillm/bench/decode_sweep.py
-      stage oldsweep 300 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m \
+      stage oldsweep 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m \
         minillm.bench.decode_sweep --output $OUT/decode_steps_old.jsonl" ;;
     bench)
-      stage bench 240 python3 -m minillm bench --no-progress --repeat 2 --output "$OUT/bench.jsonl" ;;
+      stage bench 200 python3 -m minillm bench --no-progress --repeat 2 --output "$OUT/bench.jsonl" ;;
     oldbench)
       wait
-      stage oldbench 240 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m minillm \
+      stage oldbench 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m minillm \
         bench --no-progress --repeat 2 --output $OUT/bench_old.jsonl" ;;
     checks)
       stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
