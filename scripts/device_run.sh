@@ -70,6 +70,14 @@ for s in "$@"; do
       wait
       stage oldbench 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m minillm \
         bench --no-progress --repeat 2 --output $OUT/bench_old.jsonl" ;;
+    ncu)   # Nsight Compute: one megakernel launch at B=1 and B=8 (context 512), full set with source counters
+      for b in 1 8; do
+        stage ncu_b$b 150 ncu --clock-control none --set full --import-source yes -k regex:megakernel --launch-skip 1 \
+          --launch-count 1 -f -o "$LOG/mk_b$b" python3 scripts/megakernel_bench.py --out /dev/null --megakernel-only \
+          --batches $b --contexts 512
+        ncu -i "$LOG/mk_b$b.ncu-rep" --page details > "$LOG/ncu_b${b}_details.txt" 2>&1
+        ncu -i "$LOG/mk_b$b.ncu-rep" --page source --csv --print-source cuda > "$LOG/ncu_b${b}_source.csv" 2>&1
+      done ;;
     checks)
       stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
