@@ -106,34 +106,43 @@ def run_decode_sweep(cfg, rates: DeviceRates, batch_sizes=BATCH_SIZES, prompt_le
     return lines
 
 
-def plot_decode_steps(lines: list[dict], path) -> None:
-    """ms per step against the batch size: the newest commit's curve, the previous commit's, and the floor."""
+def plot_decode_steps(lines: list[dict], path, current: str | None = None, previous: str | None = None) -> None:
+    """ms per step against the batch size: the current commit's curve, the previous commit's, and the floor.
+    current/previous: commits to draw; by default the two whose newest lines are newest."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     by_commit: dict[str, list[dict]] = {}
     for line in sorted((ln for ln in lines if ln.get("kind") == "decode_step"), key=lambda ln: ln.get("date", "")):
         by_commit.setdefault(line.get("commit", "?"), []).append(line)
     if not by_commit:
         raise ValueError("no decode_step lines to plot")
-    commits = list(by_commit)[-2:]
+    order = list(by_commit)
+    current = current or order[-1]
+    previous = previous or next((c for c in reversed(order) if c != current), None)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, commit in enumerate(reversed(commits)):
+    for i, (commit, role) in enumerate(((current, "this commit"), (previous, "previous commit"))):
+        if commit is None:
+            continue
         pts = {ln["batch_size"]: ln for ln in by_commit[commit]}      # newest line per batch size
         xs = sorted(pts)
-        ax.plot(xs, [pts[x]["ms_per_step"] for x in xs], "o-", color=f"C{i}",
-                label=f"{commit} ({'this' if i == 0 else 'previous'} commit)")
+        ax.plot(xs, [pts[x]["ms_per_step"] for x in xs], "o-", color=f"C{i}", label=f"{commit} ({role})")
         if i == 0 and all(pts[x]["floor_ms"] for x in xs):
             ax.plot(xs, [pts[x]["floor_ms"] for x in xs], "k--", label="bandwidth floor")
-    newest = by_commit[commits[-1]][-1]
+    newest = by_commit[current][-1]
     gpu = (newest.get("fingerprint") or {}).get("gpu") or "no GPU"
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sorted({ln["batch_size"] for ln in by_commit[current]}))
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_xlabel("batch size (decode rows per step)")
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"decode step vs batch, {gpu}, {newest.get('date', '?')[:10]}", fontsize=9)
+    ax.set_title(f"decode step vs batch size, {gpu}, {newest.get('date', '?')[:10]}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
