@@ -11,6 +11,7 @@
 #   oldbench  the same bench on the tree in .old/ (the previous commit, exported beforehand) -> $OUT/bench_old.jsonl
 #   oldsweep  the sweep over the .old/ engine -> $OUT/decode_steps_old.jsonl
 #   checks    `minillm check-kernels --quick` -> $OUT/kernels.jsonl
+#   http      scripts/http_latency.py: latency through the HTTP server vs in-process -> $OUT/latency_http.jsonl
 #
 # MINILLM_COMMIT names the commit on the results lines (a copied tree may carry a stale .git).
 set -uo pipefail
@@ -78,6 +79,8 @@ for s in "$@"; do
         ncu -i "$LOG/mk_b$b.ncu-rep" --page details > "$LOG/ncu_b${b}_details.txt" 2>&1
         ncu -i "$LOG/mk_b$b.ncu-rep" --page source --csv --print-source cuda > "$LOG/ncu_b${b}_source.csv" 2>&1
       done ;;
+    http)   # online latency through `minillm serve` against in-process, chunked-2048 at 4 and 8 req/s
+      stage http 500 python3 scripts/http_latency.py --output "$OUT/latency_http.jsonl" ;;
     checks)
       stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
