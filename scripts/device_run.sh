@@ -80,7 +80,9 @@ for s in "$@"; do
         ncu -i "$LOG/mk_b$b.ncu-rep" --page source --csv --print-source cuda > "$LOG/ncu_b${b}_source.csv" 2>&1
       done ;;
     http)   # online latency through `minillm serve` against in-process, chunked-2048 at 4 and 8 req/s
-      stage http 500 python3 scripts/http_latency.py --output "$OUT/latency_http.jsonl" ;;
+      mkdir -p "$LOG/http"
+      stage http 500 python3 scripts/http_latency.py --output "$LOG/http/latency_http.jsonl"
+      cp "$LOG"/http/*.jsonl "$LOG"/http/*.png "$OUT"/ 2>/dev/null ;;
     checks)
       stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
