@@ -5,6 +5,7 @@ The YAML layer (configs/*.yaml, --set overrides) lives in minillm/config_loader.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 
@@ -46,6 +47,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None      # None = size from gpu_memory_utilization (GPU) or a CPU default
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"          # auto = the model dtype (an fp8 cache comes later)
 
     def validate(self) -> None:
         _check(self.block_size in (8, 16, 32, 64), "cache.block_size", self.block_size, "one of 8, 16, 32, 64")
@@ -53,6 +55,8 @@ class CacheConfig:
                "cache.num_kv_blocks", self.num_kv_blocks, "an integer >= 1 or null")
         _check(isinstance(self.gpu_memory_utilization, (int, float)) and 0.05 <= self.gpu_memory_utilization <= 0.99,
                "cache.gpu_memory_utilization", self.gpu_memory_utilization, "a number in [0.05, 0.99]")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "cache.kv_cache_dtype", self.kv_cache_dtype,
+               f"one of {', '.join(KV_CACHE_DTYPES)} (auto = the model dtype; an fp8 cache is not supported yet)")
 
 
 @dataclass(frozen=True)
@@ -100,15 +104,52 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels run, and their tuning values. Resolved once per engine into a KernelChoice
+    (minillm/ops/choice.py) that the model, the attention backend and the sampler receive."""
+    backend: str = "auto"             # auto (minillm's CUDA kernels on a GPU when they build) | cuda | torch
+    skinny_gemm: bool = True          # decode-sized linear layers on the skinny GEMM where it beats cuBLAS
+    # Split-K of the decode attention kernel: cut every sequence into enough partitions that the grid gives each
+    # SM decode_ctas_per_sm CTAs, and at least decode_min_partitions (minillm/ops/attention_ops.py).
+    decode_min_partitions: int = 1
+    decode_ctas_per_sm: int = 8
+    # Decode steps of up to megakernel_max_batch rows run all decoder layers in one persistent kernel
+    # (minillm/ops/megakernel.py) where it covers the model and GPU (sm_90); its attention partitions are at least
+    # megakernel_min_chunks x 16 tokens.
+    megakernel: bool = True
+    megakernel_max_batch: int = 16
+    megakernel_min_chunks: int = 8
+
+    def validate(self) -> None:
+        _check(self.backend in ("auto", "cuda", "torch"), "kernels.backend", self.backend,
+               "one of auto, cuda, torch")
+        _check(isinstance(self.decode_min_partitions, int) and 1 <= self.decode_min_partitions <= 32,
+               "kernels.decode_min_partitions", self.decode_min_partitions, "an integer in [1, 32]")
+        _check(isinstance(self.decode_ctas_per_sm, int) and 1 <= self.decode_ctas_per_sm <= 64,
+               "kernels.decode_ctas_per_sm", self.decode_ctas_per_sm, "an integer in [1, 64]")
+        _check(isinstance(self.megakernel_max_batch, int) and 1 <= self.megakernel_max_batch <= 16,
+               "kernels.megakernel_max_batch", self.megakernel_max_batch, "an integer in [1, 16]")
+        _check(isinstance(self.megakernel_min_chunks, int) and 1 <= self.megakernel_min_chunks <= 64,
+               "kernels.megakernel_min_chunks", self.megakernel_min_chunks, "an integer in [1, 64]")
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def validate(self) -> "EngineConfig":
-        for section in (self.model, self.cache, self.scheduler, self.runtime):
+        for section in (self.model, self.cache, self.scheduler, self.runtime, self.kernels):
             section.validate()
+        if self.kernels.backend == "torch" and self.runtime.attention == "cuda":
+            raise ConfigError("runtime.attention='cuda' is not allowed with kernels.backend='torch' (no minillm "
+                              "kernel runs then): use runtime.attention auto or torch, or kernels.backend auto")
         return self
 
     # LLM(...) keyword -> (section, field). Keeps the Python API flat like vLLM's while configs stay sectioned.
@@ -126,12 +167,18 @@ class EngineConfig:
         "device": ("runtime", "device"), "attention": ("runtime", "attention"),
         "attention_mode": ("runtime", "attention_mode"), "enforce_eager": ("runtime", "enforce_eager"),
         "seed": ("runtime", "seed"), "check_integrity": ("runtime", "check_integrity"),
-        "async_scheduling": ("runtime", "async_scheduling"),
+        "async_scheduling": ("runtime", "async_scheduling"), "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+        "kernels": ("kernels", "backend"), "skinny_gemm": ("kernels", "skinny_gemm"),
+        "decode_min_partitions": ("kernels", "decode_min_partitions"),
+        "decode_ctas_per_sm": ("kernels", "decode_ctas_per_sm"), "megakernel": ("kernels", "megakernel"),
+        "megakernel_max_batch": ("kernels", "megakernel_max_batch"),
+        "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"),
     }
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, base: "EngineConfig | None" = None, **kwargs) -> "EngineConfig":
-        base = base or cls()
+        """LLM(...)'s keywords over `base` (default: the built-in defaults with the environment aliases)."""
+        base = base or env_alias_config(cls())
         sections = {f.name: {} for f in dataclasses.fields(cls)}
         for key, value in kwargs.items():
             if key not in cls.KWARGS:
@@ -142,3 +189,40 @@ class EngineConfig:
             sections["model"]["model"] = model
         cfg = cls(**{name: dataclasses.replace(getattr(base, name), **vals) for name, vals in sections.items()})
         return cfg.validate()
+
+
+# The two switches of the seed documents, kept as aliases of config keys: the only behaviour the environment
+# may change. Read here, in config loading, into the config; explicit settings (--set, flags, LLM keywords)
+# win over them.
+ENV_ALIASES = {
+    "MINI_ENGINE_OPS": {"0": ("kernels", "backend", "torch"), "1": None},
+    "MINI_ENGINE_ATTN": {"unified": ("runtime", "attention_mode", "unified"), "split": None},
+}
+
+
+def env_alias_values(environ=None) -> dict[str, dict[str, object]]:
+    """{section: {key: value}} set by the environment aliases; an alias set to a value it does not know is an
+    error naming the variable."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, dict[str, object]] = {}
+    for var, meanings in ENV_ALIASES.items():
+        raw = environ.get(var)
+        if raw is None or raw.strip() == "":
+            continue
+        raw = raw.strip()
+        if raw not in meanings:
+            raise ConfigError(f"environment variable {var}={raw!r} is not understood: allowed values are "
+                              f"{', '.join(meanings)} (or unset it)")
+        if meanings[raw] is not None:
+            section, key, value = meanings[raw]
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def env_alias_config(cfg: EngineConfig, environ=None) -> EngineConfig:
+    """cfg with the environment aliases applied."""
+    values = env_alias_values(environ)
+    if not values:
+        return cfg
+    return EngineConfig(**{f.name: dataclasses.replace(getattr(cfg, f.name), **values.get(f.name, {}))
+                           for f in dataclasses.fields(EngineConfig)})

@@ -1,6 +1,7 @@
 """YAML configs + `--set section.key=value` + CLI flags -> a validated EngineConfig and sampling defaults.
 
-Precedence, lowest first: the dataclass defaults, the YAML file, `--set` overrides (in order), explicit flags.
+Precedence, lowest first: the dataclass defaults, the YAML file, the environment aliases (MINI_ENGINE_OPS=0,
+MINI_ENGINE_ATTN=unified: minillm/config.py), `--set` overrides (in order), explicit flags.
 Every mistake raises ConfigError naming the key, the value and what is allowed, before any engine work starts.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from minillm.config import ConfigError, EngineConfig
+from minillm.config import ConfigError, EngineConfig, env_alias_values
 from minillm.sampling_params import SamplingParams
 from minillm.untrusted import load_yaml, short_repr
 
@@ -188,6 +189,8 @@ def load_config(path: Path | None, sets: Iterable[str] = (), **flag_overrides: A
     flag_overrides: EngineConfig.KWARGS names (plus `model`); None means "flag not given" and is skipped.
     """
     values = _read_yaml(Path(path)) if path is not None else {}
+    for section, body in env_alias_values().items():   # MINI_ENGINE_OPS / MINI_ENGINE_ATTN, over the file
+        values.setdefault(section, {}).update(body)
     for item in sets:
         section, key, value = parse_set(item)
         _check_key(section, key)

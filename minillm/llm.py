@@ -11,6 +11,21 @@ from minillm.progress import TokenProgress
 from minillm.sampling_params import SamplingParams
 
 
+def freeze_heap() -> None:
+    """Move every object built so far (model, tokenizer, imported libraries: ~200k objects for an engine) out of
+    the cycle collector's reach, for a process whose job is serving (the CLI commands, the HTTP server, the
+    benchmarks call it once the engine is built).
+
+    A full collection walks every tracked object, ~90 ms here, and one that fires while serving lands in some
+    token's inter-token latency (an ITL max of 104 ms at 8 req/s on the H200, f3b9a6d). It is process-wide, so
+    the library never does it on its own: LLM() leaves the caller's heap alone. A process that drops an engine
+    and builds another calls gc.unfreeze() first (minillm.bench.offline.free_device_memory), so the old one can
+    be collected.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
         self._init(EngineConfig.from_kwargs(model, **engine_kwargs))
@@ -24,13 +39,6 @@ class LLM:
     def _init(self, cfg: EngineConfig) -> None:
         self.config = cfg
         self.engine = LLMEngine(cfg)
-        # Everything built so far (model, tokenizer, imported libraries: ~200k objects) lives as long as the
-        # engine: move it out of the cycle collector's reach. A full collection walks every tracked object, ~90 ms
-        # here, and one that fires while serving lands in some token's inter-token latency (an ITL max of 104 ms
-        # at 8 req/s on the H200, f3b9a6d). Code that drops an engine and builds another in the same process
-        # calls gc.unfreeze() first (minillm.bench.offline.free_device_memory), so the old one can be collected.
-        gc.collect()
-        gc.freeze()
 
     # ---- facts about the loaded engine ----
     @property
@@ -66,6 +74,12 @@ class LLM:
                     priority: int = 0, enable_thinking: bool | None = None) -> str:
         """enable_thinking: passed to the chat template when the prompt is a list of chat messages (Qwen3)."""
         return self.engine.add_request(prompt, params, request_id, priority, enable_thinking=enable_thinking)
+
+    def prepare_prompt(self, prompt, params: SamplingParams, enable_thinking: bool | None = None) -> list[int]:
+        """The prompt's token ids, checked as add_request checks them (ValueError naming the problem), without
+        admitting anything. It reads no engine state that step() changes, so a front end may call it from its own
+        thread and hand add_request the ids: tokenizing then costs the stepping thread nothing."""
+        return self.engine.prompts.prepare(prompt, params, enable_thinking)
 
     def step(self) -> list[StepOutput]:
         return self.engine.step()

@@ -1,4 +1,5 @@
-"""A request's state as the scheduler sees it. The runner reads it; only the scheduler/engine mutate it."""
+"""A request's state as the scheduler sees it. Only the scheduler and the engine core read or mutate it: the
+runner keeps its own copy, fed by the plain messages of minillm/contract.py."""
 from __future__ import annotations
 
 import enum
@@ -37,9 +38,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
-    block_ids: list[int] = field(default_factory=list)   # owned by KVCacheManager; runner reads it
+    block_ids: list[int] = field(default_factory=list)   # owned by KVCacheManager
     num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    # How many of block_ids the runner has been sent; -1 until the runner first hears of the request.
+    num_sent_blocks: int = -1
     stop_reason: int | str | None = None
     sampling_row: bytes = field(init=False, repr=False)
     stop_ids: frozenset[int] = field(init=False, repr=False)

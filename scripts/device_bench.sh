@@ -30,8 +30,8 @@ git log -1 --format='%H %cI %s' > "$OUT/commit.txt" 2>/dev/null || true
 
 export COLUMNS=200   # rich tables in the logs at full width
 # Compile the CUDA extension once, before any (possibly parallel) run would race to build it.
-python3 -c "import time; t=time.perf_counter(); from minillm.ops.build import cuda_ops_available as ok; \
-print('cuda ops:', ok(), f'build/load {time.perf_counter()-t:.1f} s')" > "$OUT/build.log" 2>&1
+python3 -c "import time; t=time.perf_counter(); from minillm.ops.build import load_extension as ok; \
+print('cuda ops:', bool(ok()), f'build/load {time.perf_counter()-t:.1f} s')" > "$OUT/build.log" 2>&1
 
 mb() { python3 -m minillm "$@" --no-progress; }
 

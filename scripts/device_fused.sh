@@ -53,7 +53,6 @@ from minillm.fingerprint import stamp
 from minillm.ops import fused_ops
 
 torch.ops.load_library(__import__("os").environ["MINILLM_FUSED_EXT_LIB"])
-fused_ops.set_cuda_fused_ops(False)  # fused_ops.* is the torch path below, never the kernels
 out_dir, ops, dt = sys.argv[1], torch.ops.minillm, torch.bfloat16
 H, I, HQ, HKV, D, V = 1024, 3072, 16, 8, 128, 151936
 cache = fused_ops.rope_cos_sin_cache(D, 40960, 1e6, device="cuda")

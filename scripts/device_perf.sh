@@ -6,7 +6,7 @@ set -uo pipefail
 : "${OUT:?}"
 export PYTHONUNBUFFERED=1 MINILLM_EXT_DIR=${MINILLM_EXT_DIR:-$PWD/.ext} COLUMNS=200
 python3 -m pip install --no-deps --no-build-isolation -q -e . > /dev/null 2>&1
-python3 -c "from minillm.ops.build import cuda_ops_available as ok; print('cuda ops:', ok())"
+python3 -c "from minillm.ops.build import load_extension as ok; print('cuda ops:', bool(ok()))"
 for shape in "256 1024" "64 512" "8 2048"; do
   set -- $shape
   for a in "" "--async-scheduling"; do

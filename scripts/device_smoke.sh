@@ -5,7 +5,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 MINILLM_EXT_DIR=${MINILLM_EXT_DIR:-$PWD/.ext} COLUMNS=200
 python3 -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/install.log" 2>&1
 t=$(date +%s)
-python3 -c "from minillm.ops.build import cuda_ops_available as ok; print('cuda ops:', ok())" 2>&1 | tail -5
+python3 -c "from minillm.ops.build import load_extension as ok; print('cuda ops:', bool(ok()))" 2>&1 | tail -5
 echo "build: $(( $(date +%s) - t )) s"
 python3 -m pytest -q -m gpu ${SMOKE_TESTS:-tests} -s 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|error|Error|max \|" | tail -20
 [ -n "${SMOKE_BENCH-1}" ] && python3 -m minillm bench --no-progress --output "$OUT/bench.jsonl" ${BENCH_ARGS:-} 2>&1 | tail -25

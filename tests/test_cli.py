@@ -13,6 +13,7 @@ from minillm.commands import app
 from minillm.commands.engine_flags import EngineFlags
 
 ENGINE_ARGS = ["--device", "cpu", "--set", "cache.num_kv_blocks=64"]
+COMMANDS = ["generate", "serve-stdin", "serve", "bench", "latency-sweep", "check-kernels"]
 
 
 def run_cli(*args, input=None):
@@ -31,11 +32,11 @@ def test_help_lists_every_command_without_importing_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for name in ("generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"):
+    for name in COMMANDS:
         assert name in out.stdout
 
 
-@pytest.mark.parametrize("command", ["generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help(command):
     result = run_cli(command, "--help")
     assert result.exit_code == 0 and "Usage" in result.output
@@ -184,7 +185,6 @@ def test_serve_stdin_in_process_stdin(tiny_model):
 
 # ---------------------------------------------------------------- readable help, README commands
 
-COMMANDS = ["generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"]
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
@@ -217,8 +217,9 @@ def test_check_kernels_without_a_gpu_says_so_on_stderr():
 def readme_commands() -> list[list[str]]:
     import shlex
     readme = Path(__file__).resolve().parents[1] / "README.md"
-    return [shlex.split(line.strip())[1:] for line in readme.read_text().splitlines()
-            if line.startswith("    minillm ")]
+    lines = [shlex.split(line.strip())[1:] for line in readme.read_text().splitlines()
+             if line.startswith("    minillm ")]
+    return [args for args in lines if not any(a.startswith("[") for a in args)]   # not a usage synopsis
 
 
 @pytest.mark.parametrize("args", readme_commands(), ids=" ".join)

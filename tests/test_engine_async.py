@@ -80,7 +80,7 @@ def test_streamed_events_and_abort(ckpt):
                 finals[o.request_id] = o
         steps += 1
         if steps == 1:
-            assert llm.engine._inflight is not None    # the step just launched is still unresolved
+            assert llm.engine.core._inflight is not None    # the step just launched is still unresolved
         if steps == 4:
             llm.abort(ids[1])
     assert set(finals) == set(ids) and finals[ids[1]].finish_reason == "abort"

@@ -64,24 +64,24 @@ def test_unified_mode_matches_split(tiny):
 
 def test_logits_agree_on_qwen3_0_6b_shape():
     """Qwen3-0.6B shape, dummy weights: one prefill + one decode step, CUDA kernels vs torch attention."""
-    from minillm.engine.outputs import SchedulerOutput
-    from minillm.request import Request
+    from minillm.contract import NewRequestData, SchedulerOutput
 
     logits = {}
     for attn in ("cuda", "torch"):
         llm = LLM("qwen3-0.6b", load_format="dummy", device="cuda", max_model_len=1024, max_num_seqs=8,
                   num_kv_blocks=256, attention=attn, enforce_eager=True)
         runner = llm.engine.runner
-        reqs = [Request(f"r{i}", list(range(100 + 37 * i, 100 + 37 * i + 300 + 50 * i)), GREEDY) for i in range(4)]
-        for i, r in enumerate(reqs):
-            r.block_ids = list(range(1 + 30 * i, 1 + 30 * i + 29))
-        so = SchedulerOutput(reqs, [0] * len(reqs), [r.num_tokens for r in reqs], [True] * len(reqs))
-        step = runner.inputs.build(so)
+        prompts = [list(range(100 + 37 * i, 100 + 37 * i + 300 + 50 * i)) for i in range(4)]
+        new = [NewRequestData(f"r{i}", p, GREEDY, frozenset(), list(range(1 + 30 * i, 1 + 30 * i + 29)))
+               for i, p in enumerate(prompts)]
+        so = SchedulerOutput([n.req_id for n in new], [0] * 4, [len(p) for p in prompts], [True] * 4,
+                             new_requests=new)
+        runner.update_states(so)
+        step = runner.inputs.build(so, runner.states.rows(so.req_ids))
         with torch.inference_mode():
             hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
             logits[attn] = runner.model.compute_logits(hidden).float()
-        runner.release([r.request_id for r in reqs])
-        del llm
+        del llm, runner
         torch.cuda.empty_cache()
     diff = (logits["cuda"] - logits["torch"]).abs().max().item()
     scale = logits["torch"].std().item()

@@ -145,14 +145,14 @@ def test_n_completions_share_prompt(qwen3_dir):
                                                             ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    assert not llm.engine._groups and not llm.engine._child   # nothing left behind
+    assert len(llm.engine.outputs) == 0 and not llm.engine.runner.states.by_id   # nothing left behind
 
 
 def test_n_siblings_hit_the_prompt_blocks(qwen3_dir):
     llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN, check_integrity=True)
-    rid = llm.add_request(prompts_mixed()[4], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4,
-                                                             ignore_eos=True))
-    children = [c.request for c in llm.engine._groups[rid].completions]
+    children, admit = [], llm.engine.core.add_request
+    llm.engine.core.add_request = lambda req: (children.append(req), admit(req))   # the core's Requests
+    llm.add_request(prompts_mixed()[4], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True))
     while llm.has_unfinished_requests():
         llm.step()
     assert [c.num_cached_tokens for c in children] == [0, 32, 32]

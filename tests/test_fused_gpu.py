@@ -29,9 +29,7 @@ def ops():
     else:
         from minillm.ops.build import load_extension
         load_extension()
-    fused_ops.set_cuda_fused_ops(False)  # fused_ops.* now runs the torch path: the reference
-    yield torch.ops.minillm
-    fused_ops.set_cuda_fused_ops(None)
+    yield torch.ops.minillm   # fused_ops.* with cuda=False (the default) is the torch path: the reference
 
 
 def _poison(*like: torch.Tensor) -> None:
@@ -247,24 +245,25 @@ def test_cuda_backend_with_fused_kv_write_matches_unfused(ops, monkeypatch):
     from minillm.attention.cuda_backend import CudaAttentionBackend
     from minillm.ops.reference import make_paged_batch
 
-    monkeypatch.setattr(fused_ops._cuda_ok, "enabled", True)   # fused_ops.* on the kernels for this test
     hq, hkv, d = 16, 8, 128
     b = make_paged_batch([37, 300, 20, 5], [1, 1, 20, 3], hq, hkv, d, 16, torch.bfloat16, "cuda", seed=3)
     meta = b.meta(num_decodes=2)
     qkv, positions, cos_sin, (qw, kw) = _rope_inputs(b.q.shape[0], hq, hkv, d, torch.bfloat16, True, 11)
     args = (qkv, positions, cos_sin, hq, hkv, d, qw, kw, 1e-6)
-    backend = CudaAttentionBackend()
+    backend = CudaAttentionBackend(fuse_kv_write=True)
     k_ref, v_ref = b.k_cache.clone(), b.v_cache.clone()
-    expected = backend.forward(*fused_ops.qk_norm_rope(*args), k_ref, v_ref, meta, d ** -0.5)
+    expected = backend.forward(*fused_ops.qk_norm_rope(*args, cuda=True), k_ref, v_ref, meta, d ** -0.5)
 
     target = backend.fused_kv_write_target(qkv, hq, d, b.k_cache, b.v_cache, meta)
     assert target is not None
-    q, k, v = fused_ops.qk_norm_rope(*args, kv_cache_out=target)
+    q, k, v = fused_ops.qk_norm_rope(*args, kv_cache_out=target, cuda=True)
     assert k is None and v is None
     out = backend.forward(q, k, v, b.k_cache, b.v_cache, meta, d ** -0.5)
     assert torch.equal(_bits(b.k_cache), _bits(k_ref)) and torch.equal(_bits(b.v_cache), _bits(v_ref))
     assert torch.equal(out, expected)
     assert backend.fused_kv_write_target(qkv.float(), hq, d, b.k_cache, b.v_cache, meta) is None  # fp32: no kernel
+    assert CudaAttentionBackend(fuse_kv_write=False).fused_kv_write_target(qkv, hq, d, b.k_cache, b.v_cache,
+                                                                           meta) is None
 
 
 @pytest.mark.parametrize("vocab,pad,spread", [(151936, 0, 4), (1001, 3, 4), (151936, 0, 40), (1001, 3, 40)])
@@ -343,20 +342,19 @@ def test_sampler_passes_bf16_logits_unconverted(ops, monkeypatch):
 
     kernel, seen = sampling_ops.sample_exponential_race, []
 
-    def recording(logits, *args):
+    def recording(logits, *args, **kw):
         seen.append(logits.dtype)
-        return kernel(logits, *args)
+        return kernel(logits, *args, **kw)
 
     monkeypatch.setattr(sampling_ops, "sample_exponential_race", recording)
-    monkeypatch.setattr(sampling_ops._cuda_ok, "enabled", True)
     vocab = 151936
     reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=8, temperature=t), eos_token_ids=frozenset())
             for i, t in enumerate([0.0, 0.6, 1.0, 1.7] * 8)]
     g = torch.Generator("cuda").manual_seed(0)
     logits = (torch.randn(len(reqs), vocab, generator=g, device="cuda") * 3).bfloat16()
     kept = logits.clone()
-    got = Sampler(5)(logits, SamplingBatch.build(reqs, "cuda", vocab)).token_ids
-    ref = Sampler(5)(logits.float(), SamplingBatch.build(reqs, "cuda", vocab)).token_ids
+    got = Sampler(5, cuda=True)(logits, SamplingBatch.build(reqs, "cuda", vocab)).token_ids
+    ref = Sampler(5, cuda=True)(logits.float(), SamplingBatch.build(reqs, "cuda", vocab)).token_ids
     assert seen == [torch.bfloat16, torch.float32]
     assert torch.equal(got, ref)
     assert torch.equal(logits, kept)

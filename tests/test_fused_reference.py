@@ -128,27 +128,37 @@ def test_qk_norm_rope_ref_cache_out_is_unfused_plus_scatter(dtype, with_norm, sl
     assert torch.equal(_bits(v_cache), _bits(expected_v))
 
 
-def test_backends_fuse_the_kv_write_only_where_the_kernels_run(monkeypatch):
-    """The CUDA backend hands qk_norm_rope the cache only when both its attention kernels (judged on q as
-    qk_norm_rope will return it) and the fused rope kernel will run; the torch backend never does."""
+def test_backends_fuse_the_kv_write_only_where_the_kernels_run():
+    """The CUDA backend hands qk_norm_rope the cache only when its attention kernels cover the shape and the
+    fused rope kernel runs (fuse_kv_write, from the KernelChoice); the torch backend never does. (The positive
+    case needs CUDA tensors: tests/test_fused_gpu.py.)"""
     from minillm.attention import cuda_backend
     from minillm.attention.torch_backend import TorchAttentionBackend
 
     qkv, k_cache, v_cache = torch.zeros(3, (4 + 2 * 2) * 64), torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
     meta = type("Meta", (), {"slot_mapping": torch.zeros(3, dtype=torch.long)})()
-    backend = cuda_backend.CudaAttentionBackend()
-    assert backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None   # CPU tensors
+    for fuse in (True, False):
+        backend = cuda_backend.CudaAttentionBackend(fuse_kv_write=fuse)
+        assert backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None   # CPU tensors
     assert TorchAttentionBackend().fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None
 
-    seen = []
-    # None: supported. Records (head_dim, num_q_heads), the shape of q as qk_norm_rope will return it.
-    monkeypatch.setattr(cuda_backend, "_reason", lambda cuda, d, hq, *rest: seen.append((d, hq)))
-    monkeypatch.setattr(fused_ops, "qk_norm_rope_runs_kernel", lambda x: False)
-    assert backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None
-    monkeypatch.setattr(fused_ops, "qk_norm_rope_runs_kernel", lambda x: True)
-    k_out, v_out, slots = backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta)
-    assert k_out is k_cache and v_out is v_cache and slots is meta.slot_mapping
-    assert seen == [(64, 4)] * 2
+
+@pytest.mark.parametrize("args,expect", [
+    ((True, 128, 16, 8, 16, torch.bfloat16, torch.bfloat16), None),
+    ((True, 64, 14, 2, 32, torch.float16, torch.float16), None),
+    ((False, 128, 16, 8, 16, torch.bfloat16, torch.bfloat16), "CUDA device"),
+    ((True, 96, 16, 8, 16, torch.bfloat16, torch.bfloat16), "head_dim=96"),
+    ((True, 128, 16, 8, 8, torch.bfloat16, torch.bfloat16), "block_size=8"),
+    ((True, 128, 16, 8, 16, torch.float32, torch.float32), "dtype"),
+    ((True, 128, 16, 8, 16, torch.bfloat16, torch.float16), "dtype"),
+    ((True, 128, 34, 2, 16, torch.bfloat16, torch.bfloat16), "group"),
+    ((True, 128, 12, 8, 16, torch.bfloat16, torch.bfloat16), "group"),
+])
+def test_cuda_backend_names_the_shapes_its_kernels_do_not_cover(args, expect):
+    from minillm.attention.cuda_backend import _reason
+
+    reason = _reason(*args)
+    assert reason is None if expect is None else expect in reason
 
 
 # Random123's published known answers for Philox4x32-10 (counter, key, output).

@@ -55,7 +55,8 @@ def test_linear_dispatch(ops):
     assert not gemm_ops.skinny_gemm_applies(x, w, torch.zeros(1024, device="cuda", dtype=torch.bfloat16))
     assert not gemm_ops.skinny_gemm_applies(torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16), w, None)
     assert not gemm_ops.skinny_gemm_applies(x, torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16), None)
-    _check(gemm_ops.linear(x, w), x, w)
+    _check(gemm_ops.linear(x, w, skinny=True), x, w)
+    assert torch.equal(gemm_ops.linear(x, w), torch.nn.functional.linear(x, w))   # skinny=False: cuBLAS
 
 
 @pytest.mark.parametrize("n,k,splits,match", [(1000, 1024, 1, "multiple of 128"), (1024, 1000, 1, "K must be"),

@@ -5,13 +5,17 @@ a row's context grew into and lays decode-only steps out without cumsum/repeat; 
 of its output. A real Scheduler makes the schedules: prefills, chunked prefills, mixed batches, preemption and
 recompute, prefix hits, aborts, and long runs of plain decodes whose blocks fill up.
 """
+import pickle
+from itertools import compress
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.request import Request
 from minillm.runner.input_batch import InputBuilder, StepInputs
+from minillm.runner.request_state import RequestStates
 from minillm.sampling_params import SamplingParams
 from sched_strategies import make_scheduler, scheduler_configs, scripts
 
@@ -28,10 +32,11 @@ requests = st.fixed_dictionaries({
 ops = scripts(requests, max_size=80, step_weight=2)
 
 
-def reference(so: SchedulerOutput) -> dict:
-    """The step's inputs built the plain way, token by token: (dtype, values) per field."""
+def reference(so: SchedulerOutput, reqs: list[Request]) -> dict:
+    """The step's inputs built the plain way, token by token, from the scheduler's own Requests: (dtype, values)
+    per field."""
     ids, pos, slots, qsl, logits = [], [], [], [0], []
-    for req, start, n, sample in zip(so.requests, so.starts, so.num_tokens, so.sample):
+    for req, start, n, sample in zip(reqs, so.starts, so.num_tokens, so.sample):
         for t in range(start, start + n):
             ids.append(req.all_token_ids[t])
             pos.append(t)
@@ -45,9 +50,9 @@ def reference(so: SchedulerOutput) -> dict:
     return {
         "input_ids": (torch.int64, ids), "positions": (torch.int64, pos), "slot_mapping": (torch.int64, slots),
         "query_start_loc": (torch.int32, qsl), "seq_lens": (torch.int32, seq_lens),
-        "block_tables": (torch.int32, [(r.block_ids + [0] * width)[:width] for r in so.requests]),
+        "block_tables": (torch.int32, [(r.block_ids + [0] * width)[:width] for r in reqs]),
         "logits_indices": (torch.int64, logits),
-        "scalars": (len(so.requests), num_decodes, len(ids), max(so.num_tokens), max(seq_lens), qsl, seq_lens),
+        "scalars": (len(reqs), num_decodes, len(ids), max(so.num_tokens), max(seq_lens), qsl, seq_lens),
     }
 
 
@@ -65,18 +70,28 @@ def built(step: StepInputs) -> dict:
 @settings(max_examples=150, deadline=None)
 @given(cfg=configs, first=st.lists(requests, min_size=1, max_size=12), script=ops)
 def test_inputs_match_a_from_scratch_reference(cfg, first, script):
+    """The runner side sees only the pickled plain messages (its request states and block-table rows are built
+    from them and from the tokens it samples); the reference reads the scheduler's Requests. They must agree on
+    every input of every step."""
     sched = make_scheduler(cfg, BS, MAX_MODEL_LEN)
     builder = InputBuilder(cfg["max_num_seqs"], cfg["budget"], MAX_MODEL_LEN, BS, torch.device("cpu"))
+    states = RequestStates()
     added = []
 
     def step(seed: int) -> None:
         so = sched.schedule()
+        expected = reference(so, [sched.get_request(rid) for rid in so.req_ids]) if not so.is_empty else None
+        so = pickle.loads(pickle.dumps(so))          # only plain data crosses to the runner
+        builder.release(states.apply(so))
         if so.is_empty:
             return
-        assert built(builder.build(so)) == reference(so)
-        ids = [r.request_id for r in so.sampled_requests()]
-        advanced = sched.update(so, ModelRunnerOutput(ids, [(seed >> i) % 50 + 3 for i in range(len(ids))]))
-        builder.release([r.request_id for r in advanced if r.is_finished])   # as the engine does
+        rows = states.rows(so.req_ids)
+        assert built(builder.build(so, rows)) == expected
+        ids = so.sampled_req_ids()
+        tokens = [(seed >> i) % 50 + 3 for i in range(len(ids))]
+        for state, token in zip(compress(rows, so.sample), tokens):
+            state.all_token_ids.append(token)        # what the runner's launch + resolve record
+        sched.update(so, ModelRunnerOutput(ids, tokens))
 
     for op, arg in [("add", r) for r in first] + script:
         if op == "add":
@@ -88,10 +103,12 @@ def test_inputs_match_a_from_scratch_reference(cfg, first, script):
                 pass
         elif op == "step":
             step(arg)
-        elif added and sched.abort(added[arg % len(added)]):
-            builder.release([added[arg % len(added)]])
+        elif added:
+            sched.abort(added[arg % len(added)])
     for i in range(len(added) * MAX_MODEL_LEN + 1):
         if not sched.has_unfinished_requests():
             break
         step(i * 7919)
+    step(0)    # an empty step still tells the runner what finished last
     assert not builder.rows.row_of, "block-table rows outlived their requests"
+    assert not states.by_id, "request states outlived their requests"

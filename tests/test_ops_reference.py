@@ -81,20 +81,35 @@ def test_dispatcher_equal_split_k_policy():
     assert -decode_partition_size(64, 8, 2048, num_sms=132) <= parts   # bigger batches never split more
 
 
-def test_build_key_covers_sources_and_flags(tmp_path, monkeypatch):
+def test_build_key_covers_sources_flags_torch_cuda_and_arch(tmp_path, monkeypatch):
+    """A cached library is reused only for the very same sources, flags, torch, CUDA, Python ABI and GPU
+    architecture: any of them changing must give a new key (else a stale build loads, or fails to)."""
     (tmp_path / "a.cu").write_text("// a")
     (tmp_path / "x_bindings.cpp").write_text("// b")
     (tmp_path / "helper.cpp").write_text("// not compiled")
     assert [p.name for p in build.extension_sources(tmp_path)] == ["a.cu", "x_bindings.cpp"]
-    h1 = build.source_hash(tmp_path)
+    env = dict(torch_version="2.11.0+cu130", cuda_version="13.0", arch="sm_90")
+    key = build.build_key(tmp_path, **env)
+    assert build.build_key(tmp_path, **env) == key
+    for change in ({"torch_version": "2.12.0+cu130"}, {"cuda_version": "12.8"}, {"arch": "sm_80"}):
+        assert build.build_key(tmp_path, **{**env, **change}) != key, change
+    monkeypatch.setattr(build.sys.implementation, "cache_tag", "cpython-399")
+    assert build.build_key(tmp_path, **env) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "NVCC_FLAGS", build.NVCC_FLAGS + ["-G"])
+    assert build.build_key(tmp_path, **env) != key
+    monkeypatch.undo()
+    (tmp_path / "common.cuh").write_text("// a header")
+    assert build.build_key(tmp_path, **env) != key
     (tmp_path / "a.cu").write_text("// a changed")
-    assert build.source_hash(tmp_path) != h1
     monkeypatch.setenv("MINILLM_EXT_DIR", str(tmp_path / "ext"))
-    assert build.build_dir(tmp_path).parent == tmp_path / "ext"
-    monkeypatch.setenv("MINI_ENGINE_OPS", "0")
-    build.cuda_ops_available.cache_clear()
-    assert build.cuda_ops_available() is False
-    build.cuda_ops_available.cache_clear()
+    assert build.build_dir("k").parent == tmp_path / "ext"
+
+
+def test_build_embeds_ptx_for_newer_gpus():
+    gencodes = [build.NVCC_FLAGS[i + 1] for i, f in enumerate(build.NVCC_FLAGS) if f == "-gencode"]
+    assert any(g.startswith("arch=compute_") and g.split("code=")[1].startswith("compute_") for g in gencodes)
+    assert "arch=compute_90a,code=sm_90a" in gencodes
 
 
 def test_backend_rejects_bad_mode_and_falls_back_on_cpu():

@@ -319,28 +319,31 @@ def test_half_precision_logits_give_the_fp32_tokens(dtype):
 
 
 def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(monkeypatch):
-    """Where the CUDA kernel applies, half-precision logits reach it as they are unless penalties or the
-    min_tokens ban must first change them (then in fp32, as before). Tokens equal those of fp32 logits.
-    Simulated on CPU: the kernel is replaced by its numpy reference, which widens to fp32 like the kernel."""
+    """With the CUDA kernels chosen (Sampler(cuda=True)), plain temperature sampling hands the one-pass kernel
+    the half-precision logits as they are, unless penalties or the min_tokens ban must first change them (then
+    fp32 logits); logprobs and truncation never reach it. Which dtype the op receives is checked here on the CPU
+    (where the op runs its numpy reference); the kernel's tokens against the torch path are checked on a GPU in
+    tests/test_fused_gpu.py."""
     from minillm.ops import sampling_ops
-    from minillm.sampling import sampler as sampler_mod
 
-    seen = []
+    seen, op = [], sampling_ops.sample_exponential_race
 
-    def fake_kernel(logits, inv_t, seed, offset):
+    def recording(logits, *args, **kw):
         seen.append(logits.dtype)
-        return sampling_ops.sample_exponential_race_ref(logits, inv_t, seed, offset)
+        return op(logits, *args, **kw)
 
-    monkeypatch.setattr(sampler_mod, "_fused_race_applies", lambda logits, batch: True)
-    monkeypatch.setattr(sampling_ops, "sample_exponential_race", fake_kernel)
+    monkeypatch.setattr(sampling_ops, "sample_exponential_race", recording)
     plain = [req(temperature=0.0), req(temperature=0.7), req(temperature=1.5)]
     penalised = plain[:2] + [req(temperature=1.0, repetition_penalty=1.5, output=[2, 2])]
     banned = plain[:2] + [req(temperature=0.9, min_tokens=3)]
-    for requests, kernel_dtype in ((plain, torch.bfloat16), (penalised, torch.float32), (banned, torch.float32)):
-        half = rand_logits(3, seed=5).bfloat16()
+    for requests, kernel_dtype in ((plain, [torch.bfloat16]), (penalised, [torch.float32]), (banned, [torch.float32]),
+                                   (plain[:1] + [req(temperature=0.7, top_k=3)], []),
+                                   (plain[:1] + [req(temperature=0.7, logprobs=1)], [])):
         seen.clear()
-        got = Sampler(3)(half, SamplingBatch.build(requests, "cpu", V)).token_ids
-        assert seen == [kernel_dtype]
-        ref = Sampler(3)(half.float(), SamplingBatch.build(requests, "cpu", V)).token_ids
-        assert seen == [kernel_dtype, torch.float32]
-        assert torch.equal(got, ref)
+        Sampler(3, cuda=True)(rand_logits(len(requests), seed=5).bfloat16(), SamplingBatch.build(requests, "cpu", V))
+        assert seen == kernel_dtype
+        seen.clear()
+        Sampler(3, cuda=False)(rand_logits(len(requests), seed=5).bfloat16(), SamplingBatch.build(requests, "cpu", V))
+        assert seen == []       # the torch path never calls the op
+
+

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from minillm.config import CacheConfig, SchedulerConfig
-from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.engine.scheduler import Scheduler
 from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ def make_req(rid, prompt, max_tokens=4, priority=0, eos=(), **sp) -> Request:
 
 
 def rows(out: SchedulerOutput):
-    return list(zip([r.request_id for r in out.requests], out.starts, out.num_tokens, out.sample))
+    return list(zip(out.req_ids, out.starts, out.num_tokens, out.sample))
 
 
 def step(s: Scheduler, token=1):
@@ -40,11 +40,12 @@ def step(s: Scheduler, token=1):
     assert out.num_batched_tokens == sum(out.num_tokens) <= s.config.max_num_batched_tokens
     lens = out.num_tokens
     assert lens == sorted(lens, key=lambda n: n != 1), "single-token rows must come first"
-    assert len(out.requests) == len(out.starts) == len(lens) == len(out.sample)
-    for r, start, n, sample in zip(out.requests, out.starts, lens, out.sample):
+    assert len(out.req_ids) == len(out.starts) == len(lens) == len(out.sample)
+    for rid, start, n, sample in zip(out.req_ids, out.starts, lens, out.sample):
+        r = s.get_request(rid)
         assert start == r.num_computed_tokens and n >= 1
         assert sample == (start + n == r.num_tokens)
-    ids = [r.request_id for r in out.sampled_requests()]
+    ids = out.sampled_req_ids()
     toks = [token(rid) if callable(token) else token for rid in ids]
     advanced = s.update(out, ModelRunnerOutput(ids, toks))
     s.check_integrity()

@@ -6,7 +6,7 @@ the KV pool is small enough to force preemption, and the invariants are checked 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.engine.outputs import ModelRunnerOutput
+from minillm.contract import ModelRunnerOutput
 from minillm.engine.scheduler import Scheduler
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
@@ -31,17 +31,18 @@ requests = st.fixed_dictionaries({
 ops = scripts(requests, max_size=60)
 
 
-def row_tuples(out):
-    return list(zip(out.requests, out.starts, out.num_tokens, out.sample))
+def row_tuples(sched: Scheduler, out):
+    """The rows with the scheduler's Request of each (call between schedule() and update())."""
+    return list(zip([sched.get_request(rid) for rid in out.req_ids], out.starts, out.num_tokens, out.sample))
 
 
 def check_step_output(sched: Scheduler, out) -> None:
     assert out.num_batched_tokens == sum(out.num_tokens) <= sched.config.max_num_batched_tokens
     lens = out.num_tokens
     assert lens == sorted(lens, key=lambda n: n != 1)
-    assert len(out.requests) == len(out.starts) == len(lens) == len(out.sample)
+    assert len(out.req_ids) == len(out.starts) == len(lens) == len(out.sample)
     seen = set()
-    for r, start, n, sample in row_tuples(out):
+    for r, start, n, sample in row_tuples(sched, out):
         assert r.request_id not in seen and r.request_id not in out.preempted_ids
         seen.add(r.request_id)
         assert start == r.num_computed_tokens and 1 <= n <= r.num_tokens - start
@@ -49,16 +50,17 @@ def check_step_output(sched: Scheduler, out) -> None:
         assert sample == (start + n == r.num_tokens)
 
 
-def check_kv_reads(out, kv_store: dict[int, tuple[int, ...]]) -> None:
+def check_kv_reads(sched: Scheduler, out, kv_store: dict[int, tuple[int, ...]]) -> None:
     """Play the runner against a fake paged KV cache: each slot remembers which prefix its token's KV encodes.
 
     Every row writes its new tokens, then must read back exactly its own prefix at every earlier position:
     this catches a wrong prefix hit, a block reused while still referenced, and reads of unwritten slots.
     """
-    for r, start, n, _ in row_tuples(out):
+    rows = row_tuples(sched, out)
+    for r, start, n, _ in rows:
         for t in range(start, start + n):
             kv_store[r.block_ids[t // BS] * BS + t % BS] = tuple(r.all_token_ids[:t + 1])
-    for r, start, n, _ in row_tuples(out):
+    for r, start, n, _ in rows:
         for t in range(start + n):
             assert kv_store.get(r.block_ids[t // BS] * BS + t % BS) == tuple(r.all_token_ids[:t + 1]), \
                 f"{r.request_id} reads foreign KV at position {t}"
@@ -74,8 +76,8 @@ def check_published_blocks(sched: Scheduler, kv_store: dict[int, tuple[int, ...]
 def run_step(sched: Scheduler, seed: int, kv_store: dict[int, tuple[int, ...]]) -> None:
     out = sched.schedule()
     check_step_output(sched, out)
-    check_kv_reads(out, kv_store)
-    ids = [r.request_id for r in out.sampled_requests()]
+    check_kv_reads(sched, out, kv_store)
+    ids = out.sampled_req_ids()
     tokens = [(seed >> (4 * i) ^ i) % SAMPLE_VOCAB for i in range(len(ids))]
     sched.update(out, ModelRunnerOutput(ids, tokens))
     sched.check_integrity()
@@ -127,12 +129,12 @@ class RowByRowScheduler(Scheduler):
 
     def update(self, out, runner_out):
         self._check_runner_output(out, runner_out)
-        return self._update_rows(out, runner_out.sampled_token_ids)
+        return self._update_rows(self._scheduled, out, runner_out.sampled_token_ids)
 
 
 def observable(sched: Scheduler, out, advanced) -> tuple:
     """Everything a step decides or changes that anyone could see."""
-    return ([(r.request_id, start, n, sample) for r, start, n, sample in row_tuples(out)], out.preempted_ids,
+    return (list(zip(out.req_ids, out.starts, out.num_tokens, out.sample)), out.preempted_ids,
             out.num_batched_tokens,
             [(r.request_id, r.status, r.stop_reason, r.num_computed_tokens, r.output_token_ids, r.block_ids)
              for r in advanced],
@@ -169,9 +171,9 @@ def test_plain_decode_fast_paths_match_row_by_row(cfg, script):
             if out.is_empty:                         # the engine runs no step, so nothing to update
                 seen.append(observable(sched, out, []))
                 continue
-            ids = [r.request_id for r in out.sampled_requests()]
-            if out.requests and seed % 5 == 0:
-                sched.abort(out.requests[seed % len(out.requests)].request_id)
+            ids = out.sampled_req_ids()
+            if out.req_ids and seed % 5 == 0:
+                sched.abort(out.req_ids[seed % len(out.req_ids)])
             # 8x the vocabulary: stop tokens are rare, so that runs of steps end on length too.
             tokens = [(seed >> (4 * i) ^ i) % (8 * SAMPLE_VOCAB) for i in range(len(ids))]
             advanced = sched.update(out, ModelRunnerOutput(ids, tokens))

@@ -7,7 +7,8 @@ multi-block).
 import pytest
 import torch
 
-from minillm.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from minillm.attention.torch_backend import TorchAttentionBackend
+from minillm.ops.reference import kv_write_ref as write_kv_cache
 from tiny_models import alloc_block_tables, build_metadata
 
 D = 8

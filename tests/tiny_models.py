@@ -17,13 +17,13 @@ from minillm.attention.metadata import AttentionMetadata
 def make_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, hidden: int = 64, layers: int = 2,
                          heads: int = 4, kv_heads: int = 2, head_dim: int = 16, intermediate: int = 128,
                          vocab: int = 256, tie: bool = True, sharded: bool = False,
-                         dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+                         dtype: torch.dtype = torch.float32, seed: int = 0, max_positions: int = 512) -> Path:
     """Write a random tiny Qwen3 or Qwen2 checkpoint to `path`; returns the path."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+                  max_position_embeddings=max_positions, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))

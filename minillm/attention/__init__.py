@@ -10,36 +10,12 @@ None (the CUDA backend on shapes its kernels cover; the torch backend never fuse
 """
 from __future__ import annotations
 
-import logging
-import os
 
-import torch
-
-log = logging.getLogger(__name__)
-
-
-def resolve_attention(requested: str, device: torch.device) -> str:
-    """'auto' -> 'cuda' on a GPU when the kernels build, else 'torch'. MINI_ENGINE_OPS=0 forces torch."""
-    if os.environ.get("MINI_ENGINE_OPS", "1") == "0" or device.type != "cuda":
-        if requested == "cuda" and device.type != "cuda":
-            raise ValueError("attention='cuda' needs a CUDA device; use attention='torch' or 'auto' on the CPU")
-        return "torch"
-    if requested == "torch":
-        return "torch"
-    from minillm.ops.build import cuda_ops_available
-    if cuda_ops_available():
-        return "cuda"
-    if requested == "cuda":
-        raise RuntimeError("attention='cuda' was asked for but the CUDA extension could not be built")
-    log.warning("CUDA kernels unavailable; falling back to the torch attention path")
-    return "torch"
-
-
-def make_attention_backend(requested: str, mode: str, device: torch.device):
-    """Build the backend the runtime config asks for. MINI_ENGINE_ATTN=unified overrides the mode."""
-    mode = os.environ.get("MINI_ENGINE_ATTN", mode)
-    if resolve_attention(requested, device) == "cuda":
+def make_attention_backend(kernels):
+    """The backend a KernelChoice (minillm/ops/choice.py) names."""
+    if kernels.attention == "cuda":
         from minillm.attention.cuda_backend import CudaAttentionBackend
-        return CudaAttentionBackend(mode=mode)
+        return CudaAttentionBackend(mode=kernels.attention_mode, min_partitions=kernels.decode_min_partitions,
+                                    ctas_per_sm=kernels.decode_ctas_per_sm, fuse_kv_write=kernels.cuda)
     from minillm.attention.torch_backend import TorchAttentionBackend
     return TorchAttentionBackend()

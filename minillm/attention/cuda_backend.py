@@ -22,7 +22,6 @@ import torch
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.ops import attention_ops as ops
-from minillm.ops import fused_ops
 
 MODES = ("split", "unified")
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -54,12 +53,28 @@ def _reason(is_cuda: bool, head_dim: int, num_q_heads: int, num_kv_heads: int, b
 
 
 class CudaAttentionBackend:
-    def __init__(self, mode: str = "split"):
+    name = "cuda"
+
+    def __init__(self, mode: str = "split", *, min_partitions: int = ops.MIN_PARTITIONS,
+                 ctas_per_sm: int = ops.CTAS_PER_SM_TARGET, fuse_kv_write: bool = True):
         if mode not in MODES:
             raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        self.min_partitions, self.ctas_per_sm = min_partitions, ctas_per_sm
+        self.fuse_kv_write = fuse_kv_write   # the model's qk_norm_rope runs its kernel (KernelChoice.cuda)
+        self.kv_spec = None
         self._fallback = None
         self._warned: set[str] = set()
+
+    def bind_kv_cache(self, spec) -> None:
+        """The engine's KVCacheSpec (minillm/cache/spec.py). A layout the kernels do not read is refused here, once,
+        rather than discovered per call."""
+        if spec.layout != "nhd":
+            raise ValueError(f"the CUDA attention kernels read the 'nhd' KV layout, not {spec.layout!r}")
+        self.kv_spec = spec
+        if self._fallback is None:
+            self._fallback = _torch_backend()
+        self._fallback.bind_kv_cache(spec)
 
     def fused_kv_write_target(self, qkv: torch.Tensor, num_heads: int, head_dim: int, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, meta: AttentionMetadata
@@ -67,13 +82,15 @@ class CudaAttentionBackend:
         """(k_cache, v_cache, slot_mapping) for qk_norm_rope to store this step's k/v into, or None.
 
         Only when forward() will take the kernel path for this shape (the torch fallback writes the cache from
-        k/v itself), and only when qk_norm_rope runs its CUDA kernel: its torch path could write the cache too,
-        but slower than kv_write, so fusing there would cost instead of save.
+        k/v itself), and only when qk_norm_rope runs its CUDA kernel (fuse_kv_write): its torch path could write
+        the cache too, but slower than kv_write, so fusing there would cost instead of save.
         """
+        if not self.fuse_kv_write:
+            return None
         # The checks forward() will make on q as qk_norm_rope returns it ([T, num_heads, head_dim], qkv's dtype).
         reason = _reason(qkv.is_cuda, head_dim, num_heads, k_cache.shape[2], k_cache.shape[1], qkv.dtype,
                          k_cache.dtype)
-        if reason is not None or not fused_ops.qk_norm_rope_runs_kernel(qkv):
+        if reason is not None:
             return None
         return k_cache, v_cache, meta.slot_mapping
 
@@ -90,7 +107,8 @@ class CudaAttentionBackend:
         nd = meta.num_decodes if self.mode == "split" else 0
         if nd > 0:
             ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                             scale, meta.max_seq_len)
+                             scale, meta.max_seq_len, min_partitions=self.min_partitions,
+                             ctas_per_sm=self.ctas_per_sm)
         if meta.num_seqs > nd:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd)
@@ -101,7 +119,11 @@ class CudaAttentionBackend:
             self._warned.add(reason)
             warnings.warn(f"CUDA attention kernels do not cover {reason}; using the torch backend", stacklevel=3)
         if self._fallback is None:
-            from minillm.attention.torch_backend import TorchAttentionBackend  # lazy: optional dependency
-
-            self._fallback = TorchAttentionBackend()
+            self._fallback = _torch_backend()
         return self._fallback.forward(*args)
+
+
+def _torch_backend():
+    from minillm.attention.torch_backend import TorchAttentionBackend   # lazy: only for uncovered shapes
+
+    return TorchAttentionBackend()

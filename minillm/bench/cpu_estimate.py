@@ -1,12 +1,14 @@
 """How long a bench run will take on the CPU, said before it starts.
 
 On a CPU the torch attention path dominates: every decode step gathers each running sequence's K and V, padded
-to the longest context in the batch, and passes over that copy a few more times (ATTENTION_PASSES) on its way
-through the matmuls. So the estimate replays the workload's decode steps under continuous batching (at most
-max_num_seqs running, and no more tokens than the CPU's default KV pool holds), and charges each step the
-weights plus those padded K/V passes at this CPU's measured copy bandwidth, plus the prefill FLOPs at its
-measured matmul rate. Checked against a measured run: 1,043 s for the first 4 reference requests on the 0.6B
-preset on a 2-core machine. It is meant to tell minutes from hours, not to be exact.
+to the longest context in the batch, and passes over that copy a few more times on its way through the matmuls.
+So the estimate replays the workload's decode steps under continuous batching (at most max_num_seqs running, and
+no more tokens than the CPU's default KV pool holds), and charges each step the weights plus ATTENTION_PASSES
+over the padded K/V at this CPU's measured copy bandwidth, plus the prefill FLOPs at its measured matmul rate.
+ATTENTION_PASSES is effective, not counted: about five passes, with the gather of scattered blocks running well
+below copy bandwidth. It was fitted to two runs on a 2-core machine (1,043 s for the first 4 reference requests
+on the 0.6B preset, estimated 1,170 s; about 1,600 s for all 256 on the demo model, estimated 1,000 s). The
+estimate is meant to tell minutes from hours, not to be exact.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 
 from minillm.bench.floor import ModelShape, workload_work
 
-ATTENTION_PASSES = 5          # gather (write + read), masked float copy (write + read), the matmul's read
+ATTENTION_PASSES = 12
 CPU_KV_MIN_BYTES, CPU_KV_MAX_BYTES = 256 << 20, 2 << 30    # the CPU pool's caps (minillm/runner/kv_sizing.py)
 
 

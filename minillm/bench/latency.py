@@ -61,11 +61,12 @@ def run_sweep_config(cfg, label: str, workload: Workload, rates: list[float], ti
             if summary["output_tokens"] != workload.output_tokens:
                 raise RuntimeError(f"{label} at {rate} req/s: {summary['output_tokens']} output tokens, "
                                    f"expected {workload.output_tokens}")
-            lines.append({"kind": "latency", "engine": "minillm", "label": label, "rate": rate,
-                          "time_scale": time_scale, "budget": budget_of(cfg),
+            lines.append({"kind": "latency", "engine": "minillm", "transport": "in-process", "label": label,
+                          "rate": rate, "time_scale": time_scale, "budget": budget_of(cfg),
                           "chunked": cfg.scheduler.enable_chunked_prefill,
                           "attention_mode": cfg.runtime.attention_mode, "config": dataclasses.asdict(cfg),
-                          "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s, **summary})
+                          "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
+                          "kernels": llm.engine.runner.kernels.record(), **summary})
     finally:
         del llm
         free_device_memory()

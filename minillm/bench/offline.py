@@ -30,9 +30,11 @@ def sampling_params(workload: Workload) -> list[SamplingParams]:
 def build_llm(cfg):
     """Returns (llm, seconds): construction includes weight load, kernel build and graph capture."""
     from minillm import LLM
+    from minillm.llm import freeze_heap
 
     t0 = time.perf_counter()
     llm = LLM.from_config(cfg)
+    freeze_heap()
     return llm, time.perf_counter() - t0
 
 
@@ -41,7 +43,7 @@ def free_device_memory() -> None:
     The caller must have deleted its last reference to the engine first."""
     import torch
 
-    gc.unfreeze()   # LLM() froze the heap, the dropped engine's cycles included: let the collector reach them
+    gc.unfreeze()   # build_llm froze the heap, the dropped engine's cycles included: let the collector reach them
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -105,6 +107,7 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
             walls.append(wall)
             preemptions += preempted
         work, dtype = floor_work(llm, workload, cfg.scheduler.max_num_seqs)
+        kernels = llm.engine.runner.kernels.record()
     finally:
         del llm
         free_device_memory()
@@ -114,5 +117,5 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
             "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,
             "output_tok_s": workload.output_tokens / wall,
             "total_tok_s": (workload.input_tokens + workload.output_tokens) / wall,
-            "preemptions": preemptions, "floor": floor_record(work, rates, wall),
+            "preemptions": preemptions, "floor": floor_record(work, rates, wall), "kernels": kernels,
             "step_profile": profile.summary()}

@@ -8,7 +8,6 @@ sets max_model_len, and a preset model name gets random `dummy` weights.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -18,10 +17,6 @@ from minillm.fingerprint import REPO_ROOT
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 BENCH_SUITE = REPO_ROOT / "configs" / "bench.yaml"
 LATENCY_SUITE = REPO_ROOT / "configs" / "latency.yaml"
-
-# Environment switches of the kernels (each defaults to on / its tuned value); a results line names those set.
-KERNEL_SWITCHES = ("MINILLM_DECODE_CTAS_PER_SM", "MINILLM_DECODE_MIN_PARTITIONS", "MINILLM_SKINNY_GEMM")
-
 
 def read_suite(path: Path) -> dict:
     from minillm.config_loader import read_yaml_file
@@ -90,16 +85,16 @@ def device_of(cfg: EngineConfig) -> str:
 
 def prepare_device(device: str) -> dict:
     """Build/load the CUDA extension up front, so its compile time is reported on its own, not inside the first
-    configuration's load time. Returns the fields every results line of this process carries."""
-    from minillm.ops.attention_ops import CTAS_PER_SM_TARGET, MIN_PARTITIONS
-    from minillm.ops.build import cuda_ops_available
+    configuration's load time. The kernels each configuration ran are on its own line (`kernels`)."""
+    from minillm.ops.build import ExtensionError, load_extension
 
     t0 = time.perf_counter()
-    ok = device.startswith("cuda") and cuda_ops_available()
-    # kernel choices can be overridden from the environment for A/B timings: record what this run used
-    overrides = {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}
-    return {"kernel_build_s": time.perf_counter() - t0, "cuda_ops": ok, "decode_ctas_per_sm": CTAS_PER_SM_TARGET,
-            "decode_min_partitions": MIN_PARTITIONS, "kernel_overrides": overrides}
+    if device.startswith("cuda"):
+        try:
+            load_extension()
+        except ExtensionError:
+            pass   # each configuration resolves its kernels and says why they are unavailable
+    return {"kernel_build_s": time.perf_counter() - t0}
 
 
 def offline_workload(workload: Path | None, num_requests: int | None):

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                       "Online latency (TTFT, ITL) under Poisson arrivals."),
     "check-kernels": ("minillm.commands.check_kernels", "check_kernels_command",
                       "Check and time every CUDA kernel (needs a GPU)."),
+    "serve": ("minillm.commands.serve", "serve_command", "OpenAI-compatible HTTP server (SSE, metrics)."),
 }
 LAZY_COMMANDS = COMMANDS   # the older name, kept for code that patches the registry
 

@@ -15,6 +15,7 @@ NumRequestsOpt = Annotated[Optional[int], typer.Option("--num-requests", metavar
 WorkloadOpt = Annotated[Optional[Path], typer.Option("--workload", metavar="FILE",
                                                      help="Workload YAML instead of the reference.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
+CPU_SIZED_REQUESTS = 16   # the demo model on the first 16 reference requests: about a minute on 2 cores
 
 
 @engine_options
@@ -35,8 +36,9 @@ def bench_command(
 
     The reference workload and the floor are described in docs/architecture.md.
     Without a GPU this runs the Qwen3-0.6B preset on the CPU, which takes
-    hours: it says so and how long before it starts; --model demo runs the
-    small demo model instead (token ids are folded into its vocabulary).
+    hours: it says so, and roughly how long, before it starts.
+    `--model demo --num-requests 16` is a CPU-sized run (about a minute): the
+    small demo model, with token ids folded into its vocabulary.
     """
     from minillm.bench.floor import measure_device
     from minillm.bench.report import append_jsonl, bench_table, print_table
@@ -59,7 +61,7 @@ def bench_command(
         fail(str(e))
     dev = device_of(runs[0][1])
     if dev == "cpu":
-        _cpu_notice(runs[0][1], runs[0][2], num_requests is None and workload is None)
+        _cpu_notice(runs[0][1], runs[0][2])
     extra = prepare_device(dev) if peer == "minillm" else {}
     rates = measure_device(dev)   # before any engine takes the GPU memory
     lines, failed = [], []
@@ -86,20 +88,26 @@ def _fitted(entry: dict, w, data: dict, engine: EngineFlags) -> tuple:
     return entry.get("name"), cfg, fitted
 
 
-def _cpu_notice(cfg, w, is_default: bool) -> None:
-    """Say up front what a CPU run is in for: the 0.6B preset runs for hours on the full workload."""
-    from minillm.bench.cpu_estimate import estimate_seconds, format_duration
+def _cpu_notice(cfg, w) -> None:
+    """Say up front what a CPU run is in for (the 0.6B preset runs for hours), and offer a CPU-sized one."""
+    from minillm.bench.cpu_estimate import estimate_seconds, format_duration, measure_cpu_rates
+    from minillm.bench.workloads import reference_offline
+    from minillm.config import EngineConfig
     from minillm.model.loader import resolve_arch
 
+    rates = measure_cpu_rates()
     arch = resolve_arch(cfg.model.model, cfg.model.load_format)
-    seconds = estimate_seconds(arch, w, cfg)
-    what = cfg.model.model or "the demo model"
-    typer.echo(f"minillm bench: no GPU: running {what} ({arch.num_params / 1e6:,.1f} M parameters) on the CPU, "
-               f"{w.num_requests} requests ({w.input_tokens:,} prompt + {w.output_tokens:,} output tokens); "
-               f"roughly {format_duration(seconds)} on this machine.", err=True)
-    if is_default or seconds > 600:
-        typer.echo("  For a CPU-sized run: `minillm bench --model demo` (the 3.4 M-parameter demo model, all "
-                   "requests) or `--num-requests N` (the first N).", err=True)
+    seconds = estimate_seconds(arch, w, cfg, rates)
+    typer.echo(f"minillm bench: no GPU: running {cfg.model.model or 'the demo model'} ({arch.num_params / 1e6:,.1f} M "
+               f"parameters) on the CPU, {w.num_requests} requests ({w.input_tokens:,} prompt + "
+               f"{w.output_tokens:,} output tokens): roughly {format_duration(seconds)} on this machine.", err=True)
+    if seconds > 600:
+        demo = resolve_arch("demo")
+        small, _ = reference_offline().head(CPU_SIZED_REQUESTS).fit(demo.vocab_size, demo.max_position_embeddings)
+        quick = estimate_seconds(demo, small, EngineConfig.from_kwargs("demo"), rates)
+        typer.echo(f"  A CPU-sized run: `minillm bench --model demo --num-requests {CPU_SIZED_REQUESTS}` (the "
+                   f"{demo.num_params / 1e6:.1f} M-parameter demo model; roughly {format_duration(quick)}).",
+                   err=True)
 
 
 def _report_failures(failed: list[str]) -> None:
@@ -138,6 +146,9 @@ def latency_sweep_command(
     plot: Annotated[Path, typer.Option("--plot", metavar="FILE", help="PNG to write.")] = Path("results/latency.png"),
     plot_only: Annotated[Optional[Path], typer.Option("--plot-only", metavar="FILE",
                                                       help="Redraw from a results JSONL.")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", metavar="URL", help="Replay against this "
+                      "OpenAI-compatible server (http://HOST:PORT) instead; --configs NAME records the config it "
+                      "runs.")] = None,
     progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
     """Online latency under Poisson arrivals: TTFT and ITL percentiles per config and rate.
@@ -146,11 +157,9 @@ def latency_sweep_command(
     model with fewer positions or a smaller vocabulary (the demo model), the
     workload is fitted to it first, and a note says what changed.
     """
-    from minillm.bench.latency import run_sweep_config
     from minillm.bench.plots import plot_latency
     from minillm.bench.report import append_jsonl, latency_table, print_table, read_jsonl
-    from minillm.bench.suite import (device_of, online_workload, parse_rates, pick_configs, prepare_device,
-                                     read_suite, suite_rates)
+    from minillm.bench.suite import online_workload, parse_rates, pick_configs, read_suite, suite_rates
 
     try:
         if plot_only is not None:
@@ -164,8 +173,28 @@ def latency_sweep_command(
         w = online_workload(data, workload, num_requests)
         rate_list = parse_rates(rates) if rates else suite_rates(data)
         runs = [_fitted(e, w, data, engine) for e in pick_configs(data.get("configs"), configs)]
+        if target is not None and configs is not None and len(runs) != 1:
+            raise ConfigError("--target measures one server: name at most one config with --configs")
     except (ValueError, OSError) as e:   # ConfigError included; OSError: a missing model directory
         fail(str(e))
+    if target is not None:   # the server serves; its rows are measured on the client side
+        from minillm.bench.http_load import sweep_target
+        lines, failed = sweep_target(target, runs[0][2], rate_list, time_scale, progress,
+                                     [(name, cfg) for name, cfg, _ in runs] if configs else [],
+                                     lambda line: append_jsonl(output, line))
+    else:
+        lines, failed = _sweep_in_process(runs, rate_list, time_scale, progress, output)
+    if lines:
+        print_table(latency_table(lines))
+        typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
+    _report_failures(failed)
+
+
+def _sweep_in_process(runs, rate_list, time_scale, progress, output) -> tuple[list[dict], list[str]]:
+    from minillm.bench.latency import run_sweep_config
+    from minillm.bench.report import append_jsonl
+    from minillm.bench.suite import device_of, prepare_device
+
     extra = prepare_device(device_of(runs[0][1]))
     lines, failed = [], []
     for name, cfg, w in runs:
@@ -175,7 +204,4 @@ def latency_sweep_command(
             failed.append(f"{name}: {type(e).__name__}: {e}")
             continue
         lines += [append_jsonl(output, {**line, **extra}) for line in new]
-    if lines:
-        print_table(latency_table(lines))
-        typer.echo(f"appended {len(lines)} line(s) to {output}; wrote {plot_latency(lines, plot)}")
-    _report_failures(failed)
+    return lines, failed

@@ -53,7 +53,7 @@ _P = inspect.Parameter
 _ENGINE_PARAMS = [
     _P("config", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[Path], typer.Option(
         "--config", "-c", metavar="FILE",
-        help="YAML config (sections model, cache, scheduler, runtime, sampling).")]),
+        help="YAML config (sections model, cache, scheduler, runtime, kernels, sampling).")]),
     _P("model", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
         metavar="DIR|PRESET", help="HF checkpoint directory, preset name, or demo (the default: the embedded "
                                    "demo model).")]),

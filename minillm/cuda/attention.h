@@ -3,15 +3,15 @@
 // returns cudaSuccess, cudaErrorInvalidValue for an unsupported configuration, or the launch error.
 //
 // KV cache layout (per layer): k_cache, v_cache contiguous [num_blocks, block_size, num_kv_heads, head_dim];
-// flat slot = block_id * block_size + offset. Element type: bf16 or fp16 (DTypeCode below).
+// flat slot = block_id * block_size + offset. Element type: bf16 or fp16 (ScalarType, dtype.h).
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace minillm {
+#include "dtype.h"
 
-enum DTypeCode : int { kBF16 = 0, kFP16 = 1 };
+namespace minillm {
 
 // Scatter this step's new K/V rows ([T, H, D] with strides) into their cache slots; slot -1 = skip.
 // head_dim must be a multiple of 8 and every row 16-byte aligned (16-byte vector copies).
@@ -32,7 +32,7 @@ struct PagedAttnArgs {
   const int* seq_lens;       // [S]: context length including this step's tokens
   int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
   float scale;
-  int dtype;                 // DTypeCode
+  ScalarType dtype;               // kBFloat16 or kFloat16
 };
 
 // Decode: one query row per sequence (row s of q belongs to sequence s).

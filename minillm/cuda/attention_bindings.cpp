@@ -12,10 +12,10 @@ namespace {
 
 using at::Tensor;
 
-int dtype_code(const Tensor& t) {
+minillm::ScalarType dtype_code(const Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
               "minillm attention: dtype must be bfloat16 or float16, got ", t.scalar_type());
-  return t.scalar_type() == at::kBFloat16 ? minillm::kBF16 : minillm::kFP16;
+  return t.scalar_type() == at::kBFloat16 ? minillm::ScalarType::kBFloat16 : minillm::ScalarType::kFloat16;
 }
 
 void check_cuda_ok(cudaError_t err, const char* what) {

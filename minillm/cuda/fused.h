@@ -11,10 +11,9 @@
 
 #include <cuda_runtime.h>
 
-namespace minillm {
+#include "dtype.h"
 
-// Activation dtype of the half-precision-or-fp32 tensors (weights share it).
-enum class ActDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+namespace minillm {
 
 // Largest sizes the kernels keep in registers (a row of the norm, a head of qk_norm_rope).
 constexpr int64_t kMaxNormHidden = 8192;  // the largest Qwen2/Qwen3 hidden size
@@ -24,17 +23,17 @@ constexpr int64_t kMaxVocab = 2147483647;
 
 // y[t] = x[t] / rms(x[t]) * weight. x rows start x_row_stride elements apart; y is contiguous [rows, hidden].
 cudaError_t launch_rms_norm(const void* x, int64_t x_row_stride, const void* weight, void* y, int64_t rows,
-                            int64_t hidden, float eps, ActDType dtype, cudaStream_t stream);
+                            int64_t hidden, float eps, ScalarType dtype, cudaStream_t stream);
 
 // sum[t] = x[t] + residual[t] rounded to dtype; y[t] = rms_norm(sum[t]) * weight. Reads each input once and
 // writes each output once; y and sum are contiguous [rows, hidden].
 cudaError_t launch_fused_add_rms_norm(const void* x, int64_t x_row_stride, const void* residual,
                                       int64_t residual_row_stride, const void* weight, void* y, void* sum,
-                                      int64_t rows, int64_t hidden, float eps, ActDType dtype, cudaStream_t stream);
+                                      int64_t rows, int64_t hidden, float eps, ScalarType dtype, cudaStream_t stream);
 
 // gate_up rows hold [gate (inter) | up (inter)]; out[t] = silu(gate) * up, contiguous [rows, inter].
 cudaError_t launch_silu_and_mul(const void* gate_up, int64_t in_row_stride, void* out, int64_t rows,
-                                int64_t inter, ActDType dtype, cudaStream_t stream);
+                                int64_t inter, ScalarType dtype, cudaStream_t stream);
 
 // Splits qkv rows [(Hq + 2 Hkv) * D] into contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]; applies the
 // per-head RMSNorm to q and k when both weights are non-null, then neox RoPE from cos_sin (fp32
@@ -65,7 +64,7 @@ struct QkNormRopeArgs {
   void* v_cache;
   const int64_t* slot_mapping;  // [>= num_tokens]
 };
-cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ActDType dtype, cudaStream_t stream);
+cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ScalarType dtype, cudaStream_t stream);
 
 // out[r] = argmax_c(logits[r, c] * inv_temperature[r] - log(E[r, c])), E ~ Exp(1) drawn by Philox4x32-10
 // with key = seed and counter = (c / 4, r, offset low, offset high), word c % 4; rows with
@@ -74,7 +73,7 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ActDType dtype, cuda
 // whichever of the three holds it.
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
                                            int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, ActDType logits_dtype, cudaStream_t stream);
+                                           uint64_t offset, ScalarType logits_dtype, cudaStream_t stream);
 
 }  // namespace minillm
 
@@ -94,11 +93,11 @@ struct TypeTag {
 
 // Calls f(TypeTag<T>{}) with the C++ type of dtype.
 template <typename F>
-cudaError_t dispatch_dtype(ActDType dtype, F&& f) {
+cudaError_t dispatch_dtype(ScalarType dtype, F&& f) {
   switch (dtype) {
-    case ActDType::kFloat32: return f(TypeTag<float>{});
-    case ActDType::kFloat16: return f(TypeTag<__half>{});
-    case ActDType::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
+    case ScalarType::kFloat32: return f(TypeTag<float>{});
+    case ScalarType::kFloat16: return f(TypeTag<__half>{});
+    case ScalarType::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
   }
   return cudaErrorInvalidValue;
 }

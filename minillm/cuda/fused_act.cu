@@ -45,7 +45,7 @@ cudaError_t launch(const T* gate_up, int64_t in_stride, T* out, int64_t rows, in
 }  // namespace
 
 cudaError_t launch_silu_and_mul(const void* gate_up, int64_t in_row_stride, void* out, int64_t rows,
-                                int64_t inter, ActDType dtype, cudaStream_t stream) {
+                                int64_t inter, ScalarType dtype, cudaStream_t stream) {
   if (rows < 0 || rows > INT32_MAX || inter <= 0 || inter > INT32_MAX / 2) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {

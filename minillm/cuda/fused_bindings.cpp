@@ -19,7 +19,7 @@
 namespace {
 
 using at::Tensor;
-using minillm::ActDType;
+using minillm::ScalarType;
 
 // Error messages are assembled here (std::to_string) and handed to TORCH_CHECK as one string, which c10 passes
 // through untouched. Streaming an integer into c10::str's ostringstream from this library crashed (SIGSEGV in
@@ -43,11 +43,11 @@ std::string msg(const Parts&... parts) {
 // Raises ValueError with the concatenated message parts.
 #define FUSED_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, msg(__VA_ARGS__))
 
-ActDType act_dtype(const Tensor& t, const char* name) {
+ScalarType act_dtype(const Tensor& t, const char* name) {
   const at::ScalarType s = t.scalar_type();
   FUSED_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, name,
                     ": dtype must be float32, float16 or bfloat16, got ", s);
-  return s == at::kFloat ? ActDType::kFloat32 : s == at::kHalf ? ActDType::kFloat16 : ActDType::kBFloat16;
+  return s == at::kFloat ? ScalarType::kFloat32 : s == at::kHalf ? ScalarType::kFloat16 : ScalarType::kBFloat16;
 }
 
 void check_launch(cudaError_t err, const char* op) {
@@ -81,7 +81,7 @@ void check_hidden(int64_t hidden, const char* name) {
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  const ActDType dtype = act_dtype(x, "x");
+  const ScalarType dtype = act_dtype(x, "x");
   const Tensor x2 = as_rows(x, "x");
   const int64_t hidden = x2.size(1);
   check_hidden(hidden, "x");
@@ -100,7 +100,7 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
   FUSED_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
                     residual.sizes());
   check_like(residual, x, "residual", "x");
-  const ActDType dtype = act_dtype(x, "x");
+  const ScalarType dtype = act_dtype(x, "x");
   const Tensor x2 = as_rows(x, "x"), r2 = as_rows(residual, "residual");
   const int64_t hidden = x2.size(1);
   check_hidden(hidden, "x");
@@ -116,7 +116,7 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
 }
 
 Tensor silu_and_mul(const Tensor& gate_up) {
-  const ActDType dtype = act_dtype(gate_up, "gate_up");
+  const ScalarType dtype = act_dtype(gate_up, "gate_up");
   const Tensor g2 = as_rows(gate_up, "gate_up");
   FUSED_CHECK(g2.size(1) % 2 == 0, "gate_up: last dim must be even (gate | up), got ", g2.size(1));
   const int64_t inter = g2.size(1) / 2;
@@ -155,14 +155,14 @@ void check_norm_weights(const std::optional<Tensor>& qw, const std::optional<Ten
 struct RopeInputs {
   Tensor qkv;
   Tensor positions;
-  ActDType dtype;
+  ScalarType dtype;
 };
 
 RopeInputs check_rope_inputs(const Tensor& qkv_in, const Tensor& positions_in, const Tensor& cos_sin_cache,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight) {
   FUSED_CHECK(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
-  const ActDType dtype = act_dtype(qkv_in, "qkv");
+  const ScalarType dtype = act_dtype(qkv_in, "qkv");
   check_heads(qkv_in, num_heads, num_kv_heads, head_dim);
   const Tensor qkv = qkv_in.stride(1) == 1 ? qkv_in : qkv_in.contiguous();
   const int64_t tokens = qkv.size(0);
@@ -266,7 +266,7 @@ Tensor qk_norm_rope_cache(const Tensor& qkv_in, const Tensor& positions_in, cons
 Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset) {
   FUSED_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
                     logits_in.sizes(), " on ", logits_in.device());
-  const ActDType dtype = act_dtype(logits_in, "logits");
+  const ScalarType dtype = act_dtype(logits_in, "logits");
   const Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   FUSED_CHECK(vocab >= 1 && vocab <= minillm::kMaxVocab - 4, "logits: vocab size must be in [1, ",
@@ -293,8 +293,8 @@ Tensor skinny_gemm(const Tensor& x_in, const Tensor& w, int64_t splits) {
   FUSED_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [M, K], got ", x_in.sizes(), " on ",
               x_in.device());
   check_like(w, x_in, "w", "x");
-  const ActDType dtype = act_dtype(x_in, "x");
-  FUSED_CHECK(dtype != ActDType::kFloat32, "x: dtype must be float16 or bfloat16, got ", x_in.scalar_type());
+  const ScalarType dtype = act_dtype(x_in, "x");
+  FUSED_CHECK(dtype != ScalarType::kFloat32, "x: dtype must be float16 or bfloat16, got ", x_in.scalar_type());
   // 16-byte copies: rows must start 16-byte aligned, else a contiguous copy is made.
   const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 && x_in.stride(0) % 8 == 0;
   const Tensor x = x_in.stride(1) == 1 && aligned ? x_in : x_in.contiguous();

@@ -99,7 +99,7 @@ cudaError_t launch_with_vpt(const NormArgs<T>& a, cudaStream_t stream) {
 template <bool ADD>
 cudaError_t launch_norm(const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
                         const void* weight, void* y, void* sum, int64_t rows, int64_t hidden, float eps,
-                        ActDType dtype, cudaStream_t stream) {
+                        ScalarType dtype, cudaStream_t stream) {
   if (rows < 0 || hidden <= 0 || hidden > kMaxNormHidden || rows > INT32_MAX) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
@@ -116,13 +116,13 @@ cudaError_t launch_norm(const void* x, int64_t x_stride, const void* residual, i
 }  // namespace
 
 cudaError_t launch_rms_norm(const void* x, int64_t x_row_stride, const void* weight, void* y, int64_t rows,
-                            int64_t hidden, float eps, ActDType dtype, cudaStream_t stream) {
+                            int64_t hidden, float eps, ScalarType dtype, cudaStream_t stream) {
   return launch_norm<false>(x, x_row_stride, nullptr, 0, weight, y, nullptr, rows, hidden, eps, dtype, stream);
 }
 
 cudaError_t launch_fused_add_rms_norm(const void* x, int64_t x_row_stride, const void* residual,
                                       int64_t residual_row_stride, const void* weight, void* y, void* sum,
-                                      int64_t rows, int64_t hidden, float eps, ActDType dtype, cudaStream_t stream) {
+                                      int64_t rows, int64_t hidden, float eps, ScalarType dtype, cudaStream_t stream) {
   return launch_norm<true>(x, x_row_stride, residual, residual_row_stride, weight, y, sum, rows, hidden, eps,
                            dtype, stream);
 }

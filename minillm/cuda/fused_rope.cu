@@ -152,7 +152,7 @@ cudaError_t launch_k(const QkNormRopeArgs& a, bool norm, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ActDType dtype, cudaStream_t stream) {
+cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ScalarType dtype, cudaStream_t stream) {
   const bool norm = p.q_norm_weight != nullptr;
   const bool to_cache = p.slot_mapping != nullptr;
   const bool outputs_ok = to_cache ? p.k_cache != nullptr && p.v_cache != nullptr

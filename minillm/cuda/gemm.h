@@ -19,6 +19,6 @@ constexpr int kGemmMaxSplits = 8;  // the portable thread-block-cluster size
 // tiles are summed through distributed shared memory: a decode-sized M gives too few output tiles to occupy
 // the GPU otherwise. Needs sm_90 (clusters); splits in {1, 2, 4, 8}.
 cudaError_t launch_skinny_gemm(const void* x, int64_t ldx, const void* w, int64_t ldw, void* y, int64_t ldy, int M,
-                               int N, int K, int splits, ActDType dtype, cudaStream_t stream);
+                               int N, int K, int splits, ScalarType dtype, cudaStream_t stream);
 
 }  // namespace minillm

@@ -322,9 +322,9 @@ cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int 
       (partition_size != 0 && (num_partitions <= 0 || ws_out == nullptr)))
     return cudaErrorInvalidValue;
   if (a.num_seqs == 0) return cudaSuccess;
-  if (a.dtype == kBF16)
+  if (a.dtype == ScalarType::kBFloat16)
     return dispatch_shape<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
-  if (a.dtype == kFP16)
+  if (a.dtype == ScalarType::kFloat16)
     return dispatch_shape<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
   return cudaErrorInvalidValue;
 }

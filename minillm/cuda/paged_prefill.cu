@@ -209,8 +209,8 @@ cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !pow2_block || max_query_len < 0)
     return cudaErrorInvalidValue;
   if (a.num_seqs == 0 || max_query_len == 0) return cudaSuccess;
-  const bool bf16 = a.dtype == kBF16;
-  if (a.dtype != kBF16 && a.dtype != kFP16) return cudaErrorInvalidValue;
+  const bool bf16 = a.dtype == ScalarType::kBFloat16;
+  if (a.dtype != ScalarType::kBFloat16 && a.dtype != ScalarType::kFloat16) return cudaErrorInvalidValue;
   if (a.head_dim == 128)
     return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream)
                 : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream);

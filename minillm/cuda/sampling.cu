@@ -194,7 +194,7 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
 
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
                                            int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, ActDType logits_dtype, cudaStream_t stream) {
+                                           uint64_t offset, ScalarType logits_dtype, cudaStream_t stream) {
   if (rows < 0 || rows > INT32_MAX || vocab <= 0 || vocab > kMaxVocab - 4) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));

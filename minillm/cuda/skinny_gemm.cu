@@ -201,15 +201,15 @@ cudaError_t launch_typed(const void* x, int64_t ldx, const void* w, int64_t ldw,
 }  // namespace
 
 cudaError_t launch_skinny_gemm(const void* x, int64_t ldx, const void* w, int64_t ldw, void* y, int64_t ldy, int M,
-                               int N, int K, int splits, ActDType dtype, cudaStream_t stream) {
+                               int N, int K, int splits, ScalarType dtype, cudaStream_t stream) {
   const bool splits_ok = splits == 1 || splits == 2 || splits == 4 || splits == 8;
   if (M < 0 || N <= 0 || N % kGemmTileN || !splits_ok || K <= 0 || K % (splits * kGemmTileK) || ldx % 8 ||
       ldw % 8 || ldy % 4)
     return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  if (dtype == ActDType::kBFloat16)
+  if (dtype == ScalarType::kBFloat16)
     return launch_typed<__nv_bfloat16>(x, ldx, w, ldw, y, ldy, M, N, K, splits, stream);
-  if (dtype == ActDType::kFloat16) return launch_typed<__half>(x, ldx, w, ldw, y, ldy, M, N, K, splits, stream);
+  if (dtype == ScalarType::kFloat16) return launch_typed<__half>(x, ldx, w, ldw, y, ldy, M, N, K, splits, stream);
   return cudaErrorInvalidValue;
 }
 

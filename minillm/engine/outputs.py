@@ -1,44 +1,14 @@
-"""The data that crosses the scheduler -> runner -> scheduler boundary. Plain dataclasses, no tensors."""
+"""What the engine hands its callers: per-step streaming deltas (StepOutput), finished results (RequestOutput)
+and load snapshots (EngineStats). Plain dataclasses, no tensors.
+
+The scheduler <-> runner contract lives in minillm/contract.py; its TokenLogprobs is re-exported here because
+callers see it in CompletionOutput.logprobs.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import compress
 
-from minillm.request import Request
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's rows, held as columns: at 256 decodes a step, one object per row would cost more than the
-    rest of scheduling.
-
-    Row i computes tokens [starts[i], starts[i] + num_tokens[i]) of requests[i].all_token_ids (starts[i] is
-    the request's num_computed_tokens when scheduled). sample[i] is True when that chunk reaches the end of
-    all_token_ids, so the runner samples a token for the row; False for a non-final prefill chunk.
-    """
-    # NOTE: order is the runner's row order: all single-token rows (decodes) first, then prefill chunks.
-    # The CUDA attention path relies on this to send rows [0, num_decodes) to the decode kernel.
-    requests: list[Request] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def num_decodes(self) -> int:
-        # Single-token rows come first (see the NOTE above), so they are exactly the leading rows.
-        return self.num_tokens.count(1)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
-
-    def sampled_requests(self) -> list[Request]:
-        """The requests that get a token this step, in row order (the order of the runner's output)."""
-        if all(self.sample):
-            return self.requests
-        return list(compress(self.requests, self.sample))
+from minillm.contract import TokenLogprobs  # noqa: F401  (re-exported: callers see it in CompletionOutput)
 
 
 @dataclass(frozen=True)
@@ -51,19 +21,13 @@ class EngineStats:
 
 
 @dataclass
-class TokenLogprobs:
-    """Logprob of the sampled token plus the top-N alternatives (token id -> logprob)."""
-    token_id: int
-    logprob: float
-    top: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class ModelRunnerOutput:
-    # One entry per sampled row of the SchedulerOutput (SchedulerOutput.sampled_requests()), in row order.
-    req_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] | None = None
+class CoreOutput:
+    """What the engine core reports of one request (one completion of a user request) after a step."""
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None           # "stop" | "length" | "abort" once it finished, else None
+    logprobs: TokenLogprobs | None = None   # of the new token, when the request asked for logprobs
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache at first admission
 
 
 @dataclass

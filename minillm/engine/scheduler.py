@@ -20,7 +20,9 @@ leaves them for the next schedule(), which takes them all without a pass over th
 those whose last block is full), and screens stop conditions per batch rather than per row. These shortcuts
 decide exactly what the row-by-row paths decide (tests/test_scheduler_properties.py compares the two).
 
-The scheduler never touches tensors; the runner never mutates scheduler state.
+The scheduler never touches tensors; the runner never mutates scheduler state. What the runner learns of a step
+is the plain SchedulerOutput of minillm/contract.py: rows by request id, plus the requests, blocks, finishes and
+preemptions it has not heard of yet (each request remembers how many of its block ids were sent).
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from typing import NamedTuple
 
 from minillm.cache.kv_cache_manager import KVCacheManager
 from minillm.config import CacheConfig, SchedulerConfig
-from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from minillm.contract import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from minillm.engine.policy import insert_running, make_waiting_queue
+from minillm.engine.stop import BatchStopScreen, check_stop, may_stop, value_stop
 from minillm.request import Request, RequestStatus
 
 RUNNING = RequestStatus.RUNNING
@@ -76,6 +79,10 @@ class _StepPlan:
         self.decodes = _Rows()   # single-token rows (decodes, or a 1-token final chunk)
         self.chunks = _Rows()    # multi-token prefill chunks
         self.preempted_ids: list[str] = []
+        # Set by the all-decodes fast path: the only rows whose block lists may have grown, as long as the plan
+        # still has just its fast_rows rows (admission may add rows after it).
+        self.grown: list[Request] | None = None
+        self.fast_rows = 0
 
     @property
     def is_empty(self) -> bool:
@@ -91,32 +98,20 @@ class _StepPlan:
         """Take a preempted request's row back out (it was scheduled earlier in this step) and refund it."""
         self.budget += self.decodes.remove(req) or self.chunks.remove(req)
 
-    def output(self) -> SchedulerOutput:
+    def rows(self) -> tuple[list[Request], SchedulerOutput]:
+        """The rows in runner order (requests, and the row columns of the output; state changes not filled in)."""
         # NOTE: all single-token rows first; the attention backend sends rows [0, num_decodes) to decode.
         d, c = self.decodes, self.chunks
-        return SchedulerOutput(d.requests + c.requests, d.starts + c.starts, d.num_tokens + c.num_tokens,
-                               d.sample + c.sample, self.preempted_ids, self.full_budget - self.budget)
+        reqs = d.requests + c.requests
+        return reqs, SchedulerOutput([r.request_id for r in reqs], d.starts + c.starts, d.num_tokens + c.num_tokens,
+                                     d.sample + c.sample, preempted_ids=self.preempted_ids,
+                                     num_batched_tokens=self.full_budget - self.budget)
 
 
 class _Decoding(NamedTuple):
     """What an update() of plain decodes leaves for the next schedule()."""
     requests: list[Request]      # got a token and still run, in row order: each is now a 1-token decode
     full: list[Request]          # those of them whose last block is full
-
-
-class _StopScreen:
-    """update()'s stop screen for a run of all-decode steps over one batch, kept at batch level: the union of
-    the rows' stop ids and the fewest tokens any row has left before max_num_tokens. Rows are screened one by
-    one only in a step where one of these fires (a per-row screen costs ~20 us a step at 256 rows)."""
-
-    def __init__(self, requests: list[Request]) -> None:
-        self.requests = list(requests)
-        self.stop_ids = frozenset().union(*[r.stop_ids for r in requests])
-        self.tokens_left = min((r.max_num_tokens - len(r.all_token_ids) for r in requests), default=0)
-
-    def may_stop(self, tokens: list[int]) -> bool:
-        """Whether some row could stop on this step's token (one per row), so rows must be screened."""
-        return self.tokens_left <= 1 or not self.stop_ids.isdisjoint(tokens)
 
 
 class Scheduler:
@@ -134,7 +129,10 @@ class Scheduler:
         # Left by an update() of plain decodes for the next schedule() only. When its requests are exactly the
         # running list, the decode phase needs no pass over the requests.
         self._decoding: _Decoding | None = None
-        self._screen: _StopScreen | None = None   # valid while every update() is a plain-decode one of its batch
+        self._screen: BatchStopScreen | None = None  # valid while every update() is a plain-decode one of its batch
+        self._step_id = 0
+        self._scheduled: list[Request] = []        # the rows of the last schedule(), for its update()
+        self._finished_ids: list[str] = []         # finished since the last output, that the runner knows
 
     # ---- requests in and out ------------------------------------------------------------------------------
 
@@ -171,7 +169,7 @@ class Scheduler:
         else:
             self.running.remove(req)
         req.status = status
-        self.kv.free(req)
+        self._forget(req)
         return req
 
     def abort(self, req_id: str) -> bool:
@@ -214,7 +212,31 @@ class Scheduler:
                 self._admit_waiting(plan, whole=True)
             if plan.is_empty:
                 self._schedule_decodes(plan, decoding)
-        return plan.output()
+        return self._publish(plan)
+
+    def _publish(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step as the runner's plain message: its rows, plus what the runner has not heard of yet."""
+        reqs, out = plan.rows()
+        self._step_id += 1
+        self._scheduled = reqs
+        out.step_id = self._step_id
+        # NOTE: sent even by a step with no rows, so an idle runner forgets finished requests too.
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        new, grown = out.new_requests, out.new_block_ids
+        fast = plan.grown is not None and len(reqs) == plan.fast_rows
+        for req in (plan.grown if fast else reqs):
+            if req.status is not RUNNING:
+                continue                 # the fast path's grown list can hold a request preempted since
+            sent = req.num_sent_blocks
+            if sent < 0:                 # first time the runner hears of it
+                new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                          req.eos_token_ids, list(req.block_ids)))
+            elif len(req.block_ids) != sent:
+                grown[req.request_id] = req.block_ids[sent:]
+            else:
+                continue
+            req.num_sent_blocks = len(req.block_ids)
+        return out
 
     def _schedule_decodes(self, plan: _StepPlan, decoding: _Decoding | None) -> list[Request]:
         """Give each running decode its one token; return the running requests that still prefill.
@@ -262,6 +284,7 @@ class Scheduler:
         n = len(running)
         plan.decodes.extend_decodes(running[:n], starts[:n])
         plan.budget -= n
+        plan.grown, plan.fast_rows = full, n
 
     def _schedule_prefills(self, plan: _StepPlan, prefills: list[Request], whole: bool) -> None:
         """Next chunk of each running partial prefill, in service order, while the budget lasts."""
@@ -337,6 +360,8 @@ class Scheduler:
         self.running.pop()               # NOTE: the victim is always the last running request
         plan.drop(victim)
         self.kv.free(victim)
+        if victim.num_sent_blocks > 0:
+            victim.num_sent_blocks = 0   # the runner drops its blocks (preempted_ids) and gets them anew
         victim.num_computed_tokens = 0
         victim.status = WAITING
         victim.num_preemptions += 1
@@ -351,19 +376,22 @@ class Scheduler:
 
         Returns the requests that got a token (finished ones included) in schedule order.
         """
+        if out.step_id != self._step_id:
+            raise ValueError(f"update() got step {out.step_id}, but the last schedule() was step {self._step_id}")
+        reqs = self._scheduled
         self._check_runner_output(out, runner_out)
-        if out.num_decodes == len(out.requests) and all(out.sample):
-            return self._update_decodes(out, runner_out.sampled_token_ids)
-        return self._update_rows(out, runner_out.sampled_token_ids)
+        if out.num_decodes == len(reqs) and all(out.sample):
+            return self._update_decodes(reqs, out, runner_out.sampled_token_ids)
+        return self._update_rows(reqs, out, runner_out.sampled_token_ids)
 
-    def _update_rows(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+    def _update_rows(self, reqs: list[Request], out: SchedulerOutput, tokens: list[int]) -> list[Request]:
         """update() of any step, row by row."""
         self._screen = None
-        bs, caching, kv = self.block_size, self.kv.enable_caching, self.kv
+        bs, caching, kv, max_len = self.block_size, self.kv.enable_caching, self.kv, self.max_model_len
         advanced: list[Request] = []
         any_finished = False
         j = 0
-        for req, start, num_tokens, sample in zip(out.requests, out.starts, out.num_tokens, out.sample):
+        for req, start, num_tokens, sample in zip(reqs, out.starts, out.num_tokens, out.sample):
             if sample:
                 token = tokens[j]
                 j += 1
@@ -377,10 +405,7 @@ class Scheduler:
             if not sample:
                 continue
             req.append_output_token(token)
-            # Cheap screen inline; _check_stop applies min_tokens / ignore_eos only when something could stop.
-            # (max_num_tokens <= max_model_len: add_request refused longer requests.)
-            if (token in req.stop_ids or len(req.all_token_ids) >= req.max_num_tokens) and \
-                    self._check_stop(req, token):
+            if may_stop(req, token) and check_stop(req, token, max_len):
                 any_finished = True
                 self._release(req)
             advanced.append(req)
@@ -389,17 +414,17 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
         return advanced
 
-    def _update_decodes(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+    def _update_decodes(self, reqs: list[Request], out: SchedulerOutput, tokens: list[int]) -> list[Request]:
         """_update_rows() of a step whose rows are all 1-token decodes that sample (the common step at high
         concurrency): the same effects with less work per row. Also leaves self._decoding for the next step."""
-        bs, kv = self.block_size, self.kv if self.kv.enable_caching else None
+        bs, kv, max_len = self.block_size, self.kv if self.kv.enable_caching else None, self.max_model_len
         screen = self._screen
-        if screen is None or screen.requests != out.requests:
-            screen = _StopScreen(out.requests)
-        may_stop = screen.may_stop(tokens)
+        if screen is None or screen.requests != reqs:
+            screen = BatchStopScreen(reqs)
+        screen_rows = screen.may_stop(tokens)
         full, skipped = [], []
         any_finished = False
-        for req, start, token in zip(out.requests, out.starts, tokens):
+        for req, start, token in zip(reqs, out.starts, tokens):
             if req.status is not RUNNING:
                 skipped.append(req)  # finished (e.g. aborted) between schedule() and update()
                 continue
@@ -414,13 +439,12 @@ class Scheduler:
             # NOTE: Request.append_output_token inlined: a call per row costs ~15 us a step at 256 rows.
             req.output_token_ids.append(token)
             req.all_token_ids.append(token)
-            if may_stop and (token in req.stop_ids or len(req.all_token_ids) >= req.max_num_tokens) and \
-                    self._check_stop(req, token):
+            if screen_rows and may_stop(req, token) and check_stop(req, token, max_len):
                 any_finished = True
                 self._release(req)
         screen.tokens_left -= 1      # each row got one token; the next step reuses the screen only if so
         self._screen = screen
-        advanced = [r for r in out.requests if r not in skipped] if skipped else list(out.requests)
+        advanced = [r for r in reqs if r not in skipped] if skipped else list(reqs)
         if any_finished:
             self.running = [r for r in self.running if r.status is RUNNING]
             self._decoding = _Decoding([r for r in advanced if r.status is RUNNING],
@@ -435,7 +459,7 @@ class Scheduler:
         ids, tokens = runner_out.req_ids, runner_out.sampled_token_ids
         if len(ids) != len(tokens):
             raise ValueError(f"runner output has {len(ids)} req_ids but {len(tokens)} sampled tokens")
-        expected = [r.request_id for r in out.sampled_requests()]
+        expected = out.sampled_req_ids()
         if ids == expected:
             return
         if len(ids) != len(expected):
@@ -453,50 +477,33 @@ class Scheduler:
         req.output_token_ids[out_index] = token
         req.all_token_ids[req.num_prompt_tokens + out_index] = token
         if req.status is RequestStatus.FINISHED_LENGTH:
-            # update() ended it on length at this very token; as in _check_stop, a stop by value wins.
-            self._value_stop(req, token)
+            # update() ended it on length at this very token; as in check_stop, a stop by value wins.
+            value_stop(req, token)
             return False
         if req.is_finished:
             return False
         was_waiting = req.status is WAITING
         # NOTE: a request has at most one placeholder (the step in flight), so this token is its last output
-        # and _check_stop sees exactly what a synchronous update() would have seen.
-        if not self._check_stop(req, token):
+        # and check_stop sees exactly what a synchronous update() would have seen.
+        if not check_stop(req, token, self.max_model_len):
             return False
         del self.requests[req.request_id]
         if was_waiting:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-        self.kv.free(req)
+        self._forget(req)
         return True
-
-    def _check_stop(self, req: Request, token: int) -> bool:
-        """Set status and stop_reason if the token just appended ends the request."""
-        if self._value_stop(req, token):
-            return True
-        if len(req.output_token_ids) >= req.sampling_params.max_tokens or len(req.all_token_ids) >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    @staticmethod
-    def _value_stop(req: Request, token: int) -> bool:
-        """EOS (unless ignore_eos) or a stop token id, once min_tokens outputs exist: set status and reason."""
-        sp = req.sampling_params
-        if len(req.output_token_ids) < sp.min_tokens:
-            return False
-        if not sp.ignore_eos and token in req.eos_token_ids:
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-            return True
-        if token in sp.stop_token_ids:
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            return True
-        return False
 
     def _release(self, req: Request) -> None:
         del self.requests[req.request_id]
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """A finished request leaves the KV cache, and the runner hears of it with the next step."""
         self.kv.free(req)
+        if req.num_sent_blocks >= 0:
+            self._finished_ids.append(req.request_id)
 
     # ---- invariants ---------------------------------------------------------------------------------------
 

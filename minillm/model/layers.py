@@ -2,7 +2,8 @@
 
 Parameters are created with torch.empty (no init kernels): the loader fills them from safetensors or with
 dummy random values, so building even the 0.6B shape costs no extra pass over memory. All elementwise math
-goes through minillm.ops.fused_ops, where the CUDA kernels plug in.
+goes through minillm.ops.fused_ops, where the CUDA kernels plug in; whether they run is the engine's
+KernelChoice (minillm/ops/choice.py), given to every layer that calls a kernel.
 """
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ class Linear(nn.Module):
     loader can copy each checkpoint tensor straight into its slice."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device,
-                 shards: dict[str, tuple[int, int]] | None = None):
+                 shards: dict[str, tuple[int, int]] | None = None, skinny: bool = False):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.shards = shards or {}
+        self.skinny = skinny      # decode-sized products may take the skinny GEMM kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, skinny=self.skinny)
 
 
 class VocabMatrix(nn.Module):
@@ -64,8 +66,9 @@ def _row_shards(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
 class Attention(nn.Module):
     """QKV in one GEMM, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels, *, dtype, device):
         super().__init__()
+        self.cuda_ops = kernels.cuda
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
@@ -74,8 +77,9 @@ class Attention(nn.Module):
         self.attn_backend = attn_backend
         shards = _row_shards({"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size})
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias,
-                               dtype=dtype, device=device, shards=shards)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype, device=device)
+                               dtype=dtype, device=device, shards=shards, skinny=kernels.skinny_gemm)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype, device=device,
+                             skinny=kernels.skinny_gemm)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
@@ -92,7 +96,8 @@ class Attention(nn.Module):
         q, k, v = qk_norm_rope(
             qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
             self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None, self.eps, kv_cache_out=target)
+            self.k_norm.weight if self.k_norm is not None else None, self.eps, kv_cache_out=target,
+            cuda=self.cuda_ops)
         out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
@@ -100,12 +105,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU with gate and up packed into one GEMM: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, arch: ModelArchConfig, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, kernels, *, dtype, device):
         super().__init__()
         i = arch.intermediate_size
+        self.cuda_ops = kernels.cuda
         self.gate_up_proj = Linear(arch.hidden_size, 2 * i, bias=False, dtype=dtype, device=device,
-                                   shards=_row_shards({"gate": i, "up": i}))
-        self.down_proj = Linear(i, arch.hidden_size, bias=False, dtype=dtype, device=device)
+                                   shards=_row_shards({"gate": i, "up": i}), skinny=kernels.skinny_gemm)
+        self.down_proj = Linear(i, arch.hidden_size, bias=False, dtype=dtype, device=device,
+                                skinny=kernels.skinny_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), cuda=self.cuda_ops))

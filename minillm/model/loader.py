@@ -45,13 +45,13 @@ def resolve_arch(model: str | None, load_format: str = "auto") -> ModelArchConfi
 
 
 def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype | str = "auto",
-               device: torch.device | str = "auto", attn_backend=None, *, seed: int = 0
+               device: torch.device | str = "auto", attn_backend=None, *, seed: int = 0, kernels=None
                ) -> tuple[QwenForCausalLM, ModelArchConfig, Path | None]:
     """Returns (model in eval mode, its ModelArchConfig, the model directory or None for a preset).
 
     model: HF directory, preset name (see preset_names()), or None for the bundled demo model.
     load_format: auto | safetensors | dummy (auto = dummy for presets, safetensors for directories).
-    seed: seeds the dummy weights.
+    seed: seeds the dummy weights. kernels: the engine's KernelChoice (None: plain torch).
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format={load_format!r} is not allowed: one of auto, safetensors, dummy")
@@ -65,7 +65,7 @@ def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype 
     files = _weight_files(path) if fmt == "safetensors" else {}
     check_weights_fit(arch, torch.tensor([], dtype=torch_dtype).element_size(), dev,
                       f"model {str(path) if path is not None else model!r}")
-    net = get_model_class(arch.architecture)(arch, attn_backend, dtype=torch_dtype, device=dev)
+    net = get_model_class(arch.architecture)(arch, attn_backend, dtype=torch_dtype, device=dev, kernels=kernels)
     if fmt == "dummy":
         init_dummy_weights(net, seed)
     else:

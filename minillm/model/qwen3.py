@@ -6,6 +6,8 @@ from ModelArchConfig. Parameter names follow HF's with q/k/v packed into `qkv_pr
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,14 +15,16 @@ from torch import nn
 from minillm.attention.metadata import AttentionMetadata
 from minillm.model.arch import ModelArchConfig
 from minillm.model.layers import MLP, Attention, RMSNorm, VocabMatrix
+from minillm.ops.choice import KernelChoice
 from minillm.ops.fused_ops import fused_add_rms_norm, rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device):
         super().__init__()
-        self.self_attn = Attention(arch, attn_backend, dtype=dtype, device=device)
-        self.mlp = MLP(arch, dtype=dtype, device=device)
+        self.cuda_ops = kernels.cuda
+        self.self_attn = Attention(arch, attn_backend, kernels, dtype=dtype, device=device)
+        self.mlp = MLP(arch, kernels, dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
 
@@ -29,19 +33,20 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is deferred into the next norm (fused); residual None = first layer.
         ln = self.input_layernorm
-        x, residual = fused_add_rms_norm(x, residual, ln.weight, ln.eps)
+        x, residual = fused_add_rms_norm(x, residual, ln.weight, ln.eps, cuda=self.cuda_ops)
         x = self.self_attn(x, positions, cos_sin_cache, kv_cache, meta)
         ln = self.post_attention_layernorm
-        x, residual = fused_add_rms_norm(x, residual, ln.weight, ln.eps)
+        x, residual = fused_add_rms_norm(x, residual, ln.weight, ln.eps, cuda=self.cuda_ops)
         return self.mlp(x), residual
 
 
 class QwenModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device):
         super().__init__()
+        self.cuda_ops = kernels.cuda
         self.embed_tokens = VocabMatrix(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(arch, attn_backend, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, attn_backend, kernels, dtype=dtype, device=device)
+                                    for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, input_ids, positions, cos_sin_cache, kv_caches, meta) -> torch.Tensor:
@@ -50,7 +55,7 @@ class QwenModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, meta)
         # Final norm takes the last layer's pending residual add, fused like the others.
-        x, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        x, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps, cuda=self.cuda_ops)
         return x
 
 
@@ -60,10 +65,11 @@ class QwenForCausalLM(nn.Module):
     (last token of each sequence)."""
 
     def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", kernels: KernelChoice | None = None):
         super().__init__()
         self.arch = arch
-        self.model = QwenModel(arch, attn_backend, dtype=dtype, device=device)
+        self.kernels = kernels or KernelChoice.torch_only()   # torch_only: a model built outside an engine
+        self.model = QwenModel(arch, attn_backend, self.kernels, dtype=dtype, device=device)
         self.lm_head = None if arch.tie_word_embeddings else VocabMatrix(arch.vocab_size, arch.hidden_size,
                                                                           dtype=dtype, device=device)
         # Built once in fp32 for every position the model supports; not saved with the weights.
@@ -80,6 +86,31 @@ class QwenForCausalLM(nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
                              f"{self.arch.num_hidden_layers} layers")
         return self.model(input_ids, positions, self.cos_sin_cache, kv_caches, meta)
+
+    @contextlib.contextmanager
+    def torch_path(self):
+        """Within the block the model runs plain torch on its own weights (no minillm kernel, the torch attention
+        backend): the reference a fused path is checked against. Restores its kernels afterwards."""
+        from minillm.attention.torch_backend import TorchAttentionBackend
+        from minillm.model.layers import Attention, Linear
+
+        saved = []
+        torch_attn = TorchAttentionBackend()
+        for m in self.modules():
+            if hasattr(m, "cuda_ops"):
+                saved.append((m, "cuda_ops", m.cuda_ops))
+                m.cuda_ops = False
+            if isinstance(m, Linear):
+                saved.append((m, "skinny", m.skinny))
+                m.skinny = False
+            if isinstance(m, Attention):
+                saved.append((m, "attn_backend", m.attn_backend))
+                m.attn_backend = torch_attn
+        try:
+            yield self
+        finally:
+            for m, name, value in saved:
+                setattr(m, name, value)
 
     def compute_logits(self, hidden: torch.Tensor, *, keep_dtype: bool = False) -> torch.Tensor:
         """Logits [N, vocab] of hidden [N, H]: float32, or with keep_dtype the lm_head GEMM's output as it is

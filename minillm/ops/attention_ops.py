@@ -8,7 +8,6 @@ decode path can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-import os
 from functools import lru_cache
 
 import torch
@@ -21,10 +20,10 @@ PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a wh
 # The tensor-core kernel fits two CTAs per SM, so 8 is about four waves, which the ragged sweep of 317eff9 favours:
 # 256 sequences of 100-2048 tokens run best unsplit (4.16 TB/s, five partitions 3.98), 128 with two (3.95 vs
 # 3.88), 64 with three (3.54) and 32 with five (3.12; results/decode_sweep.jsonl). Tiny batches of long contexts
-# want many more (B=1, 8k tokens: 32 partitions). Both numbers can be overridden from the environment for A/B
-# timings without a rebuild.
-MIN_PARTITIONS = int(os.environ.get("MINILLM_DECODE_MIN_PARTITIONS", "1"))
-CTAS_PER_SM_TARGET = int(os.environ.get("MINILLM_DECODE_CTAS_PER_SM", "8"))
+# want many more (B=1, 8k tokens: 32 partitions). Both numbers are config keys (kernels.decode_min_partitions,
+# kernels.decode_ctas_per_sm) with these defaults, so an A/B timing needs no rebuild.
+MIN_PARTITIONS = 1
+CTAS_PER_SM_TARGET = 8
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
@@ -40,7 +39,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                          min_partitions: int = MIN_PARTITIONS, ctas_per_sm: int = CTAS_PER_SM_TARGET) -> int:
     """The decode kernel's split-K argument: 0 for v1 (one CTA per sequence x KV head), or -P to cut every
     sequence into P equal partitions (see minillm/cuda/paged_decode.cu).
 
@@ -49,14 +49,15 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     """
     if max_seq_len <= MIN_SPLIT_LEN:
         return 0
-    fill = math.ceil(CTAS_PER_SM_TARGET * num_sms / max(num_seqs * num_kv_heads, 1))
-    parts = min(MAX_EQUAL_PARTITIONS, max(MIN_PARTITIONS, fill))
+    fill = math.ceil(ctas_per_sm * num_sms / max(num_seqs * num_kv_heads, 1))
+    parts = min(MAX_EQUAL_PARTITIONS, max(min_partitions, fill))
     return 0 if parts <= 1 else -parts
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                 partition_size: int | None = None) -> torch.Tensor:
+                 partition_size: int | None = None, *, min_partitions: int = MIN_PARTITIONS,
+                 ctas_per_sm: int = CTAS_PER_SM_TARGET) -> torch.Tensor:
     """out[s] = attention of q[s] (one token per sequence) over its first seq_lens[s] cached tokens.
 
     partition_size None lets the dispatcher choose; 0 forces v1; a positive multiple of 256 forces split-K with
@@ -64,7 +65,8 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     max_seq_len must bound every seq_lens entry (it sizes the fixed split-K workspace).
     """
     if partition_size is None:
-        partition_size = decode_partition_size(q.shape[0], k_cache.shape[2], max_seq_len, _num_sms(q.device.index or 0))
+        partition_size = decode_partition_size(q.shape[0], k_cache.shape[2], max_seq_len, _num_sms(q.device.index or 0),
+                                               min_partitions, ctas_per_sm)
     fixed_ok = partition_size >= 0 and partition_size % PARTITION_QUANTUM == 0
     if not (fixed_ok or -MAX_EQUAL_PARTITIONS <= partition_size < 0):
         raise ValueError(f"partition_size must be 0, a positive multiple of {PARTITION_QUANTUM} or -P with "

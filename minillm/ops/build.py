@@ -1,14 +1,21 @@
-"""Build and load the CUDA extension: every minillm/cuda/*.cu plus every minillm/cuda/*bindings.cpp, one shared library.
+"""Build and load the CUDA extension: every minillm/cuda/*.cu plus every minillm/cuda/*bindings.cpp, one library.
 
-Built at first use with torch.utils.cpp_extension (ninja) into a cache folder keyed by a hash of all sources
-and flags (default ~/.cache/minillm/ext/<hash>, or $MINILLM_EXT_DIR/<hash>), so an edit rebuilds and an
-unchanged tree loads in milliseconds. The ops register themselves as torch custom ops under
-torch.ops.minillm. MINI_ENGINE_OPS=0 turns the CUDA ops off (cuda_ops_available() is then False).
+The sources ship inside the package (package data), so an editable install, a plain `pip install .` and a wheel
+all build the same kernels. They are compiled at first use with torch.utils.cpp_extension (ninja) into a cache
+folder keyed by everything that makes a build incompatible: the sources and flags, the torch and CUDA versions,
+the Python ABI and the GPU architecture (default ~/.cache/minillm/ext/<key>, or $MINILLM_EXT_DIR/<key>). An
+unchanged setup loads the cached library in milliseconds; anything else builds anew instead of loading a library
+made for another torch. Machine code for sm_90a and sm_80 is embedded, plus sm_80 PTX that the driver can
+compile for newer GPUs. The ops register themselves as torch custom ops under torch.ops.minillm.
+
+Every failure raises ExtensionError naming the cause and the fix; minillm/ops/choice.py decides whether that is
+a warning (kernels.backend=auto) or a configuration error (kernels.backend=cuda).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,8 +29,14 @@ NVCC_FLAGS = [
     "-lineinfo",
     "-gencode", "arch=compute_90a,code=sm_90a",
     "-gencode", "arch=compute_80,code=sm_80",
+    "-gencode", "arch=compute_80,code=compute_80",   # PTX: forward compatibility with newer GPUs
 ]
 CXX_FLAGS = ["-O3", "-std=c++17"]
+SOURCE_SUFFIXES = {".cu", ".cuh", ".h", ".cpp"}
+
+
+class ExtensionError(RuntimeError):
+    """The CUDA kernels cannot be built or loaded; the message says why and how to fix it."""
 
 
 def extension_sources(cuda_dir: Path = CUDA_DIR) -> list[Path]:
@@ -31,93 +44,64 @@ def extension_sources(cuda_dir: Path = CUDA_DIR) -> list[Path]:
     return sorted(cuda_dir.glob("*.cu")) + sorted(cuda_dir.glob("*bindings.cpp"))
 
 
-def source_hash(cuda_dir: Path = CUDA_DIR) -> str:
-    """Hash of every source and header in cuda/ plus the build flags: the cache key of a build."""
+def build_key(cuda_dir: Path = CUDA_DIR, *, torch_version: str, cuda_version: str | None, arch: str) -> str:
+    """The cache key of a build: every source and header, the flags, torch, CUDA, the Python ABI, the GPU."""
     h = hashlib.sha256()
-    files = sorted(p for p in cuda_dir.iterdir() if p.suffix in {".cu", ".cuh", ".h", ".cpp"})
-    for p in files:
+    for p in sorted(p for p in cuda_dir.iterdir() if p.suffix in SOURCE_SUFFIXES):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(" ".join(NVCC_FLAGS + CXX_FLAGS).encode())
+    abi = f"{sys.implementation.cache_tag}{getattr(sys, 'abiflags', '')}"
+    h.update(f"torch={torch_version} cuda={cuda_version} python={abi} arch={arch}".encode())
     return h.hexdigest()[:16]
 
 
-def build_dir(cuda_dir: Path = CUDA_DIR) -> Path:
+def _current_key(device_index: int = 0) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return build_key(torch_version=torch.__version__, cuda_version=torch.version.cuda, arch=f"sm_{major}{minor}")
+
+
+def build_dir(key: str) -> Path:
     root = os.environ.get("MINILLM_EXT_DIR") or str(Path.home() / ".cache" / "minillm" / "ext")
-    return Path(root) / source_hash(cuda_dir)
-
-
-def ops_disabled() -> bool:
-    return os.environ.get("MINI_ENGINE_OPS", "1").strip() == "0"
+    return Path(root) / key
 
 
 @lru_cache(maxsize=1)
 def load_extension():
-    """Build (if needed) and load the extension; returns the torch.ops.minillm namespace."""
-    import torch
-    from torch.utils.cpp_extension import load
-
-    sources = extension_sources()
-    if not sources:
-        raise RuntimeError(f"no CUDA sources found in {CUDA_DIR}")
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    prebuilt = out / f"{EXT_NAME}.so"
-    if prebuilt.exists():
-        torch.ops.load_library(str(prebuilt))  # cached build: skip ninja's dependency scan entirely
-        return torch.ops.minillm
-    from rich.console import Console
-
-    with Console(stderr=True).status(f"Compiling minillm CUDA ops ({len(sources)} sources) into {out} ..."):
-        load(name=EXT_NAME, sources=[str(s) for s in sources], extra_cflags=CXX_FLAGS,
-             extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CUDA_DIR)], build_directory=str(out),
-             is_python_module=False, verbose=False)
-    return torch.ops.minillm
-
-
-@lru_cache(maxsize=1)
-def cuda_ops_available() -> bool:
-    """True when a GPU is present, the ops are not disabled, and the extension builds and loads."""
-    if ops_disabled():
-        return False
+    """Build (if needed) and load the extension; returns the torch.ops.minillm namespace. Raises ExtensionError."""
     import torch
 
     if not torch.cuda.is_available():
-        return False
+        raise ExtensionError("no CUDA GPU is visible to torch (torch.cuda.is_available() is False)")
+    sources = extension_sources()
+    if not sources:
+        raise ExtensionError(f"the kernel sources are missing from the installed package ({CUDA_DIR} has no .cu "
+                             "files): reinstall minillm from its source tree or a wheel built from it")
+    out = build_dir(_current_key())
+    library = out / f"{EXT_NAME}.so"
+    if not library.exists():
+        _build(sources, out)
     try:
-        load_extension()
-    except Exception as exc:  # a failed build must not take the engine down: the torch path still works
-        import warnings
-
-        warnings.warn(f"minillm CUDA ops unavailable, using the torch path: {exc}", stacklevel=2)
-        return False
-    return True
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as e:
+        raise ExtensionError(f"loading the built kernels from {library} failed ({e}); delete that folder to "
+                             "rebuild them") from None
+    return torch.ops.minillm
 
 
-class CudaOpSwitch:
-    """Whether CUDA tensors go to torch.ops.minillm.<probe>: decided once, on first use (the extension is
-    built then), or forced with set() for tests and A/B timings (None = decide again)."""
+def _build(sources: list[Path], out: Path) -> None:
+    from rich.console import Console
+    from torch.utils.cpp_extension import load
 
-    def __init__(self, probe: str):
-        self.probe = probe
-        self.enabled: bool | None = None
-
-    def set(self, enabled: bool | None) -> None:
-        self.enabled = enabled
-
-    def __call__(self, x) -> bool:
-        if not x.is_cuda:
-            return False
-        if self.enabled is None:
-            self.enabled = has_op(self.probe)
-        return self.enabled
-
-
-def has_op(name: str) -> bool:
-    """True when torch.ops.minillm.<name> is there to call (extension built and loaded, ops enabled)."""
-    if not cuda_ops_available():
-        return False
-    import torch
-
-    return hasattr(torch.ops.minillm, name)
-
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with Console(stderr=True).status(f"Compiling minillm CUDA ops ({len(sources)} sources) into {out} ..."):
+            load(name=EXT_NAME, sources=[str(s) for s in sources], extra_cflags=CXX_FLAGS,
+                 extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CUDA_DIR)], build_directory=str(out),
+                 is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, ImportError) as e:
+        last = str(e).strip().splitlines()[-3:]
+        raise ExtensionError("building the CUDA kernels failed: " + " | ".join(last) + f". The build needs nvcc "
+                             f"and ninja matching torch's CUDA; its files are in {out}") from None

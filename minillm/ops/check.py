@@ -120,7 +120,9 @@ def run_cases(quick: bool) -> list[dict]:
                 seed += 1
                 err, tol = _case_attention(kind, shape, batch, seed)
                 rows.append(dict(case=f"{kind} {batch[0]} {tag}", max_abs_err=err, tol=tol, passed=err <= tol))
-    return rows
+    from minillm.ops.megakernel_check import run_megakernel_cases
+
+    return rows + run_megakernel_cases(quick)
 
 
 def _time_graph(fn_list, reps: int = 10) -> float:

@@ -1,19 +1,15 @@
 """Fused elementwise ops of the decoder layer: one entry point each, CUDA kernel or plain torch.
 
-The model calls only these functions. On a CUDA tensor, when the extension is built and enabled, each call
-goes to one fused kernel (torch.ops.minillm.*); everywhere else the torch code below runs. The torch code
-is also the reference the kernels are tested against, so it stays simple and computes in fp32.
+The model calls only these functions. With cuda=True (the engine's KernelChoice says the kernels run) and a
+CUDA tensor, each call goes to one fused kernel (torch.ops.minillm.*); everywhere else the torch code below runs.
+The torch code is also the reference the kernels are tested against, so it stays simple and computes in fp32.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from minillm.ops.build import CudaOpSwitch
 from minillm.ops.reference import kv_write_ref
-
-_cuda_ok = CudaOpSwitch("rms_norm")
-set_cuda_fused_ops = _cuda_ok.set   # force the CUDA kernels on/off (None = decide on first use)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,39 +18,34 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (xf * weight.float()).to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, cuda: bool = False) -> torch.Tensor:
     """y = x / rms(x) * weight over the last dim."""
-    if _cuda_ok(x):
+    if cuda and x.is_cuda:
         return torch.ops.minillm.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, *, cuda: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual); residual None means the first layer (residual = x).
 
     The sum is rounded to the activation dtype before the norm, as HF's decoder layer does, so the fused
     kernel and this path agree with transformers token for token.
     """
     if residual is None:
-        return rms_norm(x, weight, eps), x
-    if _cuda_ok(x):
+        return rms_norm(x, weight, eps, cuda=cuda), x
+    if cuda and x.is_cuda:
         return torch.ops.minillm.fused_add_rms_norm(x, residual, weight, eps)
     s = x + residual
     return rms_norm_ref(s, weight, eps), s
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, *, cuda: bool = False) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
-    if _cuda_ok(gate_up):
+    if cuda and gate_up.is_cuda:
         return torch.ops.minillm.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def qk_norm_rope_runs_kernel(qkv: torch.Tensor) -> bool:
-    """True when qk_norm_rope(qkv, ...) runs the CUDA kernel, not the torch path below."""
-    return _cuda_ok(qkv)
 
 
 def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
@@ -78,7 +69,7 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, q_norm_weight: torch.Tensor | None,
                  k_norm_weight: torch.Tensor | None, eps: float,
-                 kv_cache_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 kv_cache_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *, cuda: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split packed qkv [T, (Hq + 2 Hkv) D] into q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]; apply the per-head
     RMSNorm to q and k when weights are given (Qwen3; Qwen2 has none), then RoPE at `positions`.
@@ -87,7 +78,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     slot slot_mapping[t] of the caches [num_blocks, block_size, Hkv, D] (slot -1: not stored), and the call
     returns (q, None, None). The caches then hold exactly what kv_write would copy from the returned k/v.
     """
-    if _cuda_ok(qkv):
+    if cuda and qkv.is_cuda:
         if kv_cache_out is None:
             return torch.ops.minillm.qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads,
                                                   head_dim, q_norm_weight, k_norm_weight, eps)

@@ -7,28 +7,19 @@ results/gemm_sweep.jsonl) it only wins for a handful of rows on narrow outputs: 
 and gate_up outputs, it is slower (M=128 qkv: 17.5 vs 5.5 us; docs/fused-kernels.md says why). So it runs only there (MAX_ROWS, MAX_N): single-
 stream and small-batch decode. It needs clusters (sm_90), no bias, N a multiple of 128 and K a multiple of 64 x
 splits; anything else, and every CPU tensor, goes to F.linear, which is also the reference the kernel is tested
-against.
-
-MINILLM_SKINNY_GEMM=0 turns the kernel off (A/B timings).
+against. kernels.skinny_gemm=false turns the kernel off (A/B timings).
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from minillm.ops.build import CudaOpSwitch
-
 MAX_ROWS = 16            # measured faster than cuBLAS up to here (see above)
 MAX_N = 2048             # ... and on outputs this narrow (16 tiles); wider ones have tiles enough for cuBLAS
 TILE_N, TILE_K = 128, 64  # the kernel's output-column tile and K stage (minillm/cuda/gemm.h)
 SPLITS = (8, 4, 2, 1)    # K splits = CTAs of one cluster (8 is the portable cluster size)
-
-_cuda_ok = CudaOpSwitch("skinny_gemm")
-set_cuda_gemm = _cuda_ok.set   # force the kernel on/off (None = decide on first use)
-ENABLED = os.environ.get("MINILLM_SKINNY_GEMM", "1") != "0"
 
 
 @lru_cache(maxsize=8)
@@ -50,8 +41,8 @@ def gemm_splits(m: int, n: int, k: int, num_sms: int) -> int:
 
 
 def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """True when linear(x, weight, bias) runs the skinny GEMM kernel."""
-    if not ENABLED or bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not _cuda_ok(x):
+    """True when linear(x, weight, bias, skinny=True) runs the skinny GEMM kernel."""
+    if bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not x.is_cuda:
         return False
     n, k = weight.shape
     if n > MAX_N:
@@ -61,9 +52,10 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             and n % TILE_N == 0 and k % TILE_K == 0 and x.shape[1] == k)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b)."""
-    if skinny_gemm_applies(x, weight, bias):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           skinny: bool = False) -> torch.Tensor:
+    """y = x W^T (+ b); skinny=True (the engine's KernelChoice) lets decode-sized products take the kernel."""
+    if skinny and skinny_gemm_applies(x, weight, bias):
         n, k = weight.shape
         splits = gemm_splits(x.shape[0], n, k, _device_info(x.device.index or 0)[1])
         return torch.ops.minillm.skinny_gemm(x, weight, splits)

@@ -1,8 +1,9 @@
-"""fp32 plain-torch references of the CUDA attention kernels (KV write, paged prefill, paged decode).
+"""The one plain-torch implementation of paged attention and the KV write: the reference of the CUDA kernels
+(tests, `minillm check-kernels`) and the engine's torch attention backend (minillm/attention/torch_backend.py).
 
-Deliberately simple: host loops over sequences, explicit gathers through the block table, attention in fp32
-with an explicit causal mask. They read only the tokens a sequence owns, so a cache pre-filled with NaN
-exposes any kernel that reads an unowned slot. Used by tests and by `minillm check-kernels`.
+Deliberately simple: explicit gathers through the block table, attention in fp32 with an explicit mask, keys a
+query may not see zeroed before they meet a weight, so a cache pre-filled with NaN exposes any kernel that reads
+an unowned slot. The cache layout is KVCacheSpec's (minillm/cache/spec.py).
 """
 from __future__ import annotations
 
@@ -29,16 +30,34 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[blocks, pos % block_size].float()
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] at positions first_pos.. attending causally to keys/values [ctx, Hkv, D]; fp32 out."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)      # [Hq, ctx, D]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.einsum("nhd,hcd->hnc", q.float(), k) * scale   # [Hq, n, ctx]
-    q_pos = first_pos + torch.arange(q.shape[0], device=q.device)
-    k_pos = torch.arange(keys.shape[0], device=q.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    return torch.einsum("hnc,hcd->nhd", scores.softmax(dim=-1), v)
+def gather_kv_batch(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[B, max_blocks] block ids -> the first `num_tokens` cache rows of each sequence, [B, num_tokens, H, D] in the
+    cache dtype (positions past a sequence's own length hold whatever its table points at: mask them)."""
+    num_blocks = -(-num_tokens // cache.shape[1])
+    blocks = cache[block_tables[:, :num_blocks].long()]          # [B, nb, block_size, H, D]
+    b, nb, bs, h, d = blocks.shape
+    return blocks.reshape(b, nb * bs, h, d)[:, :num_tokens]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Tq, Hq, D], k/v [B, L, Hkv, D], mask [B, Tq, L] (True = may attend) -> [B, Tq, Hq, D] in fp32.
+
+    GQA without copying K/V: the Hq query heads are viewed as Hkv groups of Hq/Hkv heads that share one K/V
+    head (query head h uses KV head h // group, HF's repeat_kv order). Masked keys are zeroed first so that
+    garbage (even NaN) in padded or unowned positions cannot leak through 0 * NaN in the weighted sum.
+    """
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    kv_keep = mask.any(dim=1)[:, :, None, None]                   # [B, L, 1, 1]: key used by some query
+    kf = torch.where(kv_keep, k, 0).float().permute(0, 2, 1, 3)   # [B, Hkv, L, D]
+    vf = torch.where(kv_keep, v, 0).float().permute(0, 2, 1, 3)
+    qf = q.float().reshape(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
+    scores = (torch.matmul(qf, kf.transpose(-1, -2)) * scale).view(b, hkv, g, tq, -1)
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, g * tq, -1)
+    out = torch.matmul(probs, vf).view(b, hkv, g, tq, d)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
 
 
 def _as_list(x) -> list[int]:
@@ -50,7 +69,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Causal paged attention for a flat batch: fp32 [T, Hq, D] (rows past query_start_loc[-1] are 0).
 
     Query i of sequence s sits at position seq_lens[s] - query_len + i: covers full prefill, prefix-cache
-    hits, later chunks of a chunked prefill and decode (query_len 1) alike.
+    hits, later chunks of a chunked prefill and decode (query_len 1) alike. Reads only the tokens a sequence
+    owns, so a cache pre-filled with NaN exposes any kernel that reads an unowned slot.
     """
     lens, starts = _as_list(seq_lens), _as_list(query_start_loc)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -60,14 +80,25 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         keys = gather_kv(k_cache, block_tables[s], ctx)
         values = gather_kv(v_cache, block_tables[s], ctx)
-        out[lo:hi] = _attend(q[lo:hi], keys, values, ctx - (hi - lo), scale)
+        q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]   # [qlen, ctx]
+        out[lo:hi] = attend(q[None, lo:hi], keys[None], values[None], mask[None], scale)[0]
     return out
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens, scale: float) -> torch.Tensor:
-    """One query row per sequence (row s = sequence s) over its whole context: fp32 [S, Hq, D]."""
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, list(range(q.shape[0] + 1)), scale)
+    """One query row per sequence (row s = sequence s) over its whole context, all rows in one batched call
+    padded to the longest context: fp32 [S, Hq, D]."""
+    lens = _as_list(seq_lens)
+    if not lens:
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    max_len = max(lens)
+    k = gather_kv_batch(k_cache, block_tables, max_len)
+    v = gather_kv_batch(v_cache, block_tables, max_len)
+    lens_t = torch.tensor(lens, device=q.device)
+    mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]      # [S, L]
+    return attend(q[:, None], k, v, mask[:, None], scale)[:, 0]
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 token[r] = argmax_c(logits[r, c] * inv_temperature[r] - log(E[r, c])) with E ~ Exp(1) is a draw from
 softmax(logits[r] * inv_temperature[r]) (the Gumbel-max trick); rows with inv_temperature 0 take the plain
-argmax. On CUDA tensors, when the extension is built, this is one kernel (minillm/cuda/sampling.cu) that reads each
+argmax. With cuda=True and CUDA tensors this is one kernel (minillm/cuda/sampling.cu) that reads each
 logit once; elsewhere the numpy reference below runs. Logits may be float32, bfloat16 or float16 (the lm_head
 output as it is): both paths widen each value to float32 exactly first, so a value gives the same token
 whichever of the three dtypes holds it.
@@ -18,8 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minillm.ops.build import CudaOpSwitch
-
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
@@ -27,15 +25,6 @@ _MAX_U63 = 2**63 - 1
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
 _REF_CHUNK_ELEMS = 1 << 22
-
-_cuda_ok = CudaOpSwitch("sample_exponential_race")
-set_cuda_sampler = _cuda_ok.set   # force the CUDA sampling kernel on/off (None = decide on first use)
-
-
-def uses_cuda_kernel(logits: torch.Tensor) -> bool:
-    """True when these logits would go to the sampling kernel (CUDA tensor, extension built, not switched off)."""
-    return _cuda_ok(logits)
-
 
 def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
     """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1)."""
@@ -101,11 +90,11 @@ def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Ten
 
 
 def sample_exponential_race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                            offset: int) -> torch.Tensor:
+                            offset: int, *, cuda: bool = False) -> torch.Tensor:
     """One token per row of logits [N, V] (float32, bfloat16 or float16): a draw from
     softmax(logits * inv_temperature), or the argmax where inv_temperature is 0. inv_temperature must be >= 0
     (not checked on the device: that would sync). Returns int64 [N] on logits' device."""
     _check_args(logits, inv_temperature, seed, offset)
-    if _cuda_ok(logits):
+    if cuda and logits.is_cuda:
         return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset)
     return sample_exponential_race_ref(logits, inv_temperature, seed, offset)

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from minillm.attention.metadata import AttentionMetadata
+from minillm.contract import SchedulerOutput
 from minillm.device import to_device
-from minillm.engine.outputs import SchedulerOutput
+from minillm.runner.request_state import PLACEHOLDER
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,12 +33,20 @@ class StepInputs:
 
 @dataclass
 class PrevTokens:
-    """The previous step's sampled token ids on the device, and each sampled request's index into them."""
+    """The previous step's sampled token ids on the device (one per sampled row, in its row order): the step in
+    flight, whose tokens the runner does not know on the host yet."""
     token_ids: torch.Tensor
-    index: dict[str, int]
+    req_ids: list[str]
+
+    def index_of(self, req_id: str) -> int:
+        try:
+            return self.req_ids.index(req_id)
+        except ValueError:
+            raise RuntimeError(f"request {req_id!r} needs an input token that is neither known on the host nor "
+                               "sampled by the step in flight") from None
 
 
-def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, requests, num_decodes: int,
+def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, req_ids: list[str], num_decodes: int,
                        prev: PrevTokens | None) -> None:
     """Replace placeholder (-1) input tokens by the previous step's samples, device to device, no sync.
 
@@ -48,7 +57,12 @@ def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, requests, 
         return
     if prev is None or rows[-1] >= num_decodes:
         raise RuntimeError("a placeholder token reached the model outside a decode row after a sampling step")
-    src = [prev.index[requests[i].request_id] for i in rows.tolist()]
+    if rows.size == num_decodes and req_ids[:num_decodes] == prev.req_ids:
+        input_ids[:num_decodes].copy_(prev.token_ids, non_blocking=True)   # the same batch as the step in flight
+        return
+    index = {rid: i for i, rid in enumerate(prev.req_ids)} if rows.size > 8 else None
+    src = [index[req_ids[i]] if index is not None and req_ids[i] in index else prev.index_of(req_ids[i])
+           for i in rows.tolist()]
     dev = input_ids.device
     input_ids[to_device(rows, dev)] = prev.token_ids[to_device(np.array(src, dtype=np.int64), dev)]
 
@@ -155,13 +169,13 @@ class InputBuilder:
         for rid in req_ids:
             self.rows.release(rid)
 
-    def build(self, so: SchedulerOutput, prev: PrevTokens | None = None) -> StepInputs:
-        """Step inputs for `so`. `prev`: the previous step's sampled tokens, still on the device, for the
-        decode rows whose input token is a placeholder (async scheduling)."""
+    def build(self, so: SchedulerOutput, reqs: list, prev: PrevTokens | None = None) -> StepInputs:
+        """Step inputs for `so`, whose rows' request states (minillm/runner/request_state.py) are `reqs`.
+        `prev`: the previous step's sampled tokens, still on the device, for the decode rows whose input token
+        is a placeholder (async scheduling)."""
         self._turn ^= 1
         self._host, self._np = self._sets[self._turn], self._sets_np[self._turn]
-        self.release(so.preempted_ids)
-        reqs, n = so.requests, len(so.requests)
+        n = len(reqs)
         rows = self.rows.rows_for(reqs)
         total, tok_rows, max_query_len = self._layout(so, rows)
 
@@ -169,7 +183,7 @@ class InputBuilder:
         qsl, pos, seq_lens = h["query_start_loc"][: n + 1], h["positions"][:total], h["seq_lens"][:n]
         self.rows.sync(seq_lens)
         ids = h["input_ids"][:total]
-        self._token_ids(so, qsl, ids)
+        self._token_ids(so, reqs, qsl, ids, prev)
         block_idx, offset = np.divmod(pos, self.block_size)
         slots = h["slot_mapping"][:total]
         np.multiply(self.rows.table[tok_rows, block_idx], self.block_size, out=slots, dtype=np.int64)
@@ -186,7 +200,7 @@ class InputBuilder:
         block_tables = self.rows.table[rows, : cdiv(max_seq_len, self.block_size)]
         step = self._to_device(n, total, so.num_decodes, max_query_len, max_seq_len, block_tables, num_sampled)
         if prev is not None or ids.min(initial=0) < 0:
-            _fill_placeholders(step.input_ids, ids, reqs, so.num_decodes, prev)
+            _fill_placeholders(step.input_ids, ids, so.req_ids, so.num_decodes, prev)
         return step
 
     def _layout(self, so: SchedulerOutput, rows: np.ndarray) -> tuple[int, np.ndarray, int]:
@@ -211,10 +225,17 @@ class InputBuilder:
         return total, np.repeat(rows, counts), int(counts.max(initial=0))
 
     @staticmethod
-    def _token_ids(so: SchedulerOutput, qsl: np.ndarray, ids: np.ndarray) -> None:
-        """Row i's tokens are all_token_ids[start:start + num_tokens]; the single-token rows go in one list."""
-        reqs, starts, num_decodes = so.requests, so.starts, so.num_decodes
-        ids[:num_decodes] = [r.all_token_ids[s] for r, s in zip(reqs[:num_decodes], starts)]
+    def _token_ids(so: SchedulerOutput, reqs: list, qsl: np.ndarray, ids: np.ndarray, prev: PrevTokens | None) -> None:
+        """Row i's tokens are all_token_ids[start:start + num_tokens]; the single-token rows go in one list. A decode
+        row one past the tokens known on the host gets a placeholder: its token is the step in flight's sample."""
+        starts, num_decodes = so.starts, so.num_decodes
+        if prev is not None and len(prev.req_ids) == num_decodes and so.req_ids[:num_decodes] == prev.req_ids:
+            # NOTE: the common async decode step: the very batch of the step in flight, every input still on the
+            # device. No per-row work.
+            ids[:num_decodes] = PLACEHOLDER
+        else:
+            ids[:num_decodes] = [r.all_token_ids[s] if s < len(r.all_token_ids) else PLACEHOLDER
+                                 for r, s in zip(reqs[:num_decodes], starts)]
         for i in range(num_decodes, len(reqs)):
             s = starts[i]
             ids[qsl[i]:qsl[i + 1]] = reqs[i].all_token_ids[s:s + so.num_tokens[i]]

@@ -1,22 +1,27 @@
-"""ModelRunner: owns the model, the paged KV cache and the sampler; executes one SchedulerOutput.
-
-It reads requests and never mutates scheduler state: the only thing that flows back is a
-ModelRunnerOutput (the sampled token of each sequence that asked for one).
+"""ModelRunner: owns the model, the paged KV cache, the sampler and its own copy of every request's state;
+executes one plain SchedulerOutput (minillm/contract.py) and hands back a ModelRunnerOutput (the sampled token of
+each row that asked for one). It never sees a scheduler object, so the same messages could drive it in another
+process.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from itertools import compress
 
 import torch
 
 from minillm.attention import make_attention_backend
+from minillm.cache.spec import KVCacheSpec
 from minillm.config import ConfigError, EngineConfig
 from minillm.device import resolve_device, resolve_dtype
-from minillm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
+from minillm.ops.choice import resolve_kernels
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
-from minillm.runner.kv_sizing import allocate_kv_cache, choose_num_blocks
+from minillm.runner.kv_sizing import choose_num_blocks
+from minillm.runner.request_state import CachedRequest, RequestStates
 from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatchCache
 from minillm.sampling.sampler import Sampler
@@ -31,11 +36,12 @@ class InFlight:
     logprobs: list | None
     host_ids: torch.Tensor | None           # pinned host copy being filled (CPU: the tokens themselves)
     done: object | None                     # torch.cuda.Event recorded after that copy (None on the CPU)
+    sampled: list[CachedRequest] | None = None   # the request state each token belongs to
 
     def prev_tokens(self) -> PrevTokens | None:
         if self.token_ids is None:
             return None
-        return PrevTokens(self.token_ids, {rid: i for i, rid in enumerate(self.req_ids)})
+        return PrevTokens(self.token_ids, self.req_ids)
 
 
 class ModelRunner:
@@ -43,23 +49,30 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(cfg.runtime.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
-        torch.manual_seed(cfg.runtime.seed)
-        self.attn_backend = make_attention_backend(cfg.runtime.attention, cfg.runtime.attention_mode, self.device)
+        self.kernels = resolve_kernels(cfg, self.device)
+        self.attn_backend = make_attention_backend(self.kernels)
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
-                                                           self.device, self.attn_backend, seed=cfg.runtime.seed)
+                                                           self.device, self.attn_backend, seed=cfg.runtime.seed,
+                                                           kernels=self.kernels)
+        self.kv_spec = KVCacheSpec.for_model(self.arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, self.dtype)
+        self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
         # No step holds more tokens than the budget, prefill-first included (the scheduler's contract: a longer
         # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound,
         # capped at what a step can hold at all: max_num_seqs sequences of at most max_model_len tokens each.
         self.max_num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
-        self.sampler = Sampler(seed=cfg.runtime.seed)
+        self.sampler = Sampler(seed=cfg.runtime.seed, cuda=self.kernels.cuda)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
+        # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
+        self.megakernel = self._pack_megakernel()
         self.num_blocks = choose_num_blocks(self, cfg.cache)
-        self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, cfg.cache.block_size, self.dtype, self.device)
+        self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
+        self.states = RequestStates()
         self.graphs = self._capture_graphs()
+        self.mega_graphs = self._capture_megakernel()
         if self.device.type == "cuda":
             warm_up_shapes(self)
         # Two pinned buffers for sampled ids, used in turn: the copy of step N's tokens may still be pending
@@ -72,13 +85,40 @@ class ModelRunner:
         """Decode graphs only where they are safe: a GPU, our CUDA attention (host-sync free), not eager."""
         if self.device.type != "cuda" or self.cfg.runtime.enforce_eager:
             return None
-        if type(self.attn_backend).__name__ != "CudaAttentionBackend":
+        if self.kernels.attention != "cuda":
             log.info("CUDA graphs need the CUDA attention backend; running decode eagerly")
             return None
         from minillm.runner.cuda_graphs import DecodeGraphs
         graphs = DecodeGraphs(self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.inputs.max_blocks,
                               self.cfg.cache.block_size, self.max_model_len, self.arch.hidden_size, self.dtype,
                               self.device)
+        graphs.capture()
+        return graphs
+
+    def _pack_megakernel(self):
+        """The persistent decode kernel for small decode steps, where the KernelChoice allows it and it covers this
+        model and GPU (it runs under CUDA graphs only, like the decode graphs it stands in for)."""
+        rows = min(self.kernels.megakernel_max_batch, self.cfg.scheduler.max_num_seqs)
+        if rows == 0 or self.device.type != "cuda" or self.cfg.runtime.enforce_eager:
+            return None
+        from minillm.ops import megakernel as mkops
+
+        reason = mkops.unsupported_reason(self.arch, self.dtype, self.cfg.cache.block_size, rows,
+                                          **mkops.device_limits(self.device))
+        if reason is not None:
+            log.info("decode megakernel not used: %s", reason)
+            self.kernels = dataclasses.replace(self.kernels, megakernel_max_batch=0)   # results lines say so
+            return None
+        return mkops.DecodeMegakernel(self.model, None, rows, self.cfg.cache.block_size, self.max_model_len,
+                                      min_partition_chunks=self.kernels.megakernel_min_chunks)
+
+    def _capture_megakernel(self):
+        if self.megakernel is None:
+            return None
+        from minillm.ops.megakernel import MegakernelGraphs
+
+        self.megakernel.bind_caches(self.kv_caches)
+        graphs = MegakernelGraphs(self.megakernel, self.inputs.max_blocks)
         graphs.capture()
         return graphs
 
@@ -96,9 +136,9 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 
-    def release(self, req_ids) -> None:
-        """Forget finished/aborted requests' block-table rows."""
-        self.inputs.release(req_ids)
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's request-state changes (new, finished, preempted requests, new blocks)."""
+        self.inputs.release(self.states.apply(so))
 
     def execute(self, so: SchedulerOutput, prof=None) -> ModelRunnerOutput:
         """One synchronous step: launch it and wait for its tokens."""
@@ -110,25 +150,31 @@ class ModelRunner:
 
         `prev`: the step still in flight, whose sampled tokens feed this step's placeholder inputs.
         """
-        step = self.inputs.build(so, prev.prev_tokens() if prev is not None else None)
+        self.update_states(so)
+        reqs = self.states.rows(so.req_ids)
+        step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
         meta = step.meta
         if prof is not None:
             prof.mark("build")
-        if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.bucket(meta.num_seqs):
+        decode_only = meta.num_decodes == meta.num_seqs
+        if decode_only and self.mega_graphs is not None and self.mega_graphs.bucket(meta.num_seqs):
+            hidden = self.mega_graphs.replay(step.input_ids, step.positions, meta)
+        elif decode_only and self.graphs is not None and self.graphs.bucket(meta.num_seqs):
             hidden = self.graphs.replay(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-        reqs = so.sampled_requests()
-        if not reqs:
+        sampled = reqs if all(so.sample) else list(compress(reqs, so.sample))
+        if not sampled:
             # Nothing to sample (a prompt chunk in mid-prompt), but resolve() must still wait for this step: the
             # staging buffers its inputs are being copied from are rebuilt two steps later.
             return InFlight([], None, None, None, self._step_done())
         logits = self.model.compute_logits(hidden[step.logits_indices], keep_dtype=True)
         if prof is not None:
             prof.mark("forward")
-        result = self.sampler(logits, self.sampling.get(reqs))
-        return InFlight([r.request_id for r in reqs], result.token_ids, result.logprobs,
-                        *self._copy_to_host(result.token_ids))
+        seq_lens = meta.seq_lens_cpu if len(sampled) == len(reqs) else list(compress(meta.seq_lens_cpu, so.sample))
+        result = self.sampler(logits, self.sampling.get(sampled, seq_lens))
+        return InFlight(so.sampled_req_ids(), result.token_ids, result.logprobs,
+                        *self._copy_to_host(result.token_ids), sampled=sampled)
 
     def _copy_to_host(self, token_ids: torch.Tensor):
         """Start the device-to-host copy of the sampled ids right behind the sampler, so that waiting for
@@ -153,14 +199,14 @@ class ModelRunner:
         if inflight.done is not None:
             inflight.done.synchronize()
         tokens = inflight.host_ids.tolist() if inflight.host_ids is not None else []
+        if inflight.sampled is not None:
+            self.states.append_sampled(inflight.sampled, tokens)
         if prof is not None:
             prof.mark("sample_sync")
         return ModelRunnerOutput(req_ids=inflight.req_ids, sampled_token_ids=tokens, logprobs=inflight.logprobs)
 
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
-        return 2 * a.num_hidden_layers * self.cfg.cache.block_size * a.num_key_value_heads * a.head_dim * \
-            torch.tensor([], dtype=self.dtype).element_size()
+        return self.kv_spec.bytes_per_block
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.cfg.cache.block_size)

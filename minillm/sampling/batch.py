@@ -9,15 +9,17 @@ plus numpy; per-row Python loops run only over the rows that need them (min_toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from minillm.device import to_device
-from minillm.request import Request
 from minillm.sampling_params import ROW_FIELDS
 from minillm.sampling.penalties import PenaltyTensors, pad_token_arrays, token_history
+
+if TYPE_CHECKING:   # the runner's copy of a request (minillm/runner/request_state.py)
+    from minillm.runner.request_state import CachedRequest as Request
 
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5
@@ -67,7 +69,11 @@ class SamplingBatch:
         return self.penalties is None and self.banned_rows is None and not self.seeded_rows
 
     @classmethod
-    def build(cls, requests: Sequence[Request], device: torch.device | str, vocab_size: int) -> "SamplingBatch":
+    def build(cls, requests: Sequence[Request], device: torch.device | str, vocab_size: int,
+              seq_lens: Sequence[int] | None = None) -> "SamplingBatch":
+        """seq_lens: each row's context length including this step's tokens, so the token sampled now is output
+        number seq_len - num_prompt_tokens (what min_tokens and per-token seeds count); None = the end of each
+        request's token list (a request whose earlier tokens are all known on the host)."""
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         device = torch.device(device)
@@ -83,7 +89,7 @@ class SamplingBatch:
         params[_K, greedy] = vocab_size
         need = _needs(params, all_greedy, vocab_size)
         dev = to_device(params[:_DEVICE_FIELDS], device) if any(need.values()) else None  # one copy; views
-        banned_rows, banned_cols = _min_tokens_mask(requests, params[_MINTOK], vocab_size, device)
+        banned_rows, banned_cols = _min_tokens_mask(requests, seq_lens, params[_MINTOK], vocab_size, device)
         mixed = not all_greedy and bool(greedy.any())
         return cls(
             num_rows=len(requests),
@@ -98,7 +104,7 @@ class SamplingBatch:
             penalties=_penalties(requests, dev, need, vocab_size, device),
             banned_rows=banned_rows,
             banned_cols=banned_cols,
-            seeded_rows=_seeded_rows(requests, sampling & (params[_SEEDED] > 0)),
+            seeded_rows=_seeded_rows(requests, seq_lens, sampling & (params[_SEEDED] > 0)),
             any_unseeded=bool((sampling & (params[_SEEDED] == 0)).any()),
             logprobs=_logprobs(requests) if params[_LOGPROBS].any() else None,
         )
@@ -114,11 +120,11 @@ class SamplingBatchCache:
         self._requests: list[Request] = []
         self._batch: SamplingBatch | None = None
 
-    def get(self, requests: Sequence[Request]) -> SamplingBatch:
+    def get(self, requests: Sequence[Request], seq_lens: Sequence[int] | None = None) -> SamplingBatch:
         # NOTE: list == compares element identity in C; the sampler never writes into a batch's tensors.
         batch = self._batch
         if batch is None or not batch.is_static or requests != self._requests:
-            batch = self._batch = SamplingBatch.build(requests, self.device, self.vocab_size)
+            batch = self._batch = SamplingBatch.build(requests, self.device, self.vocab_size, seq_lens)
             self._requests = list(requests)
         return batch
 
@@ -172,7 +178,12 @@ def _penalties(requests: Sequence[Request], dev: torch.Tensor | None, need: dict
     )
 
 
-def _min_tokens_mask(requests: Sequence[Request], min_tokens: np.ndarray, vocab_size: int,
+def _outputs_before(r: Request, i: int, seq_lens: Sequence[int] | None) -> int:
+    """How many output tokens row i's request has before the one sampled now."""
+    return r.num_output_tokens if seq_lens is None else int(seq_lens[i]) - r.num_prompt_tokens
+
+
+def _min_tokens_mask(requests: Sequence[Request], seq_lens, min_tokens: np.ndarray, vocab_size: int,
                      device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(row, token) pairs to forbid: EOS (unless ignore_eos) and stop_token_ids while fewer than min_tokens
     outputs exist. Ids outside the logits' width cannot be sampled anyway and are dropped."""
@@ -181,7 +192,7 @@ def _min_tokens_mask(requests: Sequence[Request], min_tokens: np.ndarray, vocab_
     for i in np.flatnonzero(min_tokens > 0).tolist():
         r = requests[i]
         sp = r.sampling_params
-        if len(r.output_token_ids) >= sp.min_tokens:
+        if _outputs_before(r, i, seq_lens) >= sp.min_tokens:
             continue
         banned = set(sp.stop_token_ids)
         if not sp.ignore_eos:
@@ -195,8 +206,8 @@ def _min_tokens_mask(requests: Sequence[Request], min_tokens: np.ndarray, vocab_
     return (to_device(np.array(rows, dtype=np.int64), device), to_device(np.array(cols, dtype=np.int64), device))
 
 
-def _seeded_rows(requests: Sequence[Request], seeded_sampling: np.ndarray) -> list[tuple[int, int]]:
-    return [(i, seed_for_token(requests[i].sampling_params.seed, len(requests[i].output_token_ids)))
+def _seeded_rows(requests: Sequence[Request], seq_lens, seeded_sampling: np.ndarray) -> list[tuple[int, int]]:
+    return [(i, seed_for_token(requests[i].sampling_params.seed, _outputs_before(requests[i], i, seq_lens)))
             for i in np.flatnonzero(seeded_sampling).tolist()]
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
-from minillm.request import Request
-
+if TYPE_CHECKING:   # the runner's copy of a request (minillm/runner/request_state.py)
+    from minillm.runner.request_state import CachedRequest as Request
 
 @dataclass
 class PenaltyTensors:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.engine.outputs import TokenLogprobs
+from minillm.contract import TokenLogprobs
 from minillm.sampling.batch import SamplingBatch
 from minillm.ops.sampling_ops import LOGIT_DTYPES
 from minillm.sampling.penalties import apply_penalties
@@ -43,10 +43,12 @@ class SamplerResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, cuda: bool = False) -> None:
+        """cuda: the one-pass sampling kernel may run (the engine's KernelChoice)."""
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.seed = seed
+        self.cuda = cuda
         # Per device: (shared generator of unseeded rows, scratch generator re-seeded for each seeded row).
         self._generators: dict[torch.device, tuple[torch.Generator, torch.Generator]] = {}
         self._fused_steps = 0
@@ -55,7 +57,7 @@ class Sampler:
         """Sample one token per row. ``logits`` [N, V] is float32, bfloat16 or float16; float32 logits are used
         as scratch and modified in place, half-precision ones are never modified (a float32 copy is)."""
         _check_logits(logits, batch)
-        fused = not batch.all_greedy and _fused_race_applies(logits, batch)
+        fused = self.cuda and not batch.all_greedy and _fused_race_applies(batch)
         if logits.dtype != torch.float32 and not (fused and batch.penalties is None and batch.banned_rows is None):
             logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
         if batch.penalties is not None:
@@ -101,7 +103,7 @@ class Sampler:
         if batch.greedy_mask is not None:
             inv_t = inv_t.masked_fill(batch.greedy_mask, 0.0)
         self._fused_steps += 1
-        return sample_exponential_race(logits, inv_t.float().contiguous(), self.seed, self._fused_steps)
+        return sample_exponential_race(logits, inv_t.float().contiguous(), self.seed, self._fused_steps, cuda=True)
 
     def _generators_for(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
         if device not in self._generators:
@@ -111,15 +113,13 @@ class Sampler:
         return self._generators[device]
 
 
-def _fused_race_applies(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-    """The one-pass CUDA sampler covers plain temperature sampling: no truncation, no per-request seeds
-    (their noise is defined by seed_for_token) and no logprobs. Everything else takes the torch path."""
-    if not logits.is_cuda or batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+def _fused_race_applies(batch: SamplingBatch) -> bool:
+    """The one-pass sampling op covers plain temperature sampling: no truncation, no per-request seeds (their
+    noise is defined by seed_for_token) and no logprobs. Everything else takes the torch path. (The op runs its
+    kernel on CUDA tensors and its numpy reference elsewhere; an engine only enables it with its CUDA kernels.)"""
+    if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
         return False
-    if batch.seeded_rows or batch.logprobs is not None:
-        return False
-    from minillm.ops.sampling_ops import uses_cuda_kernel
-    return uses_cuda_kernel(logits)
+    return not batch.seeded_rows and batch.logprobs is None
 
 
 def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:

@@ -1,0 +1,90 @@
+// Plain C++ launcher of the persistent decode kernel ("megakernel", decode_megakernel.cu): every decoder layer of
+// one decode step (one new token for each of up to kMegaMaxBatch sequences) in a single cooperative launch.
+// No torch types: minillm/cuda/megakernel_bindings.cpp turns tensors into this struct.
+//
+// Weight layout ("granule" order, built once by minillm/ops/megakernel.py): a linear weight [N, K] is cut into
+// granules of 8 rows; a granule is stored as K/32 blocks of 512 bytes, block p holding for lane l = 4r + q the
+// 8 elements W[8g + r][32p + 8t + 2q + e] (t < 4, e < 2) in the order (t, e): exactly the B operand of two
+// mma.sync m16n8k16 k-steps, so a lane reads its fragments with one 16-byte shared-memory load and the rows a
+// CTA owns form one contiguous range (one bulk copy). gate_up interleaves gate granule j and up granule j.
+// Layers are stacked: layer l of a matrix starts at l * rows * K elements.
+//
+// Activation ("A fragment") layout of the global buffers attn_frag [Hq * D] and h_frag [I] for 16 batch rows:
+// element (m, k) at ((k / 16 * 32 + (m % 8) * 4 + (k % 8) / 2) * 4 + (k % 16 >= 8) * 2 + (m >= 8)) * 2 + k % 2.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "dtype.h"
+
+namespace minillm {
+
+constexpr int kMegaMaxLayers = 64;
+constexpr int kMegaMaxBatch = 16;       // batch rows are the 16 rows of one mma A tile
+constexpr int kMegaThreads = 256;       // 8 warps, one CTA per SM
+constexpr int kMegaGranuleRows = 8;
+constexpr int kMegaMaxGranules = 8;     // granules (gate and up count one each) a CTA may own in one phase
+constexpr int kMegaMaxHidden = 2048;    // a norm row is held in registers (8 x 16 bytes per lane)
+constexpr int kMegaMaxPartitions = 256; // attention partitions of one sequence (bounded by the grid anyway)
+
+struct MegakernelParams {
+  // ---- step inputs ----
+  const int64_t* input_ids;     // [batch]
+  const int64_t* positions;     // [batch]
+  const int64_t* slot_mapping;  // [batch]: cache slot of the new token, -1 = padded row (nothing written)
+  const int* seq_lens;          // [batch]: context length including the new token
+  const int* block_tables;      // [batch, bt_stride] physical block ids
+  int64_t bt_stride;
+  int batch;
+  // ---- model ----
+  int num_layers, hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
+  float eps, scale;
+  int64_t max_positions;
+  const void* embed;       // [vocab_size, hidden]
+  int64_t vocab_size;      // an input id outside [0, vocab_size) gives a NaN row
+  const void* w_qkv;       // granule order, [L][(Hq + 2 Hkv) D][hidden]
+  const void* w_o;         // [L][hidden][Hq D]
+  const void* w_gu;        // [L][2 inter][hidden], gate/up granules interleaved
+  const void* w_down;      // [L][hidden][inter]
+  const void* b_qkv;       // [L][(Hq + 2 Hkv) D] or null (Qwen3)
+  const void* ln1;         // [L][hidden] input_layernorm
+  const void* ln2;         // [L][hidden] post_attention_layernorm
+  const void* q_norm;      // [L][D] or null (Qwen2), together with k_norm
+  const void* k_norm;
+  const void* final_norm;  // [hidden]
+  const float* cos_sin;    // [max_positions, D]: cos | sin
+  void* k_cache[kMegaMaxLayers];  // [num_blocks, block_size, Hkv, D] each, contiguous
+  void* v_cache[kMegaMaxLayers];
+  // ---- workspaces (caller-owned, see megakernel_workspace_* below) ----
+  void* qkv;          // [kMegaMaxBatch, (Hq + 2 Hkv) D] row-major
+  void* attn_frag;    // [Hq D * 16] A-fragment order
+  void* h_frag;       // [inter * 16] A-fragment order
+  void* resid;        // [kMegaMaxBatch, hidden]: the residual stream
+  void* out;          // [batch, hidden]: final-normed hidden states
+  float* partials;    // [num_ctas, group, D + 2]
+  unsigned* sync;     // [megakernel_sync_words]: zeroed by the launcher before every launch
+  // ---- launch ----
+  int num_ctas;              // grid size: at most one CTA per SM
+  int min_partition_chunks;  // attention partitions hold at least this many 16-token chunks
+  int cooperative;           // 1: cooperative launch (co-residency guaranteed); 0: plain launch
+  ScalarType dtype;          // kBFloat16 or kFloat16
+};
+
+// Byte sizes of the shared-memory regions (see decode_megakernel.cu); minillm/ops/megakernel.py mirrors this.
+struct MegakernelSmemPlan {
+  int w0, w1, uni, qtile, misc, total;
+};
+
+// Words of the sync buffer: barrier counter, then one merge ticket per (row, KV head).
+inline int megakernel_sync_words(int num_kv_heads) { return 4 + kMegaMaxBatch * num_kv_heads; }
+
+// Fills *plan; returns cudaErrorInvalidValue when a shape is outside the kernel's limits.
+cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* plan);
+
+// Zeroes the sync buffer and launches the kernel on `stream` (both capturable in a CUDA graph). Returns
+// cudaErrorNotSupported on GPUs older than sm_90, cudaErrorInvalidValue for unsupported shapes or a plan that
+// does not fit shared memory, or the launch error.
+cudaError_t launch_decode_megakernel(const MegakernelParams& p, cudaStream_t stream);
+
+}  // namespace minillm

@@ -1,0 +1,406 @@
+"""The persistent decode kernel ("megakernel", minillm/cuda/decode_megakernel.cu) from Python.
+
+One launch runs every decoder layer of a decode step for up to 16 sequences (one new token each): embedding,
+norms, QKV, q/k norm + RoPE, the KV-cache write, paged attention, o_proj, SwiGLU MLP and the final norm. The LM head
+and the sampler stay outside (cuBLAS is at the floor there). docs/megakernel.md has the design and its costs.
+
+What lives here, all plain torch so it runs and is tested on the CPU:
+- weight packing into the kernel's granule order (pack_granules, pack_gate_up) and the A-fragment layout of its
+  activation buffers (act_fragment_index), with an emulation of the tensor-core arithmetic for the CPU tests;
+- the two plans the kernel computes for itself, mirrored: the attention work split (partition_plan) and the
+  shared-memory budget (smem_plan); unsupported_reason() says why a shape or GPU is not covered;
+- DecodeMegakernel: packs a loaded model once, owns the workspaces, forward() launches the op without a host sync
+  or a data-dependent allocation (CUDA-graph safe); MegakernelGraphs captures it per batch size;
+- reference_decode_step: the torch twin (the model's own torch path on the same inputs).
+
+Memory: the packed weights are a second copy of the decoder layers' weights (Qwen3-0.6B: 0.84 GB); the regular
+path keeps its own for prefill.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GRANULE = 8            # weight rows per granule (the n8 of an mma B operand)
+MAX_BATCH = 16         # decode rows: the 16 rows of the mma A operand
+MAX_LAYERS = 64
+MAX_HIDDEN = 2048      # a norm row is held in registers
+MAX_GRANULES = 8       # granules one CTA may own in a phase (gate and up count one each)
+MAX_PARTITIONS = 256
+WARPS = 8
+CHUNK = 16             # tokens per attention step of a warp
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (16, 32)
+DTYPES = (torch.bfloat16, torch.float16)
+MAX_GROUP = 16
+DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
+MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
+
+
+# ---- weight and activation layouts -------------------------------------------------------------------------------
+
+def pack_granules(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> flat [N * K] in granule order (minillm/cuda/megakernel.h): granule g (rows 8g..8g+7) is K/32
+    blocks of 32 lanes x 8 elements; lane l = 4r + q of block p holds W[8g + r][32p + 8t + 2q + e] at position
+    2t + e, i.e. the B operands of mma k-steps 2p (t = 0, 1) and 2p + 1 (t = 2, 3)."""
+    n, k = w.shape
+    if n % GRANULE or k % 32:
+        raise ValueError(f"weight [{n}, {k}]: rows must be a multiple of {GRANULE} and columns of 32")
+    return w.reshape(n // 8, 8, k // 32, 4, 4, 2).permute(0, 2, 1, 4, 3, 5).reshape(-1)
+
+
+def unpack_granules(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of pack_granules."""
+    return packed.reshape(n // 8, k // 32, 8, 4, 4, 2).permute(0, 2, 1, 4, 3, 5).reshape(n, k)
+
+
+def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """gate_up [2I, K] (gate rows, then up rows) -> gate granule j followed by up granule j, for every j, so that
+    the CTA owning intermediate rows 8j..8j+7 reads its gate and up rows as one contiguous range."""
+    two_i, k = w.shape
+    inter = two_i // 2
+    gate = pack_granules(w[:inter]).view(inter // 8, 8 * k)
+    up = pack_granules(w[inter:]).view(inter // 8, 8 * k)
+    return torch.stack([gate, up], dim=1).reshape(-1)
+
+
+def act_fragment_index(m: torch.Tensor | int, k: torch.Tensor | int):
+    """Element index of (batch row m < 16, column k) in an A-fragment buffer of 16 rows (megakernel.h): block
+    k // 16 of 32 lanes x 8 elements, lane (m % 8) * 4 + (k % 8) // 2, register (k % 16 >= 8) * 2 + (m >= 8)."""
+    lane = (m % 8) * 4 + (k % 8) // 2
+    reg = (k % 16 >= 8) * 2 + (m >= 8) * 1
+    return ((k // 16 * 32 + lane) * 4 + reg) * 2 + k % 2
+
+
+def pack_act_fragments(x: torch.Tensor) -> torch.Tensor:
+    """[rows <= 16, K] -> flat [16 * K] A fragments (rows past x's are zero)."""
+    rows, k = x.shape
+    out = torch.zeros(16 * k, dtype=x.dtype, device=x.device)
+    m = torch.arange(rows, device=x.device)[:, None].expand(rows, k)
+    kk = torch.arange(k, device=x.device)[None, :].expand(rows, k)
+    out[act_fragment_index(m, kk).reshape(-1)] = x.reshape(-1)
+    return out
+
+
+def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """What the kernel's tensor-core loop computes, [16, n] in fp32, built only from the PTX fragment rules of
+    mma.m16n8k16 (A: a0a1 row g, a2a3 row g + 8, a4a5 col + 8, a6a7 both; B: b0b1 k = 2q, b2b3 k = 2q + 8, n = l / 4)
+    applied to the per-lane 16-byte words the kernel loads: a check of both layouts that needs no GPU."""
+    lanes = torch.arange(32)
+    grp, q = lanes // 4, lanes % 4
+    a_words = act.float().view(k // 16, 32, 4, 2)            # [step, lane, reg, half]
+    w_words = packed_w.float().view(n // 8, k // 32, 32, 4, 2)  # [granule, pair, lane, t, half]
+    a = torch.zeros(k // 16, 16, 16)
+    for reg in range(4):
+        for half in range(2):
+            rows = grp + 8 * (reg % 2)
+            cols = 2 * q + half + 8 * (reg // 2)
+            a[:, rows, cols] = a_words[:, :, reg, half]
+    out = torch.zeros(16, n)
+    for g in range(n // 8):
+        for p in range(k // 32):
+            for t in range(4):
+                step = 2 * p + t // 2
+                b = torch.zeros(16, 8)                            # B[k][n] of this k-step
+                b[2 * q + 8 * (t % 2), grp] = w_words[g, p, :, t, 0]
+                b[2 * q + 8 * (t % 2) + 1, grp] = w_words[g, p, :, t, 1]
+                if t % 2 == 0:
+                    acc = torch.zeros(16, 8)
+                acc = acc + a[step] @ b
+                if t % 2 == 1:
+                    out[:, 8 * g:8 * g + 8] += acc
+    return out
+
+
+# ---- plans the kernel makes for itself (mirrored, for tests and applies()) --------------------------------------
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    chunks_per_part: int          # the largest attention partition, in 16-token chunks
+    parts: list[int]              # partitions per sequence
+    lens: list[int]               # chunks per partition of each sequence (its last one may be shorter)
+    base: list[int]               # first item of each sequence (items: sequence-major, KV head, partition)
+
+    @property
+    def items(self) -> int:
+        return self.base[-1]
+
+    def token_ranges(self, b: int, ctx: int) -> list[tuple[int, int]]:
+        """[start, end) of each partition of sequence b (context ctx)."""
+        span = self.lens[b] * CHUNK
+        return [(min(p * span, max(ctx, 0)), min(p * span + span, max(ctx, 0))) for p in range(self.parts[b])]
+
+
+def partition_plan(seq_lens: list[int], num_kv_heads: int, num_ctas: int,
+                   min_chunks: int = MIN_PARTITION_CHUNKS) -> PartitionPlan:
+    """The attention work split of decode_megakernel.cu (make_plan): partitions of whole 16-token chunks, at most
+    `per` long where `per` is just large enough that the items never outnumber the CTAs when B x Hkv leaves room
+    (and at least min_chunks); one partition per sequence otherwise. A sequence's partitions are equal but for
+    the last."""
+    chunks = [-(-c // CHUNK) if c > 0 else 0 for c in seq_lens]
+    slack = num_ctas - num_kv_heads * len(seq_lens)
+    per = 1 << 24
+    if slack > 0:
+        per = min(max(-(-num_kv_heads * sum(chunks) // slack), max(min_chunks, 1)), 1 << 24)
+    parts = [max(1, -(-c // per)) for c in chunks]
+    lens = [-(-c // p) for c, p in zip(chunks, parts)]
+    base = [0]
+    for p in parts:
+        base.append(base[-1] + p * num_kv_heads)
+    return PartitionPlan(per, parts, lens, base)
+
+
+def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int, num_ctas: int) -> dict:
+    """Shared-memory regions (bytes) of one CTA, as megakernel_smem_plan computes them: w0 (QKV / gate_up slices),
+    w1 (o_proj / down slices), uni (norm output, GEMV partial sums, attention ring and merges), qtile, misc
+    (2 mbarriers, the CTA's 4 slices of 24 bytes, the attention plan of 3 + 3 x 16 + 1 ints)."""
+    def up(x: int) -> int:
+        return -(-x // 128) * 128
+    n, d, group = num_ctas, head_dim, num_heads // num_kv_heads
+    nqkv, kq = (num_heads + 2 * num_kv_heads) * d, num_heads * d
+    gq, gp, go = -(-nqkv // 8 // n), -(-inter // 8 // n), -(-hidden // 8 // n)
+    max_gran = max(gq, 2 * gp, go)
+    plan = dict(w0=up(2 * max(gq * 8 * hidden, gp * 16 * hidden)), w1=up(2 * max(go * 8 * kq, go * 8 * inter)))
+    uni = max(16 * hidden * 2, WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
+              WARPS * group * d * 4 + 2 * WARPS * group * 4, group * MAX_PARTITIONS * 4 + group * 4)
+    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(16 + 96 + 4 * (3 + 3 * MAX_BATCH + 1)))
+    plan["total"] = sum(plan.values())
+    plan["max_granules"] = max_gran
+    return plan
+
+
+def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int, *, num_ctas: int = 132,
+                       smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0)) -> str | None:
+    """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig."""
+    if capability[0] < 9:
+        return f"needs sm_90 (bulk copies, mbarrier transaction counts), GPU is sm_{capability[0]}{capability[1]}"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (supported: bfloat16, float16)"
+    if not 1 <= num_rows <= MAX_BATCH:
+        return f"{num_rows} decode rows (supported: 1..{MAX_BATCH})"
+    if block_size not in BLOCK_SIZES:
+        return f"block_size={block_size} (supported: {BLOCK_SIZES})"
+    if arch.head_dim not in HEAD_DIMS:
+        return f"head_dim={arch.head_dim} (supported: {HEAD_DIMS})"
+    hq, hkv = arch.num_attention_heads, arch.num_key_value_heads
+    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
+        return f"{hq} query heads over {hkv} KV heads (GQA group must be 1..{MAX_GROUP})"
+    h, i = arch.hidden_size, arch.intermediate_size
+    if h % 32 or i % 32 or h > MAX_HIDDEN:
+        return f"hidden={h}, intermediate={i} (both multiples of 32, hidden <= {MAX_HIDDEN})"
+    if not 1 <= arch.num_hidden_layers <= MAX_LAYERS:
+        return f"{arch.num_hidden_layers} layers (supported: 1..{MAX_LAYERS})"
+    plan = smem_plan(h, i, hq, hkv, arch.head_dim, num_ctas)
+    if plan["max_granules"] > MAX_GRANULES:
+        return (f"a CTA would own {plan['max_granules']} weight granules in one phase on {num_ctas} SMs "
+                f"(at most {MAX_GRANULES})")
+    if plan["total"] > smem_limit:
+        return f"needs {plan['total']} bytes of shared memory per CTA on {num_ctas} SMs, the GPU has {smem_limit}"
+    return None
+
+
+def device_limits(device: torch.device) -> dict:
+    """num_ctas (SMs), smem_limit and capability of a CUDA device, as unsupported_reason takes them."""
+    props = torch.cuda.get_device_properties(device)
+    return dict(num_ctas=props.multi_processor_count, capability=(props.major, props.minor),
+                smem_limit=getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_LIMIT))
+
+
+def applies(arch, dtype: torch.dtype, block_size: int, num_rows: int, device: torch.device | None = None) -> bool:
+    """True when DecodeMegakernel covers this model, dtype, cache block size and batch on `device` (a CUDA
+    device; the limits of an H200 when None)."""
+    if device is not None and device.type != "cuda":
+        return False
+    limits = device_limits(device) if device is not None else {}
+    return unsupported_reason(arch, dtype, block_size, num_rows, **limits) is None
+
+
+# ---- the wrapper --------------------------------------------------------------------------------------------------
+
+class DecodeMegakernel:
+    """All decoder layers of a decode step of `model` in one kernel launch, for up to max_batch rows.
+
+    kv_caches: the engine's per-layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D], contiguous; or
+    None, and bind_caches() later (the engine packs the weights before it sizes the KV pool, so the pool is sized
+    around them).
+    forward(input_ids [B], positions [B], meta) -> hidden [B, H] (a view of a buffer owned here: copy it before
+    the next call), after writing this step's k/v into the caches. The metadata must describe a decode-only step
+    (row b = sequence b, one token each); padded rows carry slot -1 and a seq_len of at least 1.
+    """
+
+    def __init__(self, model, kv_caches, max_batch: int, block_size: int, max_model_len: int, *,
+                 min_partition_chunks: int = MIN_PARTITION_CHUNKS, cooperative: bool = True):
+        arch = model.arch
+        embed = model.model.embed_tokens.weight
+        self.device, self.dtype = embed.device, embed.dtype
+        if self.device.type != "cuda":
+            raise ValueError("DecodeMegakernel needs the model on a CUDA device")
+        self.limits = device_limits(self.device)
+        reason = unsupported_reason(arch, self.dtype, block_size, max_batch, **self.limits)
+        if reason is not None:
+            raise ValueError(f"the decode megakernel does not cover this model: {reason}")
+        if max_model_len > model.cos_sin_cache.shape[0]:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the RoPE table ({model.cos_sin_cache.shape[0]})")
+        self.arch, self.max_batch, self.block_size = arch, max_batch, block_size
+        self.min_partition_chunks = min_partition_chunks
+        # cooperative: launched so that every CTA is resident at once, which the grid barriers need
+        self.cooperative = cooperative
+        self._caches = None
+        self._pack(model)
+        self._alloc_workspaces()
+        if kv_caches is not None:
+            self.bind_caches(kv_caches)
+
+    def bind_caches(self, kv_caches) -> None:
+        arch, block_size = self.arch, self.block_size
+        caches = [c for kv in kv_caches for c in kv]
+        if len(caches) != 2 * arch.num_hidden_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has {arch.num_hidden_layers}")
+        for c in caches:
+            if tuple(c.shape[1:]) != (block_size, arch.num_key_value_heads, arch.head_dim) or not c.is_contiguous():
+                raise ValueError(f"KV cache of shape {tuple(c.shape)} (contiguous [num_blocks, {block_size}, "
+                                 f"{arch.num_key_value_heads}, {arch.head_dim}] needed)")
+        self._caches = caches
+
+    @torch.no_grad()
+    def _pack(self, model) -> None:
+        a, layers = self.arch, model.model.layers
+        h, i, d = a.hidden_size, a.intermediate_size, a.head_dim
+        nqkv, kq, n = a.q_size + 2 * a.kv_size, a.q_size, a.num_hidden_layers
+        new = lambda *shape: torch.empty(*shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        self.w_qkv, self.w_o = new(n, nqkv * h), new(n, h * kq)
+        self.w_gu, self.w_down = new(n, 2 * i * h), new(n, h * i)
+        for li, layer in enumerate(layers):
+            self.w_qkv[li] = pack_granules(layer.self_attn.qkv_proj.weight)
+            self.w_o[li] = pack_granules(layer.self_attn.o_proj.weight)
+            self.w_gu[li] = pack_gate_up(layer.mlp.gate_up_proj.weight)
+            self.w_down[li] = pack_granules(layer.mlp.down_proj.weight)
+        bias = [layer.self_attn.qkv_proj.bias for layer in layers]
+        self.b_qkv = torch.stack(bias).contiguous() if bias[0] is not None else None
+        self.ln1 = torch.stack([layer.input_layernorm.weight for layer in layers]).contiguous()
+        self.ln2 = torch.stack([layer.post_attention_layernorm.weight for layer in layers]).contiguous()
+        if a.qk_norm:
+            self.q_norm = torch.stack([layer.self_attn.q_norm.weight for layer in layers]).contiguous()
+            self.k_norm = torch.stack([layer.self_attn.k_norm.weight for layer in layers]).contiguous()
+        else:
+            self.q_norm = self.k_norm = None
+        self.embed = model.model.embed_tokens.weight
+        self.final_norm = model.model.norm.weight
+        self.cos_sin = model.cos_sin_cache
+        self.eps, self.scale = a.rms_norm_eps, d ** -0.5
+
+    def _alloc_workspaces(self) -> None:
+        a = self.arch
+        h, i, d = a.hidden_size, a.intermediate_size, a.head_dim
+        nqkv, kq = a.q_size + 2 * a.kv_size, a.q_size
+        group = a.num_attention_heads // a.num_key_value_heads
+        dev = self.device
+        self.num_ctas = self.limits["num_ctas"]
+        self.act_ws = torch.zeros(MAX_BATCH * (nqkv + kq + i + h), dtype=self.dtype, device=dev)
+        self.partials = torch.zeros(self.num_ctas * group * (d + 2), dtype=torch.float32, device=dev)
+        self.sync = torch.zeros(4 + MAX_BATCH * a.num_key_value_heads, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(MAX_BATCH, h, dtype=self.dtype, device=dev)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        b = input_ids.shape[0]
+        if self._caches is None:
+            raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"{b} decode rows; this megakernel was built for 1..{self.max_batch}")
+        a = self.arch
+        torch.ops.minillm.decode_megakernel(
+            input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables, self._caches, self.embed,
+            self.w_qkv, self.b_qkv, self.w_o, self.w_gu, self.w_down, self.ln1, self.ln2, self.q_norm, self.k_norm,
+            self.final_norm, self.cos_sin, self.act_ws, self.partials, self.sync, self.out, a.num_attention_heads,
+            a.num_key_value_heads, a.head_dim, a.intermediate_size, self.eps, self.scale, self.num_ctas,
+            self.min_partition_chunks, self.cooperative)
+        return self.out[:b]
+
+    __call__ = forward
+
+
+class MegakernelGraphs:
+    """DecodeGraphs' interface (bucket(), replay()) over a DecodeMegakernel: one CUDA graph per batch size
+    1..max_batch over static input buffers. Padded rows never occur (every size has its graph)."""
+
+    def __init__(self, mk: DecodeMegakernel, max_blocks: int):
+        self.mk = mk
+        n, dev = mk.max_batch, mk.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _meta(self, b: int):
+        from minillm.attention.metadata import AttentionMetadata
+
+        return AttentionMetadata(num_seqs=b, num_decodes=b, num_tokens=b, max_query_len=1, max_seq_len=1,
+                                 slot_mapping=self.slot_mapping[:b], query_start_loc=torch.empty(0),
+                                 seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+                                 block_size=self.mk.block_size)
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture with slot -1 and one-token contexts (nothing is written to the caches)."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        for b in sizes or range(1, self.mk.max_batch + 1):
+            meta = self._meta(b)
+            self.mk.forward(self.input_ids[:b], self.positions[:b], meta)   # warm-up outside capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.mk.forward(self.input_ids[:b], self.positions[:b], meta)
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+
+    def bucket(self, n: int) -> int | None:
+        return n if n in self.graphs else None
+
+    def replay(self, input_ids, positions, meta) -> torch.Tensor:
+        n = meta.num_seqs
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids[:n])
+        self.positions[:n].copy_(positions[:n])
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
+        self.seq_lens[:n].copy_(meta.seq_lens[:n])
+        self.block_tables[:n, :width].copy_(meta.block_tables[:n])
+        self.graphs[n].replay()
+        return self.mk.out[:n]
+
+
+# ---- the torch twin -----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def reference_decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
+    """hidden [B, H] of the model's pure-torch path for the same decode step (torch attention backend, torch
+    norm/RoPE/SwiGLU, F.linear GEMMs), writing this step's k/v into kv_caches as the kernel does. The model's
+    kernels are restored afterwards (QwenForCausalLM.torch_path)."""
+    with model.torch_path():
+        return model(input_ids, positions, kv_caches, meta)
+
+
+def step_bytes(arch, seq_lens: list[int], dtype_bytes: int = 2) -> dict:
+    """Bytes a decode step's decoder layers must read: their weights (norms included; embedding and LM head
+    excluded) and the K/V of every context token."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * i + 2 * h
+    weights = arch.num_hidden_layers * per_layer * dtype_bytes
+    kv = sum(seq_lens) * arch.kv_bytes_per_token(dtype_bytes)
+    return dict(weight_bytes=weights, kv_bytes=kv, total_bytes=weights + kv)
+
+
+def floor_us(total_bytes: int, bandwidth: float = 4.2e12) -> float:
+    """Microseconds to read total_bytes at `bandwidth` bytes/s (the H200's measured copy rate by default)."""
+    return total_bytes / bandwidth * 1e6
+
+
+__all__ = ["DecodeMegakernel", "MegakernelGraphs", "applies", "unsupported_reason", "partition_plan", "smem_plan",
+           "pack_granules", "unpack_granules", "pack_gate_up", "pack_act_fragments", "act_fragment_index",
+           "emulate_gemv", "reference_decode_step", "step_bytes", "floor_us"]

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: install, build, then the named stages in order, each under its own time limit, every
+# log under $OUT/logs.tgz and a summary last. A failing stage does not stop the later ones.
+#
+#   scripts/device_run.sh build mk gputests sweep bench        (stages below; `build` is implied)
+#
+#   mk        tests/test_megakernel_gpu.py, then scripts/megakernel_bench.py (megakernel vs the graph decode path)
+#   gputests  the engine's GPU tests (end to end against HF transformers, kernels, fused ops, GEMM, engine)
+#   sweep     the decode-step sweep (ms per step for B = 1..256 against the floor) -> $OUT/decode_steps.jsonl
+#   bench     `minillm bench` on the default config, twice -> $OUT/bench.jsonl
+#   oldbench  the same bench on the tree in .old/ (the previous commit, exported beforehand) -> $OUT/bench_old.jsonl
+#   oldsweep  the sweep over the .old/ engine -> $OUT/decode_steps_old.jsonl
+#   checks    `minillm check-kernels --quick` -> $OUT/kernels.jsonl
+#   http      scripts/http_latency.py: latency through the HTTP server vs in-process -> $OUT/latency_http.jsonl
+#
+# MINILLM_COMMIT names the commit on the results lines (a copied tree may carry a stale .git).
+set -uo pipefail
+: "${OUT:?set OUT}"
+cd "$(dirname "$0")/.."
+LOG=/tmp/device_logs
+rm -rf "$LOG" && mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 MINILLM_EXT_DIR="${MINILLM_EXT_DIR:-$PWD/.ext}" COLUMNS=160
+: "${MINILLM_COMMIT:?set MINILLM_COMMIT}"
+SUMMARY="$LOG/summary.txt"
+t_start=$(date +%s)
+
+stage() {   # name, time limit (s), command...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$(date +%s)
+  echo "== $name (limit ${limit}s)" | tee -a "$SUMMARY"
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $(( $(date +%s) - t0 ))s; tail:" | tee -a "$SUMMARY"
+  tail -n 6 "$LOG/$name.log" | sed 's/^/   | /' | tee -a "$SUMMARY"
+}
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
+  | tee -a "$SUMMARY"
+if [[ -d .old ]]; then   # build the previous commit's kernels meanwhile (its own cache key)
+  (cd .old && MINILLM_COMMIT=old PYTHONPATH=$PWD timeout 400 python3 -c \
+    "from minillm.ops.build import load_extension; load_extension()" > "$LOG/oldbuild.log" 2>&1) &
+fi
+stage build 240 python3 -c "from minillm.ops.build import load_extension; load_extension(); print('extension ok')"
+
+for s in "$@"; do
+  case "$s" in
+    build) ;;
+    mk)
+      stage mk_tests 150 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
+      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
+    mkbench)
+      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
+    e2e)
+      stage e2e 200 python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
+        tests/test_engine_gpu.py ;;
+    gputests)
+      stage gputests 240 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
+        tests/test_engine_gpu.py tests/test_fused_gpu.py tests/test_gemm_gpu.py tests/test_kernels_gpu.py ;;
+    sweep)
+      stage sweep 200 python3 -m minillm.bench.decode_sweep --output "$OUT/decode_steps.jsonl" ;;
+    oldsweep)   # the same sweep (this tree's module) over the previous commit's engine
+      wait
+      cp minillm/bench/decode_sweep.py .old/minillm/bench/decode_sweep.py
+      stage oldsweep 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m \
+        minillm.bench.decode_sweep --output $OUT/decode_steps_old.jsonl" ;;
+    bench)
+      stage bench 200 python3 -m minillm bench --no-progress --repeat 2 --output "$OUT/bench.jsonl" ;;
+    oldbench)
+      wait
+      stage oldbench 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m minillm \
+        bench --no-progress --repeat 2 --output $OUT/bench_old.jsonl" ;;
+    ncu)   # Nsight Compute: one megakernel launch at B=1 and B=8 (context 512), full set with source counters
+      for b in 1 8; do
+        stage ncu_b$b 150 ncu --clock-control none --set full --import-source yes -k regex:megakernel --launch-skip 1 \
+          --launch-count 1 -f -o "$LOG/mk_b$b" python3 scripts/megakernel_bench.py --out /dev/null --megakernel-only \
+          --batches $b --contexts 512
+        ncu -i "$LOG/mk_b$b.ncu-rep" --page details > "$LOG/ncu_b${b}_details.txt" 2>&1
+        ncu -i "$LOG/mk_b$b.ncu-rep" --page source --csv --print-source cuda > "$LOG/ncu_b${b}_source.csv" 2>&1
+      done ;;
+    http)   # online latency through `minillm serve` against in-process, chunked-2048 at 4 and 8 req/s
+      mkdir -p "$LOG/http"
+      stage http 500 python3 scripts/http_latency.py --output "$LOG/http/latency_http.jsonl"
+      cp "$LOG"/http/*.jsonl "$LOG"/http/*.png "$OUT"/ 2>/dev/null ;;
+    checks)
+      stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
+    *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
+  esac
+done
+wait
+echo "total $(( $(date +%s) - t_start ))s, commit $MINILLM_COMMIT" | tee -a "$SUMMARY"
+cp "$SUMMARY" "$OUT/summary.txt"
+tar -C "$LOG" -czf "$OUT/logs.tgz" .
