@@ -69,7 +69,7 @@ def test_alias_bomb_under_a_valid_key_is_refused_at_once(prompts, tmp_path, key)
     ("sampling.stop={a: 1}", ["stop must be a list"]),
     ("model.model=" + "x" * 5000, ["does not exist"]),
     ("scheduler.max_num_seqs=" + "9" * 50, ["scheduler.max_num_seqs=", "at most"]),
-])
+], ids=lambda v: v[:40] if isinstance(v, str) else "")
 def test_bad_values_name_the_key(prompts, item, words):
     result = run("generate", prompts, "--set", item, *FAST)
     refused(result, *words)

@@ -75,7 +75,8 @@ def test_an_alias_to_itself_is_refused(text):
 
 
 @pytest.mark.parametrize("text", [nested_list(MAX_YAML_DEPTH + 1), nested_list(5_000),
-                                  "- " * (MAX_YAML_DEPTH + 2) + "x", "{a: " * 3_000 + "1" + "}" * 3_000])
+                                  "- " * (MAX_YAML_DEPTH + 2) + "x", "{a: " * 3_000 + "1" + "}" * 3_000],
+                         ids=["flow-33", "flow-5000", "block-34", "mapping-3000"])
 def test_yaml_nested_too_deep_is_refused(text):
     with pytest.raises(TooNested, match="deeper"):
         load_yaml(text)

@@ -36,9 +36,12 @@ def bench_command(
 
     The reference workload and the floor are described in docs/architecture.md.
     Without a GPU this runs the Qwen3-0.6B preset on the CPU, which takes
-    hours: it says so, and roughly how long, before it starts.
-    `--model demo --num-requests 16` is a CPU-sized run (about a minute): the
-    small demo model, with token ids folded into its vocabulary.
+    hours: it says so, and roughly how long, before it starts. A CPU-sized run
+    (about a minute) uses the small demo model, its token ids folded into the
+    model's vocabulary:
+
+    \b
+      minillm bench --model demo --num-requests 16
     """
     from minillm.bench.floor import measure_device
     from minillm.bench.report import append_jsonl, bench_table, print_table
