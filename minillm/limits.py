@@ -115,8 +115,8 @@ def check_weights_fit(arch, dtype_bytes: int, device, source: str) -> None:
     raise ConfigError(
         f"{source} has {arch.num_params:,} parameters: {fmt_bytes(weights)} at {dtype_bytes} bytes each, and "
         f"{where} (hidden_size={arch.hidden_size}, vocab_size={arch.vocab_size}, num_hidden_layers="
-        f"{arch.num_hidden_layers}, intermediate_size={arch.intermediate_size}); a smaller model or dtype would "
-        f"fit")
+        f"{arch.num_hidden_layers}, intermediate_size={arch.intermediate_size}): at most "
+        f"{max(room - rope, 0) // dtype_bytes:,} parameters would fit")
 
 
 # ---------------------------------------------------------------- step buffers and the KV pool
@@ -177,8 +177,9 @@ def check_step_fits(shape: EngineShape, free: int | None, where: str) -> None:
             f"use: at most {fit:,} would fit")
     fit = _max_tokens(shape, room - seq_part)
     raise ConfigError(
-        f"scheduler.max_num_batched_tokens={shape.max_num_tokens:,} needs {fmt_bytes(tok_part)} of step buffers and "
-        f"activations, and {where} has {fmt_bytes(room)} free to use: at most {fit:,} tokens per step would fit")
+        f"scheduler.max_num_batched_tokens: a step of {shape.max_num_tokens:,} tokens (the budget, capped at "
+        f"max_num_seqs x max_model_len) needs {fmt_bytes(tok_part)} of step buffers and activations, and {where} has "
+        f"{fmt_bytes(room)} free to use: at most {fit:,} tokens per step would fit")
 
 
 def _max_tokens(shape: EngineShape, room: int) -> int:
