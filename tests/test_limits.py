@@ -9,7 +9,7 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.config import ConfigError
 from minillm.limits import (EngineShape, cgroup_free, check_kv_fits, check_request, check_step_fits,
-                            check_weights_fit, usable)
+                            check_weights_fit)
 from minillm.model.loader import resolve_arch
 from minillm.runner import kv_sizing
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, BinaryIO, Iterator
 
 from minillm.sampling_params import SamplingParams
-from minillm.untrusted import MAX_JSON_DEPTH, TooNested, loads_json, short_repr
+from minillm.untrusted import TooNested, loads_json, short_repr
 
 MAX_LINE_BYTES = 1 << 20   # 1 MiB: longer lines get a "line_too_long" answer and are skipped, never buffered
 _READ_CHUNK = 1 << 16
