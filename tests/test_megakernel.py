@@ -72,6 +72,42 @@ def test_emulation_catches_a_wrong_layout():
     assert not torch.allclose(wrong[:4], x @ w.T, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 8, 32), (5, 16, 64), (16, 24, 96)])
+def test_emulated_gemv_from_the_shared_tile_matches_matmul(rows, n, k):
+    """The norm output as the kernel stores it (row-major, rows padded to act_tile_stride, rows >= batch left as
+    whatever the region held), read through the kernel's ldmatrix addressing, gives x @ W^T in the live rows."""
+    g = torch.Generator().manual_seed(rows * n + k + 7)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    stride = mk.act_tile_stride(k)
+    tile = torch.full((16 * stride,), float("nan"))           # stale contents: never written for rows >= batch
+    for m in range(rows):
+        tile[m * stride:m * stride + k] = x[m]
+    out = mk.emulate_gemv(mk.pack_granules(w), None, n, k, a_words=mk.ldmatrix_a_words(tile, k, stride))
+    torch.testing.assert_close(out[:rows], x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_shared_tile_emulation_catches_a_wrong_stride():
+    """The same check with the tile read at an unpadded stride fails: the emulation follows the addresses."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(16, 64, generator=g), torch.randn(8, 64, generator=g)
+    stride = mk.act_tile_stride(64)
+    tile = torch.zeros(16 * stride)
+    for m in range(16):
+        tile[m * stride:m * stride + 64] = x[m]
+    wrong = mk.emulate_gemv(mk.pack_granules(w), None, 8, 64, a_words=mk.ldmatrix_a_words(tile, 64, 64))
+    assert not torch.allclose(wrong, x @ w.T, atol=1e-2)
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 96, 1024, 1536, 2048])
+def test_shared_tile_reads_are_bank_conflict_free(hidden):
+    """Every ldmatrix phase of gemv_smem_a addresses 8 different 16-byte bank groups with the padded stride (the
+    norm's own 16-byte stores are consecutive chunks of a row, conflict-free by construction); without the pad
+    every phase conflicts (the check can fail)."""
+    assert all(len(set(ph)) == 8 for ph in mk.ldmatrix_bank_groups(hidden, mk.act_tile_stride(hidden)))
+    assert all(len(set(ph)) < 8 for ph in mk.ldmatrix_bank_groups(hidden, hidden))
+
+
 @pytest.mark.parametrize("seq_lens,hkv,ctas", [
     ([128], 8, 132), ([2048], 8, 132), ([1, 16, 17, 4096], 8, 132), ([8192], 1, 132), ([5] * 16, 8, 132),
     ([3000, 1, 33, 4100, 300], 2, 132), ([100] * 16, 8, 114), ([0, 7], 4, 20), ([9000, 9000], 8, 16),

@@ -8,9 +8,10 @@
 //
 // Shape of the launch: one CTA of 8 warps per SM (cooperative launch, so every CTA is resident), 5 phases per
 // layer separated by grid-wide barriers (a counter in global memory, zeroed by the launcher before each launch):
-//   QKV   every CTA normalises the residual stream itself (it is B x hidden, tiny) into shared memory, then
-//         multiplies its own granules (8 weight rows each) of the QKV weight: mma.sync m16n8k16 with the batch as
-//         the 16 rows of A and 8 weight rows as B; output (+ bias) to a row-major qkv buffer.
+//   QKV   every CTA normalises the live rows of the residual stream itself (B x hidden, tiny) into a row-major
+//         shared tile, then multiplies its own granules (8 weight rows each) of the QKV weight: mma.sync m16n8k16
+//         with the batch as the 16 rows of A (ldmatrix from the tile) and 8 weight rows as B; output (+ bias) to a
+//         row-major qkv buffer.
 //   ATT   work items (sequence, KV head, context partition), partitions sized from the device-side seq_lens so the
 //         items about fill the grid. An item applies q-norm + RoPE to its group's query heads; the item holding the
 //         sequence's last position also makes the new k/v (k-norm + RoPE), stores them at slot_mapping and uses
@@ -187,7 +188,7 @@ struct Phases;
 struct Smem {
   unsigned char* w0;   // QKV / GU weight slices
   unsigned char* w1;   // O / DOWN weight slices
-  unsigned char* uni;  // norm output (A fragments) | GEMV cross-warp sums | attention ring and merges
+  unsigned char* uni;  // norm output (A tile) | GEMV cross-warp sums | attention ring and merges
   unsigned char* qtile;
   uint64_t* bars;      // [2] mbarriers of w0 / w1
   Phases* ph;          // this CTA's weight slices (kept in shared memory, not in registers)
@@ -237,20 +238,37 @@ __device__ void make_plan(const MegakernelParams& p, AttnPlan* plan) {
   plan->items = base;
 }
 
-// ---- RMSNorm of the residual stream into A fragments ----------------------------------------------------------
-// Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. Rows past the
-// batch are written as zeros. With write_resid, the CTA that owns row m (m % grid) stores the raw row as the
-// residual stream (layer 0: the residual is the embedding).
+// ---- RMSNorm of the residual stream into the shared A tile --------------------------------------------------
+// The A operand of the QKV and gate_up GEMVs lives in shared memory as a row-major tile of 16 rows of H + kActPad
+// elements, read with ldmatrix (gemv_smem_a). The pad makes the row stride an odd number of 16-byte chunks
+// (H % 16 == 0), so the 8 rows an ldmatrix phase addresses at one column fall in 8 different bank groups, and a
+// warp writing 32 consecutive 16-byte chunks of one row is conflict-free too. (The first version stored fragment
+// order with 4-byte stores, every row touching 8 of the 32 banks: 16-way conflicts, ~2 us per norm on every CTA.)
+// Only rows < batch are written: the mma rows are independent, so whatever rows >= batch hold (the region is
+// shared with the attention ring) only reaches output rows that no epilogue stores.
+constexpr int kActPad = 8;
+__host__ __device__ constexpr int act_stride(int H) { return H + kActPad; }
+
+// Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. With from_embed,
+// the CTA that owns row m (m % grid) stores the raw row as the residual stream (layer 0: the residual is the
+// embedding).
 template <typename T>
-__device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, uint32_t* act) {
+__device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int H = p.hidden, nvec = H / 8;
+  const int H = p.hidden, nvec = H / 8, AS = act_stride(H);
+  if (warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
+  // The norm weight does not depend on the row: its loads go out with (not after) the first row's.
+  uint4 wv[kMaxVec];
+#pragma unroll
+  for (int j = 0; j < kMaxVec; ++j) {
+    const int idx = lane + 32 * j;
+    wv[j] = idx < nvec ? reinterpret_cast<const uint4*>(weight)[idx] : make_uint4(0, 0, 0, 0);
+  }
 #pragma unroll 1  // one row at a time: two rows' registers at once would spill
-  for (int m = warp; m < kMegaMaxBatch; m += kWarps) {
-    const bool live = m < p.batch;
+  for (int m = warp; m < p.batch; m += kWarps) {
     const T* row = static_cast<const T*>(p.resid) + (int64_t)m * H;
     bool id_ok = true;
-    if (live && from_embed) {
+    if (from_embed) {
       const int64_t id = p.input_ids[m];
       id_ok = id >= 0 && id < p.vocab_size;
       row = static_cast<const T*>(p.embed) + (id_ok ? id : 0) * H;
@@ -261,7 +279,7 @@ __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T*
     for (int j = 0; j < kMaxVec; ++j) {
       const int idx = lane + 32 * j;
       v[j] = make_uint4(0, 0, 0, 0);
-      if (live && idx < nvec) {
+      if (idx < nvec) {
         const uint4* src = reinterpret_cast<const uint4*>(row) + idx;
         v[j] = from_embed ? *src : __ldcg(src);
         const uint32_t w4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
@@ -274,35 +292,31 @@ __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T*
     }
     ss = warp_sum_xor(ss, 1, 32);
     const float inv = id_ok ? rsqrtf(ss / H + p.eps) : CUDART_NAN_F;
-    const bool store_resid = live && from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
+    const bool store_resid = from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
+    uint4* dst = reinterpret_cast<uint4*>(act + m * AS);
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
       const int idx = lane + 32 * j;
       if (idx >= nvec) continue;
       if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(p.resid) + (int64_t)m * H)[idx] = v[j];
-      const uint4 wv = reinterpret_cast<const uint4*>(weight)[idx];
-      const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv.x, wv.y, wv.z, wv.w};
-      const int k0 = idx * 8;
+      const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+      uint32_t o4[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        uint32_t out = 0;
-        if (live) {
-          // As rms_norm_ref: x * rsqrt(mean + eps), times the weight, one rounding.
-          out = pack2<T>(__fmul_rn(__fmul_rn(lo_f<T>(x4[e]), inv), lo_f<T>(g4[e])),
+      for (int e = 0; e < 4; ++e)  // as rms_norm_ref: x * rsqrt(mean + eps), times the weight, one rounding
+        o4[e] = pack2<T>(__fmul_rn(__fmul_rn(lo_f<T>(x4[e]), inv), lo_f<T>(g4[e])),
                          __fmul_rn(__fmul_rn(hi_f<T>(x4[e]), inv), hi_f<T>(g4[e])));
-        }
-        act[frag_u32(m, k0 + 2 * e)] = out;
-      }
+      dst[idx] = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
   }
 }
 
 // ---- GEMV on tensor cores ---------------------------------------------------------------------------------------
-// acc[g] (C fragment: rows = batch, columns = the granule's 8 weight rows) += A x W_g^T over one k-pair.
+// acc[g] (C fragment: rows = batch, columns = the granule's 8 weight rows) += A x W_g^T over one k-pair; a_lo and
+// a_hi are the A registers of its two k-steps.
 template <typename T>
-__device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint4& lo, const uint4& hi,
-                                          const uint4* w, int n_gran, int kpairs, int kp, int lane) {
-  const uint32_t a_lo[4] = {lo.x, lo.y, lo.z, lo.w}, a_hi[4] = {hi.x, hi.y, hi.z, hi.w};
+__device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint32_t (&a_lo)[4],
+                                          const uint32_t (&a_hi)[4], const uint4* w, int n_gran, int kpairs, int kp,
+                                          int lane) {
 #pragma unroll
   for (int g = 0; g < kMaxGran; ++g) {
     if (g < n_gran) {
@@ -313,32 +327,53 @@ __device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint4
   }
 }
 
-// Each warp takes an equal share of the K dimension (in k-pairs = 32 columns) for all of the CTA's granules; the
-// warps' partial sums are added in gemv_sum. A comes from shared memory (the CTA's own norm output) or, with
-// A_GLOBAL, from a global A-fragment buffer another phase wrote, read through L2 into registers kRound k-pairs at a
-// time (o_proj of Qwen3-0.6B: 8 k-pairs per warp, one round; down_proj: 12, two). Loading only the live half of
-// each fragment at B <= 8 would make down one round, but its registers made the whole kernel spill (tried).
-template <typename T, bool A_GLOBAL>
-__device__ __forceinline__ void gemv_accumulate(const uint4* w, int n_gran, int kpairs, const uint4* a,
-                                                float (&acc)[kMaxGran][4]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+__device__ __forceinline__ void zero_acc(float (&acc)[kMaxGran][4]) {
 #pragma unroll
   for (int g = 0; g < kMaxGran; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+}
+
+// Each warp takes an equal share of the K dimension (in k-pairs = 32 columns) for all of the CTA's granules; the
+// warps' partial sums are added in gemv_sum. Here A is the CTA's own norm output, the shared tile of norm_to_act:
+// for ldmatrix.x4 lane l gives the address of row l % 16 at column 8 (l / 16) of the k-step, so its four 8x8
+// matrices are rows 0-7 | 8-15 at k 0-7, then rows 0-7 | 8-15 at k 8-15: the A registers a0..a3 of m16n8k16.
+template <typename T>
+__device__ __forceinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpairs, const T* act, int AS,
+                                            float (&acc)[kMaxGran][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  zero_acc(acc);
   const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
   if (n_gran == 0) return;
-  if constexpr (!A_GLOBAL) {
-    for (int kp = kp_begin; kp < kp_end; ++kp)
-      mma_kpair<T>(acc, a[(2 * kp) * 32 + lane], a[(2 * kp + 1) * 32 + lane], w, n_gran, kpairs, kp, lane);
-  } else {
+  const T* arow = act + (lane & 15) * AS + 8 * (lane >> 4);
+  for (int kp = kp_begin; kp < kp_end; ++kp) {
+    uint32_t lo[4], hi[4];
+    ldmatrix_x4(lo, arow + 32 * kp);
+    ldmatrix_x4(hi, arow + 32 * kp + 16);
+    mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp, lane);
+  }
+}
+
+// As gemv_smem_a with A from a global A-fragment buffer another phase wrote, read through L2 into registers kRound
+// k-pairs at a time (o_proj of Qwen3-0.6B: 8 k-pairs per warp, one round; down_proj: 12, two).
+template <typename T>
+__device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a,
+                                              float (&acc)[kMaxGran][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  zero_acc(acc);
+  const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
+  if (n_gran == 0) return;
 #pragma unroll 1
-    for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound) {
-      uint4 f[2 * kRound];
+  for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound) {
+    uint4 f[2 * kRound];
 #pragma unroll
-      for (int i = 0; i < 2 * kRound; ++i)
-        if (2 * kp0 + i < 2 * kp_end) f[i] = __ldcg(a + (int64_t)(2 * kp0 + i) * 32 + lane);
+    for (int i = 0; i < 2 * kRound; ++i)
+      if (2 * kp0 + i < 2 * kp_end) f[i] = __ldcg(a + (int64_t)(2 * kp0 + i) * 32 + lane);
 #pragma unroll
-      for (int i = 0; i < kRound; ++i)
-        if (kp0 + i < kp_end) mma_kpair<T>(acc, f[2 * i], f[2 * i + 1], w, n_gran, kpairs, kp0 + i, lane);
+    for (int i = 0; i < kRound; ++i) {
+      if (kp0 + i < kp_end) {
+        const uint32_t lo[4] = {f[2 * i].x, f[2 * i].y, f[2 * i].z, f[2 * i].w};
+        const uint32_t hi[4] = {f[2 * i + 1].x, f[2 * i + 1].y, f[2 * i + 1].z, f[2 * i + 1].w};
+        mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + i, lane);
+      }
     }
   }
 }
@@ -877,18 +912,19 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
   float acc[kMaxGran][4];
-  uint32_t* act = reinterpret_cast<uint32_t*>(sm.uni);
+  T* act = reinterpret_cast<T*>(sm.uni);
+  const int AS = act_stride(d.H);
   float4* red = reinterpret_cast<float4*>(sm.uni);
 
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const bool more = layer + 1 < p.num_layers;
-    // QKV: norm -> A fragments in shared memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
+    // QKV: norm -> A tile in shared memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
     norm_to_act<T>(p, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
     __syncthreads();
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
-    gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32,
-                              reinterpret_cast<const uint4*>(act), acc);
+    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32, act, AS,
+                   acc);
     __syncthreads();
     if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
@@ -912,8 +948,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     resid_prefetch<T>(p, d, ph.o, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
-    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
-                             static_cast<const uint4*>(p.attn_frag), acc);
+    gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
+                     static_cast<const uint4*>(p.attn_frag), acc);
     __syncthreads();
     if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
@@ -921,14 +957,13 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier(counter, ++epoch);
 
-    // GU: norm -> A fragments; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
+    // GU: norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
     norm_to_act<T>(p, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
     __syncthreads();
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
     const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
-    gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32,
-                              reinterpret_cast<const uint4*>(act), acc);
+    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, acc);
     __syncthreads();
     if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     gemv_stage(acc, gu_gran, red);
@@ -940,8 +975,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     resid_prefetch<T>(p, d, ph.down, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
-    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
-                             static_cast<const uint4*>(p.h_frag), acc);
+    gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
+                     static_cast<const uint4*>(p.h_frag), acc);
     __syncthreads();
     if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
@@ -972,7 +1007,7 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
   if (std::max(std::max(gq, 2 * gp), go) > kMaxGran) return cudaErrorInvalidValue;
   plan->w0 = round_up(2LL * std::max(gq * 8LL * H, gp * 16LL * H), 128);
   plan->w1 = round_up(2LL * std::max(go * 8LL * Kq, go * 8LL * I), 128);
-  const int64_t act = 16LL * H * 2;
+  const int64_t act = 16LL * act_stride(H) * 2;
   const int64_t red = (int64_t)kWarps * std::max(std::max(gq, 2 * gp), go) * 32 * 16;
   const int64_t ring = (int64_t)kWarps * (128 / D) * 2 * kChunk * D * 2;
   const int64_t warp_merge = (int64_t)kWarps * G * D * 4 + 2LL * kWarps * G * 4;

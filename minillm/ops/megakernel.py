@@ -36,6 +36,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 MAX_GROUP = 16
 DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
+ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
 # ---- weight and activation layouts -------------------------------------------------------------------------------
@@ -83,13 +84,52 @@ def pack_act_fragments(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def act_tile_stride(hidden: int) -> int:
+    """Row stride (elements) of the shared-memory A tile the kernel's norms write: 16 rows of hidden + ACT_PAD, an
+    odd number of 16-byte chunks, so that the 8 rows one ldmatrix phase reads lie in 8 different bank groups."""
+    return hidden + ACT_PAD
+
+
+def ldmatrix_a_words(tile: torch.Tensor, k: int, stride: int) -> torch.Tensor:
+    """The A registers [k / 16, lane, reg, half] that gemv_smem_a gets from a row-major shared tile (flat, row m of
+    width k at m * stride), built from its per-lane addresses (lane l: row l % 16, column 16 ks + 8 (l / 16)) and
+    the PTX rule of ldmatrix.x4 (lanes 8j..8j+7 address the 8 rows of matrix j; lane t receives elements
+    2 (t % 4), +1 of row t / 4 of matrix j in register j)."""
+    words = torch.zeros(k // 16, 32, 4, 2, dtype=tile.dtype)
+    for ks in range(k // 16):
+        addr = [(lane % 16) * stride + 16 * ks + 8 * (lane // 16) for lane in range(32)]
+        for t in range(32):
+            for j in range(4):
+                base = addr[8 * j + t // 4] + 2 * (t % 4)
+                words[ks, t, j] = tile[base:base + 2]
+    return words
+
+
+def ldmatrix_bank_groups(k: int, stride: int) -> list[list[int]]:
+    """16-byte bank groups (of 8) of the 8 row addresses in each ldmatrix phase of gemv_smem_a, element size 2:
+    a phase is conflict-free when its 8 groups differ."""
+    phases = []
+    for ks in range(k // 16):
+        addr = [(lane % 16) * stride + 16 * ks + 8 * (lane // 16) for lane in range(32)]
+        phases += [[(addr[8 * j + i] * 2 // 16) % 8 for i in range(8)] for j in range(4)]
+    return phases
+
+
+def global_a_words(act: torch.Tensor, k: int) -> torch.Tensor:
+    """The A registers [k / 16, lane, reg, half] of a global A-fragment buffer (act_fragment_index layout) as
+    gemv_global_a loads them."""
+    return act.view(k // 16, 32, 4, 2)
+
+
+def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int, a_words: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """What the kernel's tensor-core loop computes, [16, n] in fp32, built only from the PTX fragment rules of
     mma.m16n8k16 (A: a0a1 row g, a2a3 row g + 8, a4a5 col + 8, a6a7 both; B: b0b1 k = 2q, b2b3 k = 2q + 8, n = l / 4)
-    applied to the per-lane 16-byte words the kernel loads: a check of both layouts that needs no GPU."""
+    applied to the per-lane words the kernel loads: a check of both layouts that needs no GPU. A is the global
+    A-fragment buffer `act`, or the per-lane registers `a_words` (e.g. from ldmatrix_a_words)."""
     lanes = torch.arange(32)
     grp, q = lanes // 4, lanes % 4
-    a_words = act.float().view(k // 16, 32, 4, 2)            # [step, lane, reg, half]
+    a_words = (global_a_words(act, k) if a_words is None else a_words).float()   # [step, lane, reg, half]
     w_words = packed_w.float().view(n // 8, k // 32, 32, 4, 2)  # [granule, pair, lane, t, half]
     a = torch.zeros(k // 16, 16, 16)
     for reg in range(4):
@@ -162,7 +202,7 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     gq, gp, go = -(-nqkv // 8 // n), -(-inter // 8 // n), -(-hidden // 8 // n)
     max_gran = max(gq, 2 * gp, go)
     plan = dict(w0=up(2 * max(gq * 8 * hidden, gp * 16 * hidden)), w1=up(2 * max(go * 8 * kq, go * 8 * inter)))
-    uni = max(16 * hidden * 2, WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
+    uni = max(16 * act_tile_stride(hidden) * 2, WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
               WARPS * group * d * 4 + 2 * WARPS * group * 4, group * MAX_PARTITIONS * 4 + group * 4)
     plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(16 + 96 + 4 * (3 + 3 * MAX_BATCH + 1)))
     plan["total"] = sum(plan.values())
