@@ -47,10 +47,12 @@ def test_act_fragment_index_is_a_permutation():
     k = 64
     m = torch.arange(16)[:, None].expand(16, k)
     kk = torch.arange(k)[None, :].expand(16, k)
-    idx = mk.act_fragment_index(m, kk).reshape(-1)
+    idx = mk.act_fragment_index(m, kk, k).reshape(-1)
     assert sorted(idx.tolist()) == list(range(16 * k))
-    # Pairs (k, k + 1) with k even share a 32-bit word; lane 4 * (m % 8) + (k % 8) // 2 of block k // 16.
-    assert mk.act_fragment_index(9, 26) == ((1 * 32 + 1 * 4 + 1) * 4 + 2 + 1) * 2 + 0
+    # Row 9, k-pair 0, quad position (26 % 8) // 2 = 1, word (k-step 1, high half) 3: u32 (9 * 2 * 4 + 1) * 4 + 3.
+    assert mk.act_fragment_index(9, 26, k) == ((9 * 2 + 0) * 4 + 1) * 4 * 2 + 3 * 2 + 0
+    # Row m's elements are one contiguous range (the kernel reads and writes only the live rows).
+    assert set(mk.act_fragment_index(torch.tensor(3), torch.arange(k), k).tolist()) == set(range(3 * k, 4 * k))
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 8, 32), (3, 16, 64), (16, 24, 96)])
@@ -60,6 +62,12 @@ def test_emulated_tensor_core_gemv_matches_matmul(rows, n, k):
     x = torch.randn(rows, k, generator=g)
     w = torch.randn(n, k, generator=g)
     out = mk.emulate_gemv(mk.pack_granules(w), mk.pack_act_fragments(x), n, k)
+    torch.testing.assert_close(out[:rows], x @ w.T, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(out[rows:]) == 0
+    # As gemv_global_a reads it: rows >= batch are stale (NaN here) and never loaded.
+    act = mk.pack_act_fragments(x)
+    act[rows * k:] = float("nan")
+    out = mk.emulate_gemv(mk.pack_granules(w), None, n, k, a_words=mk.global_a_words(act, k, batch=rows))
     torch.testing.assert_close(out[:rows], x @ w.T, rtol=1e-5, atol=1e-4)
     assert torch.count_nonzero(out[rows:]) == 0
 

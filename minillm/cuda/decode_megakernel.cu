@@ -17,10 +17,10 @@
 //         sequence's last position also makes the new k/v (k-norm + RoPE), stores them at slot_mapping and uses
 //         them from shared memory. K/V chunks of 16 tokens stream through a per-warp cp.async ring; scores and
 //         P V on tensor cores with an online softmax (as in paged_decode.cu). Split sequences: the last item to
-//         finish (ticket counter) merges the partitions. Output in A-fragment order for o_proj.
-//   O     o_proj over the CTA's granules, A fragments straight from global memory into registers; the epilogue
-//         adds the residual (residual stream updated in place by the owner of each row).
-//   GU    add-free RMSNorm of the residual stream, gate/up granule pairs, SwiGLU in the epilogue -> A fragments.
+//         finish (ticket counter) merges the partitions. Output in row-fragment order for o_proj.
+//   O     o_proj over the CTA's granules, the live rows' A words straight from global memory into registers; the
+//         epilogue adds the residual (residual stream updated in place by the owner of each row).
+//   GU    add-free RMSNorm of the residual stream, gate/up granule pairs, SwiGLU in the epilogue -> row fragments.
 //   DOWN  down_proj, residual add in the epilogue.
 // No split-K anywhere: every output row is finished by one CTA, so results do not depend on timing.
 // Weights do not depend on activations, so each phase's slice is bulk-copied (cp.async.bulk, completing on an
@@ -86,9 +86,10 @@ __device__ __forceinline__ float ld_plain(const T* p) {
   return Elem<T>::to_f(*reinterpret_cast<const unsigned short*>(p));
 }
 
-// u32 index of the element pair (m, k), (m, k + 1) (k even) in an A-fragment buffer (layout in megakernel.h).
-__device__ __forceinline__ int frag_u32(int m, int k) {
-  return ((k >> 4) * 32 + (m & 7) * 4 + ((k & 7) >> 1)) * 4 + ((k & 8) >> 2) + (m >> 3);
+// u32 index of the element pair (m, k), (m, k + 1) (k even) in a row-fragment buffer of width K (layout in
+// megakernel.h): row m's 16 bytes for lane quad position q of k-pair k / 32 hold its A words of both k-steps.
+__device__ __forceinline__ int64_t rowfrag_u32(int m, int k, int K) {
+  return (((int64_t)m * (K / 32) + (k >> 5)) * 4 + ((k & 7) >> 1)) * 4 + ((k >> 4) & 1) * 2 + ((k >> 3) & 1);
 }
 
 // ---- sm_90 primitives ------------------------------------------------------------------------------------------
@@ -352,26 +353,37 @@ __device__ __forceinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpai
   }
 }
 
-// As gemv_smem_a with A from a global A-fragment buffer another phase wrote, read through L2 into registers kRound
-// k-pairs at a time (o_proj of Qwen3-0.6B: 8 k-pairs per warp, one round; down_proj: 12, two).
+// As gemv_smem_a with A from a global row-fragment buffer another phase wrote (megakernel.h), read through L2 into
+// registers kRound k-pairs at a time (o_proj of Qwen3-0.6B: 8 k-pairs per warp, one round; down_proj: 12, two).
+// Lane (g, q) loads row g's and row g + 8's 16 bytes of each k-pair: the A registers {a0, a2} and {a1, a3} of both
+// k-steps. Rows >= batch are neither read nor multiplied by anything but zeros, so the L2 traffic is B rows, not 16
+// (the first version read all 16 rows on every CTA: 64 KB for o_proj, 96 KB for down at any B).
 template <typename T>
-__device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a,
+__device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a, int batch,
                                               float (&acc)[kMaxGran][4]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   zero_acc(acc);
   const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
   if (n_gran == 0) return;
+  const bool live0 = g < batch, live8 = g + 8 < batch;
+  const uint4* row0 = a + (int64_t)g * kpairs * 4 + q;
+  const uint4* row8 = a + (int64_t)(g + 8) * kpairs * 4 + q;
 #pragma unroll 1
   for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound) {
-    uint4 f[2 * kRound];
+    uint4 f0[kRound], f8[kRound];
 #pragma unroll
-    for (int i = 0; i < 2 * kRound; ++i)
-      if (2 * kp0 + i < 2 * kp_end) f[i] = __ldcg(a + (int64_t)(2 * kp0 + i) * 32 + lane);
+    for (int i = 0; i < kRound; ++i) {
+      f0[i] = f8[i] = make_uint4(0, 0, 0, 0);
+      if (kp0 + i < kp_end) {
+        if (live0) f0[i] = __ldcg(row0 + (int64_t)(kp0 + i) * 4);
+        if (live8) f8[i] = __ldcg(row8 + (int64_t)(kp0 + i) * 4);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kRound; ++i) {
       if (kp0 + i < kp_end) {
-        const uint32_t lo[4] = {f[2 * i].x, f[2 * i].y, f[2 * i].z, f[2 * i].w};
-        const uint32_t hi[4] = {f[2 * i + 1].x, f[2 * i + 1].y, f[2 * i + 1].z, f[2 * i + 1].w};
+        const uint32_t lo[4] = {f0[i].x, f8[i].x, f0[i].y, f8[i].y};
+        const uint32_t hi[4] = {f0[i].z, f8[i].z, f0[i].w, f8[i].w};
         mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + i, lane);
       }
     }
@@ -501,8 +513,8 @@ __device__ void swiglu_epilogue(const MegakernelParams& p, const Phase& ph, cons
       y[e] = __fmul_rn(round_t<T>(g / (1.f + expf(-g))), u);
     }
     const int i = (ph.gran.begin + j) * 8 + 2 * (lane % 4), m0 = lane / 4;
-    if (m0 < p.batch) h[frag_u32(m0, i)] = pack2<T>(y[0], y[1]);
-    if (m0 + 8 < p.batch) h[frag_u32(m0 + 8, i)] = pack2<T>(y[2], y[3]);
+    if (m0 < p.batch) h[rowfrag_u32(m0, i, p.inter)] = pack2<T>(y[0], y[1]);
+    if (m0 + 8 < p.batch) h[rowfrag_u32(m0 + 8, i, p.inter)] = pack2<T>(y[2], y[3]);
   }
 }
 
@@ -656,10 +668,10 @@ __device__ __forceinline__ void attn_prologue(const MegakernelParams& p, const D
   for (int j = 0; j < Att<D>::S; ++j) issue_chunk<T, D>(p, d, layer, it, j, ring, lane);
 }
 
-// Writes head row j of the group for sequence b (fp32 values of D dims, dims d and d + 1) into the A fragments.
+// Writes dims dd, dd + 1 of query head `head` of sequence b into the row fragments of o_proj's input.
 template <typename T>
 __device__ __forceinline__ void store_attn(const MegakernelParams& p, int b, int head, int D, int dd, float y0, float y1) {
-  static_cast<uint32_t*>(p.attn_frag)[frag_u32(b, head * D + dd)] = pack2<T>(y0, y1);
+  static_cast<uint32_t*>(p.attn_frag)[rowfrag_u32(b, head * D + dd, p.num_heads * D)] = pack2<T>(y0, y1);
 }
 
 // Merge the P partitions of (b, kvh) (their partial rows are items first .. first + P - 1) into the output.
@@ -943,13 +955,13 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     }
     grid_barrier(counter, ++epoch);
 
-    // O: A fragments from global memory; then buffer 1 takes DOWN's slice.
+    // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
     uint32_t old_resid[2];
     resid_prefetch<T>(p, d, ph.o, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
-                     static_cast<const uint4*>(p.attn_frag), acc);
+                     static_cast<const uint4*>(p.attn_frag), p.batch, acc);
     __syncthreads();
     if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
@@ -971,12 +983,12 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier(counter, ++epoch);
 
-    // DOWN: A fragments from global memory; then buffer 1 takes the next layer's O slice.
+    // DOWN: A from the global row fragments; then buffer 1 takes the next layer's O slice.
     resid_prefetch<T>(p, d, ph.down, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
-                     static_cast<const uint4*>(p.h_frag), acc);
+                     static_cast<const uint4*>(p.h_frag), p.batch, acc);
     __syncthreads();
     if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);

@@ -66,21 +66,22 @@ def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=1).reshape(-1)
 
 
-def act_fragment_index(m: torch.Tensor | int, k: torch.Tensor | int):
-    """Element index of (batch row m < 16, column k) in an A-fragment buffer of 16 rows (megakernel.h): block
-    k // 16 of 32 lanes x 8 elements, lane (m % 8) * 4 + (k % 8) // 2, register (k % 16 >= 8) * 2 + (m >= 8)."""
-    lane = (m % 8) * 4 + (k % 8) // 2
-    reg = (k % 16 >= 8) * 2 + (m >= 8) * 1
-    return ((k // 16 * 32 + lane) * 4 + reg) * 2 + k % 2
+def act_fragment_index(m: torch.Tensor | int, k: torch.Tensor | int, width: int):
+    """Element index of (batch row m < 16, column k) in a global row-fragment buffer of 16 rows of `width` columns
+    (megakernel.h): row m is contiguous; its 16 bytes at (k-pair k // 32, quad position q = (k % 8) // 2) hold
+    words (k % 32 >= 16) * 2 + (k % 16 >= 8), i.e. the A registers a0/a2 (a1/a3 for rows 8..15) of mma lane
+    4 (m % 8) + q for both k-steps of the k-pair."""
+    word = (k % 32 >= 16) * 2 + (k % 16 >= 8) * 1
+    return (((m * (width // 32) + k // 32) * 4 + (k % 8) // 2) * 4 + word) * 2 + k % 2
 
 
 def pack_act_fragments(x: torch.Tensor) -> torch.Tensor:
-    """[rows <= 16, K] -> flat [16 * K] A fragments (rows past x's are zero)."""
+    """[rows <= 16, K] -> flat [16 * K] row fragments (rows past x's are zero)."""
     rows, k = x.shape
     out = torch.zeros(16 * k, dtype=x.dtype, device=x.device)
     m = torch.arange(rows, device=x.device)[:, None].expand(rows, k)
     kk = torch.arange(k, device=x.device)[None, :].expand(rows, k)
-    out[act_fragment_index(m, kk).reshape(-1)] = x.reshape(-1)
+    out[act_fragment_index(m, kk, k).reshape(-1)] = x.reshape(-1)
     return out
 
 
@@ -115,10 +116,24 @@ def ldmatrix_bank_groups(k: int, stride: int) -> list[list[int]]:
     return phases
 
 
-def global_a_words(act: torch.Tensor, k: int) -> torch.Tensor:
-    """The A registers [k / 16, lane, reg, half] of a global A-fragment buffer (act_fragment_index layout) as
-    gemv_global_a loads them."""
-    return act.view(k // 16, 32, 4, 2)
+def global_a_words(act: torch.Tensor, k: int, batch: int = 16) -> torch.Tensor:
+    """The A registers [k / 16, lane, reg, half] that gemv_global_a loads from a row-fragment buffer: lane
+    (g = l / 4, q = l % 4) reads the 16 bytes of row g (registers 0, 2) and of row g + 8 (registers 1, 3) at each
+    k-pair, word 2 (step % 2) + reg / 2 of them; rows >= batch are not read and count as zeros."""
+    words = torch.zeros(k // 16, 32, 4, 2, dtype=act.dtype)
+    flat = act.view(-1, 4, 2)                                  # [16-byte slot * 4 words, ...] -> per u32 word
+    kpairs = k // 32
+    for step in range(k // 16):
+        kp, t = step // 2, step % 2
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            for reg in range(4):
+                row = g + 8 * (reg % 2)
+                if row >= batch:
+                    continue
+                slot = (row * kpairs + kp) * 4 + q
+                words[step, lane, reg] = flat[slot, 2 * t + reg // 2]
+    return words
 
 
 def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int, a_words: torch.Tensor | None = None
@@ -126,7 +141,8 @@ def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int, a_wo
     """What the kernel's tensor-core loop computes, [16, n] in fp32, built only from the PTX fragment rules of
     mma.m16n8k16 (A: a0a1 row g, a2a3 row g + 8, a4a5 col + 8, a6a7 both; B: b0b1 k = 2q, b2b3 k = 2q + 8, n = l / 4)
     applied to the per-lane words the kernel loads: a check of both layouts that needs no GPU. A is the global
-    A-fragment buffer `act`, or the per-lane registers `a_words` (e.g. from ldmatrix_a_words)."""
+    row-fragment buffer `act` (all 16 rows read), or the per-lane registers `a_words` (from ldmatrix_a_words or
+    global_a_words)."""
     lanes = torch.arange(32)
     grp, q = lanes // 4, lanes % 4
     a_words = (global_a_words(act, k) if a_words is None else a_words).float()   # [step, lane, reg, half]
