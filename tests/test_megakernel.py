@@ -72,6 +72,18 @@ def test_emulated_tensor_core_gemv_matches_matmul(rows, n, k):
     assert torch.count_nonzero(out[rows:]) == 0
 
 
+@pytest.mark.parametrize("kpairs", [1, 7, 64, 96, 100, 129, 200])
+@pytest.mark.parametrize("batch", [1, 8, 9, 16])
+def test_global_a_rounds_cover_every_k_pair_once(kpairs, batch):
+    """gemv_global_a's loop (mirrored): every k-pair multiplied exactly once over the warps; down_proj of
+    Qwen3-0.6B (96 k-pairs) takes one L2 round trip per warp at B <= 8, two above."""
+    rounds = mk.global_a_rounds(kpairs, batch)
+    done = sorted(kp for warp in rounds for r in warp for kp in r)
+    assert done == list(range(kpairs))
+    if kpairs == 96:
+        assert max(len(w) for w in rounds) == (1 if batch <= 8 else 2)
+
+
 def test_emulation_catches_a_wrong_layout():
     """The check above can fail: rows of W packed without the granule permutation give a different product."""
     g = torch.Generator().manual_seed(1)

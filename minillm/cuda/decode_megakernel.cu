@@ -354,10 +354,12 @@ __device__ __forceinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpai
 }
 
 // As gemv_smem_a with A from a global row-fragment buffer another phase wrote (megakernel.h), read through L2 into
-// registers kRound k-pairs at a time (o_proj of Qwen3-0.6B: 8 k-pairs per warp, one round; down_proj: 12, two).
-// Lane (g, q) loads row g's and row g + 8's 16 bytes of each k-pair: the A registers {a0, a2} and {a1, a3} of both
-// k-steps. Rows >= batch are neither read nor multiplied by anything but zeros, so the L2 traffic is B rows, not 16
-// (the first version read all 16 rows on every CTA: 64 KB for o_proj, 96 KB for down at any B).
+// registers. Lane (g, q) loads row g's and row g + 8's 16 bytes of each k-pair: the A registers {a0, a2} and
+// {a1, a3} of both k-steps. Rows >= batch are never read (the first version read all 16 rows on every CTA: 64 KB for
+// o_proj, 96 KB for down at any B). At B <= 8 rows 8..15 are dead, so the registers of their words carry row g of
+// the next kRound k-pairs instead: one round of loads covers 2 kRound k-pairs (down_proj of Qwen3-0.6B: 12 per
+// warp, one L2 round trip instead of two). Their a1/a3 registers then hold other k-pairs' words: garbage that only
+// reaches C rows 8..15, which no epilogue stores at B <= 8.
 template <typename T>
 __device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a, int batch,
                                               float (&acc)[kMaxGran][4]) {
@@ -365,19 +367,19 @@ __device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kp
   zero_acc(acc);
   const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
   if (n_gran == 0) return;
-  const bool live0 = g < batch, live8 = g + 8 < batch;
+  const bool narrow = batch <= 8;
+  const bool live0 = g < batch, live8 = narrow ? live0 : g + 8 < batch;
   const uint4* row0 = a + (int64_t)g * kpairs * 4 + q;
-  const uint4* row8 = a + (int64_t)(g + 8) * kpairs * 4 + q;
+  const uint4* row8 = narrow ? row0 : a + (int64_t)(g + 8) * kpairs * 4 + q;
+  const int second = narrow ? kRound : 0;  // k-pair offset of the words in f8
 #pragma unroll 1
-  for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound) {
+  for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound + second) {
     uint4 f0[kRound], f8[kRound];
 #pragma unroll
     for (int i = 0; i < kRound; ++i) {
       f0[i] = f8[i] = make_uint4(0, 0, 0, 0);
-      if (kp0 + i < kp_end) {
-        if (live0) f0[i] = __ldcg(row0 + (int64_t)(kp0 + i) * 4);
-        if (live8) f8[i] = __ldcg(row8 + (int64_t)(kp0 + i) * 4);
-      }
+      if (live0 && kp0 + i < kp_end) f0[i] = __ldcg(row0 + (int64_t)(kp0 + i) * 4);
+      if (live8 && kp0 + second + i < kp_end) f8[i] = __ldcg(row8 + (int64_t)(kp0 + second + i) * 4);
     }
 #pragma unroll
     for (int i = 0; i < kRound; ++i) {
@@ -385,6 +387,16 @@ __device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kp
         const uint32_t lo[4] = {f0[i].x, f8[i].x, f0[i].y, f8[i].y};
         const uint32_t hi[4] = {f0[i].z, f8[i].z, f0[i].w, f8[i].w};
         mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + i, lane);
+      }
+    }
+    if (narrow) {
+#pragma unroll
+      for (int i = 0; i < kRound; ++i) {
+        if (kp0 + kRound + i < kp_end) {
+          const uint32_t lo[4] = {f8[i].x, f0[i].x, f8[i].y, f0[i].y};
+          const uint32_t hi[4] = {f8[i].z, f0[i].z, f8[i].w, f0[i].w};
+          mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + kRound + i, lane);
+        }
       }
     }
   }

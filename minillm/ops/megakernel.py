@@ -136,6 +136,24 @@ def global_a_words(act: torch.Tensor, k: int, batch: int = 16) -> torch.Tensor:
     return words
 
 
+def global_a_rounds(kpairs: int, batch: int, warps: int = WARPS, k_round: int = 8) -> list[list[list[int]]]:
+    """The k-pairs each warp of gemv_global_a multiplies, round by round (one round = one L2 round trip): warp w
+    takes k-pairs [w kpairs / warps, (w + 1) kpairs / warps); a round holds k_round k-pairs, 2 k_round at
+    batch <= 8 (rows 8..15 are dead and their registers carry row g of the next k_round k-pairs)."""
+    out = []
+    for w in range(warps):
+        begin, end = w * kpairs // warps, (w + 1) * kpairs // warps
+        second = k_round if batch <= 8 else 0
+        rounds, kp0 = [], begin
+        while kp0 < end:
+            first = [kp0 + i for i in range(k_round) if kp0 + i < end]
+            extra = [kp0 + k_round + i for i in range(k_round) if second and kp0 + k_round + i < end]
+            rounds.append(first + extra)
+            kp0 += k_round + second
+        out.append(rounds)
+    return out
+
+
 def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int, a_words: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """What the kernel's tensor-core loop computes, [16, n] in fp32, built only from the PTX fragment rules of
