@@ -249,6 +249,8 @@ __device__ void make_plan(const MegakernelParams& p, AttnPlan* plan) {
 // shared with the attention ring) only reaches output rows that no epilogue stores.
 constexpr int kActPad = 8;
 __host__ __device__ constexpr int act_stride(int H) { return H + kActPad; }
+// Byte offset of the GEMV cross-warp sums (gemv_stage) in the shared union: after the A tile, not over it.
+__host__ __device__ constexpr int red_offset(int H) { return (16 * act_stride(H) * 2 + 127) / 128 * 128; }
 
 // Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. With from_embed,
 // the CTA that owns row m (m % grid) stores the raw row as the residual stream (layer 0: the residual is the
@@ -402,7 +404,8 @@ __device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kp
   }
 }
 
-// Stages every warp's accumulators in `red` (the caller has synchronised: nothing reads that memory any more).
+// Stages every warp's accumulators in `red`, which lies after the A tile: no barrier is needed between a warp's
+// last read of the tile and its stage (the previous readers of `red`, an epilogue, are a grid barrier back).
 __device__ __forceinline__ void gemv_stage(const float (&acc)[kMaxGran][4], int n_gran, float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -938,7 +941,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   float acc[kMaxGran][4];
   T* act = reinterpret_cast<T*>(sm.uni);
   const int AS = act_stride(d.H);
-  float4* red = reinterpret_cast<float4*>(sm.uni);
+  // The GEMV sums sit after the A tile, so a warp stages its sums while others may still read the tile.
+  float4* red = reinterpret_cast<float4*>(sm.uni + red_offset(d.H));
 
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const bool more = layer + 1 < p.num_layers;
@@ -949,10 +953,9 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[0] ^= 1;
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32, act, AS,
                    acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
-    __syncthreads();
+    __syncthreads();  // every warp is done with buffer 0 and has staged its sums
+    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -974,10 +977,9 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[1] ^= 1;
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
                      static_cast<const uint4*>(p.attn_frag), p.batch, acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
     __syncthreads();
+    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier(counter, ++epoch);
 
@@ -988,10 +990,9 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[0] ^= 1;
     const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier(counter, ++epoch);
 
@@ -1001,10 +1002,9 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[1] ^= 1;
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
                      static_cast<const uint4*>(p.h_frag), p.batch, acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
     __syncthreads();
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
     grid_barrier(counter, ++epoch);
   }
@@ -1032,7 +1032,7 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
   plan->w0 = round_up(2LL * std::max(gq * 8LL * H, gp * 16LL * H), 128);
   plan->w1 = round_up(2LL * std::max(go * 8LL * Kq, go * 8LL * I), 128);
   const int64_t act = 16LL * act_stride(H) * 2;
-  const int64_t red = (int64_t)kWarps * std::max(std::max(gq, 2 * gp), go) * 32 * 16;
+  const int64_t red = red_offset(H) + (int64_t)kWarps * std::max(std::max(gq, 2 * gp), go) * 32 * 16;
   const int64_t ring = (int64_t)kWarps * (128 / D) * 2 * kChunk * D * 2;
   const int64_t warp_merge = (int64_t)kWarps * G * D * 4 + 2LL * kWarps * G * 4;
   const int64_t part_merge = (int64_t)G * kMegaMaxPartitions * 4 + G * 4;

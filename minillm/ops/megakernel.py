@@ -236,7 +236,8 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     gq, gp, go = -(-nqkv // 8 // n), -(-inter // 8 // n), -(-hidden // 8 // n)
     max_gran = max(gq, 2 * gp, go)
     plan = dict(w0=up(2 * max(gq * 8 * hidden, gp * 16 * hidden)), w1=up(2 * max(go * 8 * kq, go * 8 * inter)))
-    uni = max(16 * act_tile_stride(hidden) * 2, WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
+    red_offset = up(16 * act_tile_stride(hidden) * 2)   # the GEMV sums follow the A tile (not over it)
+    uni = max(red_offset + WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
               WARPS * group * d * 4 + 2 * WARPS * group * 4, group * MAX_PARTITIONS * 4 + group * 4)
     plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(16 + 96 + 4 * (3 + 3 * MAX_BATCH + 1)))
     plan["total"] = sum(plan.values())
