@@ -181,7 +181,15 @@ struct AttnPlan {  // attention work split, computed once per launch from seq_le
   int len[kMegaMaxBatch];      // ... each this many chunks (the last one possibly shorter, never empty)
   int base[kMegaMaxBatch + 1];
   int last_flag;  // "this CTA merges the partitions": broadcast from thread 0
+  // The step inputs an attention item needs (seq_lens, slot_mapping, positions), copied once per launch: read from
+  // global memory in every layer they were dependent L2 round trips at the head of the attention phase (the grid
+  // barrier's acquire invalidates L1), the context length gating all of an item's work.
+  int ctx[kMegaMaxBatch];
+  int64_t slot[kMegaMaxBatch];
+  int64_t pos[kMegaMaxBatch];
 };
+// minillm/ops/megakernel.py (smem_plan) sizes this as 4 x (3 + 4 x 16 + 1) + 8 x 2 x 16 bytes.
+static_assert(sizeof(AttnPlan) == 4 * (3 + 4 * kMegaMaxBatch + 1) + 8 * 2 * kMegaMaxBatch, "AttnPlan layout");
 
 struct Phase;
 struct Phases;
@@ -216,6 +224,9 @@ __device__ void make_plan(const MegakernelParams& p, AttnPlan* plan) {
   int64_t total = 0;
   for (int b = 0; b < p.batch; ++b) {
     const int ctx = p.seq_lens[b];
+    plan->ctx[b] = ctx;
+    plan->slot[b] = p.slot_mapping[b];
+    plan->pos[b] = p.positions[b];
     chunks[b] = ctx > 0 ? (ctx + kChunk - 1) / kChunk : 0;
     total += chunks[b];
   }
@@ -549,11 +560,10 @@ struct Att {
 // Rounding as qk_norm_rope: the normalised head is rounded, RoPE runs in fp32 on it (products rounded
 // separately) and is rounded once.
 template <typename T, int D>
-__device__ void attn_prep(const MegakernelParams& p, const Dims& d, int layer, int b, int kvh, bool kv, int64_t slot,
-                          T* sq, T* stash) {
+__device__ void attn_prep(const MegakernelParams& p, const Dims& d, int layer, int b, int64_t pos, int kvh, bool kv,
+                          int64_t slot, T* sq, T* stash) {
   constexpr int PE = D / 64;  // rotation pairs per lane
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t pos = p.positions[b];
   const bool pos_ok = pos >= 0 && pos < p.max_positions;
   const float* cs = p.cos_sin + (pos_ok ? pos : 0) * D;
   const T* row = static_cast<const T*>(p.qkv) + (int64_t)b * d.Nqkv;
@@ -633,11 +643,11 @@ __device__ __forceinline__ Item locate_item(const MegakernelParams& p, const Att
   const int r = item - plan.base[it.b];
   it.kvh = r / it.parts;
   it.part = r % it.parts;
-  it.ctx = max(p.seq_lens[it.b], 0);
+  it.ctx = max(plan.ctx[it.b], 0);
   const int64_t span = (int64_t)plan.len[it.b] * kChunk;
   it.start = (int)min((int64_t)it.part * span, (int64_t)it.ctx);
   it.end = (int)min((int64_t)it.start + span, (int64_t)it.ctx);
-  it.slot = it.part == it.parts - 1 ? p.slot_mapping[it.b] : -1;
+  it.slot = it.part == it.parts - 1 ? plan.slot[it.b] : -1;
   it.stash_pos = it.slot >= 0 ? it.ctx - 1 : -1;
   const int warp = threadIdx.x / 32, first = it.start / kChunk, last = (it.end + kChunk - 1) / kChunk;
   it.ch0 = first + warp;
@@ -741,7 +751,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   if (!prefetched) attn_prologue<T, D>(p, d, layer, it, sm);
   T* sq = reinterpret_cast<T*>(sm.qtile);
   T* stash = sq + kMegaMaxBatch * A::QS;
-  attn_prep<T, D>(p, d, layer, it.b, it.kvh, it.slot >= 0, it.slot, sq, stash);
+  attn_prep<T, D>(p, d, layer, it.b, plan.pos[it.b], it.kvh, it.slot >= 0, it.slot, sq, stash);
   __syncthreads();
 
   // Q as the A operand (rows = the group's heads), from the tile.
