@@ -567,9 +567,13 @@ __device__ void attn_prep(const MegakernelParams& p, const Dims& d, int layer, i
   const bool pos_ok = pos >= 0 && pos < p.max_positions;
   const float* cs = p.cos_sin + (pos_ok ? pos : 0) * D;
   const T* row = static_cast<const T*>(p.qkv) + (int64_t)b * d.Nqkv;
-  // Tasks: query heads 0..15 (rows of the tile; past the group: zero), then k (16) and v (17) when kv.
-  const int tasks = kv ? 18 : 16;
-  for (int task = warp; task < tasks; task += kWarps) {
+  // Tasks: query heads 0..15 (rows of the tile; past the group: zero), then k (16) and v (17) when kv. Warp w
+  // takes the w-th, (w + 8)-th, ... task of the order (the group's heads, k, v, the zero rows), so the tasks that
+  // load from global memory fall on different warps while there are at most 8 of them (Qwen3-0.6B: 2 heads + k
+  // + v): one L2 round trip per warp, not two in a row.
+  const int tasks = kv ? 18 : 16, real = d.G + (kv ? 2 : 0);
+  for (int t = warp; t < tasks; t += kWarps) {
+    const int task = t < d.G ? t : t < real ? 16 + (t - d.G) : d.G + (t - real);
     const bool is_q = task < 16, is_v = task == 17;
     if (is_q && task >= d.G) {
       for (int i = lane; i < D; i += 32) reinterpret_cast<uint16_t*>(sq)[task * Att<D>::QS + i] = 0;
