@@ -708,17 +708,24 @@ template <typename T, int D>
 __device__ void merge_partitions(const MegakernelParams& p, const Dims& d, int b, int kvh, int first, int parts,
                                  float* sw) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = d.G, RS = D + 2;
-  float* sl = sw + G * parts;
+  float* sl = sw + G * parts;  // [G] the merged sums
+  float* sp = sl + G;          // [G * parts] each partition's sum, kept from the one read of (max, sum)
   for (int j = warp; j < G; j += kWarps) {
+    // One L2 round trip for (max, sum) of every partition (adjacent floats, 8-byte aligned: RS and D are even);
+    // a lane later reads back only the entries it wrote itself, so no synchronisation is needed in between.
     float mx = -CUDART_INF_F;
-    for (int q = lane; q < parts; q += 32) mx = fmaxf(mx, __ldcg(p.partials + ((int64_t)(first + q) * G + j) * RS + D));
+    for (int q = lane; q < parts; q += 32) {
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.partials + ((int64_t)(first + q) * G + j) * RS + D));
+      sw[j * parts + q] = ml.x;
+      sp[j * parts + q] = ml.y;
+      mx = fmaxf(mx, ml.x);
+    }
     mx = warp_max_xor(mx, 1, 32);
     float lsum = 0.f;
     for (int q = lane; q < parts; q += 32) {
-      const float* row = p.partials + ((int64_t)(first + q) * G + j) * RS;
-      const float w = exp2f(__ldcg(row + D) - mx);
+      const float w = exp2f(sw[j * parts + q] - mx);
       sw[j * parts + q] = w;
-      lsum += __ldcg(row + D + 1) * w;
+      lsum += sp[j * parts + q] * w;
     }
     lsum = warp_sum_xor(lsum, 1, 32);
     if (lane == 0) sl[j] = lsum;
@@ -1049,7 +1056,7 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
   const int64_t red = red_offset(H) + (int64_t)kWarps * std::max(std::max(gq, 2 * gp), go) * 32 * 16;
   const int64_t ring = (int64_t)kWarps * (128 / D) * 2 * kChunk * D * 2;
   const int64_t warp_merge = (int64_t)kWarps * G * D * 4 + 2LL * kWarps * G * 4;
-  const int64_t part_merge = (int64_t)G * kMegaMaxPartitions * 4 + G * 4;
+  const int64_t part_merge = 2LL * G * kMegaMaxPartitions * 4 + G * 4;
   plan->uni = round_up(std::max(std::max(act, red), std::max(ring, std::max(warp_merge, part_merge))), 128);
   plan->qtile = round_up(2LL * (kMegaMaxBatch * (D + 8) + 2 * D), 128);
   plan->misc = round_up(2 * 8 + (int64_t)sizeof(Phases) + (int64_t)sizeof(AttnPlan), 128);
