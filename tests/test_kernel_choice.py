@@ -57,7 +57,8 @@ def test_build_failure_is_loud_under_auto_and_an_error_under_cuda(monkeypatch, c
 def test_record_names_every_choice():
     rec = KernelChoice.torch_only().record()
     assert set(rec) == {"cuda_ops", "attention", "attention_mode", "skinny_gemm", "decode_min_partitions",
-                        "decode_ctas_per_sm", "megakernel_max_batch", "megakernel_min_chunks", "unavailable"}
+                        "decode_ctas_per_sm", "megakernel_max_batch", "megakernel_max_tokens", "megakernel_min_chunks",
+                        "unavailable"}
 
 
 def test_environment_aliases_are_config(monkeypatch):
