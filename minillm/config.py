@@ -113,11 +113,13 @@ class KernelConfig:
     # SM decode_ctas_per_sm CTAs, and at least decode_min_partitions (minillm/ops/attention_ops.py).
     decode_min_partitions: int = 1
     decode_ctas_per_sm: int = 8
-    # Decode steps of up to megakernel_max_batch rows run all decoder layers in one persistent kernel
-    # (minillm/ops/megakernel.py) where it covers the model and GPU (sm_90); its attention partitions are at least
-    # megakernel_min_chunks x 16 tokens.
+    # Decode steps of up to megakernel_max_batch rows whose contexts total at most megakernel_max_tokens run all
+    # decoder layers in one persistent kernel (minillm/ops/megakernel.py) where it covers the model and GPU
+    # (sm_90): measured faster than the graph path there, slower on longer contexts (docs/megakernel.md). Its
+    # attention partitions are at least megakernel_min_chunks x 16 tokens.
     megakernel: bool = True
     megakernel_max_batch: int = 16
+    megakernel_max_tokens: int = 1024
     megakernel_min_chunks: int = 8
 
     def validate(self) -> None:
@@ -129,6 +131,8 @@ class KernelConfig:
                "kernels.decode_ctas_per_sm", self.decode_ctas_per_sm, "an integer in [1, 64]")
         _check(isinstance(self.megakernel_max_batch, int) and 1 <= self.megakernel_max_batch <= 16,
                "kernels.megakernel_max_batch", self.megakernel_max_batch, "an integer in [1, 16]")
+        _check(isinstance(self.megakernel_max_tokens, int) and self.megakernel_max_tokens >= 1,
+               "kernels.megakernel_max_tokens", self.megakernel_max_tokens, "an integer >= 1")
         _check(isinstance(self.megakernel_min_chunks, int) and 1 <= self.megakernel_min_chunks <= 64,
                "kernels.megakernel_min_chunks", self.megakernel_min_chunks, "an integer in [1, 64]")
 
@@ -172,6 +176,7 @@ class EngineConfig:
         "decode_min_partitions": ("kernels", "decode_min_partitions"),
         "decode_ctas_per_sm": ("kernels", "decode_ctas_per_sm"), "megakernel": ("kernels", "megakernel"),
         "megakernel_max_batch": ("kernels", "megakernel_max_batch"),
+        "megakernel_max_tokens": ("kernels", "megakernel_max_tokens"),
         "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"),
     }
 

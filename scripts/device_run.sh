@@ -60,6 +60,8 @@ for s in "$@"; do
         tests/test_engine_gpu.py tests/test_fused_gpu.py tests/test_gemm_gpu.py tests/test_kernels_gpu.py ;;
     sweep)
       stage sweep 200 python3 -m minillm.bench.decode_sweep --output "$OUT/decode_steps.jsonl" ;;
+    sweep16)   # the sweep's batch sizes the decode megakernel serves
+      stage sweep16 150 python3 -m minillm.bench.decode_sweep --batches 1,2,4,8,16 --output "$OUT/decode_steps.jsonl" ;;
     oldsweep)   # the same sweep (this tree's module) over the previous commit's engine
       wait
       cp minillm/bench/decode_sweep.py .old/minillm/bench/decode_sweep.py

@@ -47,10 +47,12 @@ def test_act_fragment_index_is_a_permutation():
     k = 64
     m = torch.arange(16)[:, None].expand(16, k)
     kk = torch.arange(k)[None, :].expand(16, k)
-    idx = mk.act_fragment_index(m, kk).reshape(-1)
+    idx = mk.act_fragment_index(m, kk, k).reshape(-1)
     assert sorted(idx.tolist()) == list(range(16 * k))
-    # Pairs (k, k + 1) with k even share a 32-bit word; lane 4 * (m % 8) + (k % 8) // 2 of block k // 16.
-    assert mk.act_fragment_index(9, 26) == ((1 * 32 + 1 * 4 + 1) * 4 + 2 + 1) * 2 + 0
+    # Row 9, k-pair 0, quad position (26 % 8) // 2 = 1, word (k-step 1, high half) 3: u32 (9 * 2 * 4 + 1) * 4 + 3.
+    assert mk.act_fragment_index(9, 26, k) == ((9 * 2 + 0) * 4 + 1) * 4 * 2 + 3 * 2 + 0
+    # Row m's elements are one contiguous range (the kernel reads and writes only the live rows).
+    assert set(mk.act_fragment_index(torch.tensor(3), torch.arange(k), k).tolist()) == set(range(3 * k, 4 * k))
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 8, 32), (3, 16, 64), (16, 24, 96)])
@@ -62,6 +64,24 @@ def test_emulated_tensor_core_gemv_matches_matmul(rows, n, k):
     out = mk.emulate_gemv(mk.pack_granules(w), mk.pack_act_fragments(x), n, k)
     torch.testing.assert_close(out[:rows], x @ w.T, rtol=1e-5, atol=1e-4)
     assert torch.count_nonzero(out[rows:]) == 0
+    # As gemv_global_a reads it: rows >= batch are stale (NaN here) and never loaded.
+    act = mk.pack_act_fragments(x)
+    act[rows * k:] = float("nan")
+    out = mk.emulate_gemv(mk.pack_granules(w), None, n, k, a_words=mk.global_a_words(act, k, batch=rows))
+    torch.testing.assert_close(out[:rows], x @ w.T, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(out[rows:]) == 0
+
+
+@pytest.mark.parametrize("kpairs", [1, 7, 64, 96, 100, 129, 200])
+@pytest.mark.parametrize("batch", [1, 8, 9, 16])
+def test_global_a_rounds_cover_every_k_pair_once(kpairs, batch):
+    """gemv_global_a's loop (mirrored): every k-pair multiplied exactly once over the warps; down_proj of
+    Qwen3-0.6B (96 k-pairs) takes one L2 round trip per warp at B <= 8, two above."""
+    rounds = mk.global_a_rounds(kpairs, batch)
+    done = sorted(kp for warp in rounds for r in warp for kp in r)
+    assert done == list(range(kpairs))
+    if kpairs == 96:
+        assert max(len(w) for w in rounds) == (1 if batch <= 8 else 2)
 
 
 def test_emulation_catches_a_wrong_layout():
@@ -70,6 +90,42 @@ def test_emulation_catches_a_wrong_layout():
     x, w = torch.randn(4, 64, generator=g), torch.randn(16, 64, generator=g)
     wrong = mk.emulate_gemv(w.reshape(-1), mk.pack_act_fragments(x), 16, 64)
     assert not torch.allclose(wrong[:4], x @ w.T, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 8, 32), (5, 16, 64), (16, 24, 96)])
+def test_emulated_gemv_from_the_shared_tile_matches_matmul(rows, n, k):
+    """The norm output as the kernel stores it (row-major, rows padded to act_tile_stride, rows >= batch left as
+    whatever the region held), read through the kernel's ldmatrix addressing, gives x @ W^T in the live rows."""
+    g = torch.Generator().manual_seed(rows * n + k + 7)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    stride = mk.act_tile_stride(k)
+    tile = torch.full((16 * stride,), float("nan"))           # stale contents: never written for rows >= batch
+    for m in range(rows):
+        tile[m * stride:m * stride + k] = x[m]
+    out = mk.emulate_gemv(mk.pack_granules(w), None, n, k, a_words=mk.ldmatrix_a_words(tile, k, stride))
+    torch.testing.assert_close(out[:rows], x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_shared_tile_emulation_catches_a_wrong_stride():
+    """The same check with the tile read at an unpadded stride fails: the emulation follows the addresses."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(16, 64, generator=g), torch.randn(8, 64, generator=g)
+    stride = mk.act_tile_stride(64)
+    tile = torch.zeros(16 * stride)
+    for m in range(16):
+        tile[m * stride:m * stride + 64] = x[m]
+    wrong = mk.emulate_gemv(mk.pack_granules(w), None, 8, 64, a_words=mk.ldmatrix_a_words(tile, 64, 64))
+    assert not torch.allclose(wrong, x @ w.T, atol=1e-2)
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 96, 1024, 1536, 2048])
+def test_shared_tile_reads_are_bank_conflict_free(hidden):
+    """Every ldmatrix phase of gemv_smem_a addresses 8 different 16-byte bank groups with the padded stride (the
+    norm's own 16-byte stores are consecutive chunks of a row, conflict-free by construction); without the pad
+    every phase conflicts (the check can fail)."""
+    assert all(len(set(ph)) == 8 for ph in mk.ldmatrix_bank_groups(hidden, mk.act_tile_stride(hidden)))
+    assert all(len(set(ph)) < 8 for ph in mk.ldmatrix_bank_groups(hidden, hidden))
 
 
 @pytest.mark.parametrize("seq_lens,hkv,ctas", [
@@ -109,7 +165,7 @@ def test_smem_plan_of_qwen3_0_6b_on_an_h200():
     plan = mk.smem_plan(1024, 3072, 16, 8, 128, 132)
     # w0: 3 gate/up granule pairs of 1024 columns; w1: one down granule of 3072; uni: the 64 KB attention ring.
     assert plan["w0"] == 3 * 16 * 1024 * 2 and plan["w1"] == 8 * 3072 * 2 and plan["uni"] == 65536
-    assert plan["total"] == 218240 <= mk.DEFAULT_SMEM_LIMIT
+    assert plan["misc"] == 640 and plan["total"] == 218496 <= mk.DEFAULT_SMEM_LIMIT
     assert mk.unsupported_reason(_arch("qwen3-0.6b"), torch.bfloat16, 16, 16) is None
 
 

@@ -8,18 +8,19 @@
 //
 // Shape of the launch: one CTA of 8 warps per SM (cooperative launch, so every CTA is resident), 5 phases per
 // layer separated by grid-wide barriers (a counter in global memory, zeroed by the launcher before each launch):
-//   QKV   every CTA normalises the residual stream itself (it is B x hidden, tiny) into shared memory, then
-//         multiplies its own granules (8 weight rows each) of the QKV weight: mma.sync m16n8k16 with the batch as
-//         the 16 rows of A and 8 weight rows as B; output (+ bias) to a row-major qkv buffer.
+//   QKV   every CTA normalises the live rows of the residual stream itself (B x hidden, tiny) into a row-major
+//         shared tile, then multiplies its own granules (8 weight rows each) of the QKV weight: mma.sync m16n8k16
+//         with the batch as the 16 rows of A (ldmatrix from the tile) and 8 weight rows as B; output (+ bias) to a
+//         row-major qkv buffer.
 //   ATT   work items (sequence, KV head, context partition), partitions sized from the device-side seq_lens so the
 //         items about fill the grid. An item applies q-norm + RoPE to its group's query heads; the item holding the
 //         sequence's last position also makes the new k/v (k-norm + RoPE), stores them at slot_mapping and uses
 //         them from shared memory. K/V chunks of 16 tokens stream through a per-warp cp.async ring; scores and
 //         P V on tensor cores with an online softmax (as in paged_decode.cu). Split sequences: the last item to
-//         finish (ticket counter) merges the partitions. Output in A-fragment order for o_proj.
-//   O     o_proj over the CTA's granules, A fragments straight from global memory into registers; the epilogue
-//         adds the residual (residual stream updated in place by the owner of each row).
-//   GU    add-free RMSNorm of the residual stream, gate/up granule pairs, SwiGLU in the epilogue -> A fragments.
+//         finish (ticket counter) merges the partitions. Output in row-fragment order for o_proj.
+//   O     o_proj over the CTA's granules, the live rows' A words straight from global memory into registers; the
+//         epilogue adds the residual (residual stream updated in place by the owner of each row).
+//   GU    add-free RMSNorm of the residual stream, gate/up granule pairs, SwiGLU in the epilogue -> row fragments.
 //   DOWN  down_proj, residual add in the epilogue.
 // No split-K anywhere: every output row is finished by one CTA, so results do not depend on timing.
 // Weights do not depend on activations, so each phase's slice is bulk-copied (cp.async.bulk, completing on an
@@ -85,9 +86,10 @@ __device__ __forceinline__ float ld_plain(const T* p) {
   return Elem<T>::to_f(*reinterpret_cast<const unsigned short*>(p));
 }
 
-// u32 index of the element pair (m, k), (m, k + 1) (k even) in an A-fragment buffer (layout in megakernel.h).
-__device__ __forceinline__ int frag_u32(int m, int k) {
-  return ((k >> 4) * 32 + (m & 7) * 4 + ((k & 7) >> 1)) * 4 + ((k & 8) >> 2) + (m >> 3);
+// u32 index of the element pair (m, k), (m, k + 1) (k even) in a row-fragment buffer of width K (layout in
+// megakernel.h): row m's 16 bytes for lane quad position q of k-pair k / 32 hold its A words of both k-steps.
+__device__ __forceinline__ int64_t rowfrag_u32(int m, int k, int K) {
+  return (((int64_t)m * (K / 32) + (k >> 5)) * 4 + ((k & 7) >> 1)) * 4 + ((k >> 4) & 1) * 2 + ((k >> 3) & 1);
 }
 
 // ---- sm_90 primitives ------------------------------------------------------------------------------------------
@@ -179,7 +181,15 @@ struct AttnPlan {  // attention work split, computed once per launch from seq_le
   int len[kMegaMaxBatch];      // ... each this many chunks (the last one possibly shorter, never empty)
   int base[kMegaMaxBatch + 1];
   int last_flag;  // "this CTA merges the partitions": broadcast from thread 0
+  // The step inputs an attention item needs (seq_lens, slot_mapping, positions), copied once per launch: read from
+  // global memory in every layer they were dependent L2 round trips at the head of the attention phase (the grid
+  // barrier's acquire invalidates L1), the context length gating all of an item's work.
+  int ctx[kMegaMaxBatch];
+  int64_t slot[kMegaMaxBatch];
+  int64_t pos[kMegaMaxBatch];
 };
+// minillm/ops/megakernel.py (smem_plan) sizes this as 4 x (3 + 4 x 16 + 1) + 8 x 2 x 16 bytes.
+static_assert(sizeof(AttnPlan) == 4 * (3 + 4 * kMegaMaxBatch + 1) + 8 * 2 * kMegaMaxBatch, "AttnPlan layout");
 
 struct Phase;
 struct Phases;
@@ -187,7 +197,7 @@ struct Phases;
 struct Smem {
   unsigned char* w0;   // QKV / GU weight slices
   unsigned char* w1;   // O / DOWN weight slices
-  unsigned char* uni;  // norm output (A fragments) | GEMV cross-warp sums | attention ring and merges
+  unsigned char* uni;  // norm output (A tile) | GEMV cross-warp sums | attention ring and merges
   unsigned char* qtile;
   uint64_t* bars;      // [2] mbarriers of w0 / w1
   Phases* ph;          // this CTA's weight slices (kept in shared memory, not in registers)
@@ -214,6 +224,9 @@ __device__ void make_plan(const MegakernelParams& p, AttnPlan* plan) {
   int64_t total = 0;
   for (int b = 0; b < p.batch; ++b) {
     const int ctx = p.seq_lens[b];
+    plan->ctx[b] = ctx;
+    plan->slot[b] = p.slot_mapping[b];
+    plan->pos[b] = p.positions[b];
     chunks[b] = ctx > 0 ? (ctx + kChunk - 1) / kChunk : 0;
     total += chunks[b];
   }
@@ -237,20 +250,39 @@ __device__ void make_plan(const MegakernelParams& p, AttnPlan* plan) {
   plan->items = base;
 }
 
-// ---- RMSNorm of the residual stream into A fragments ----------------------------------------------------------
-// Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. Rows past the
-// batch are written as zeros. With write_resid, the CTA that owns row m (m % grid) stores the raw row as the
-// residual stream (layer 0: the residual is the embedding).
+// ---- RMSNorm of the residual stream into the shared A tile --------------------------------------------------
+// The A operand of the QKV and gate_up GEMVs lives in shared memory as a row-major tile of 16 rows of H + kActPad
+// elements, read with ldmatrix (gemv_smem_a). The pad makes the row stride an odd number of 16-byte chunks
+// (H % 16 == 0), so the 8 rows an ldmatrix phase addresses at one column fall in 8 different bank groups, and a
+// warp writing 32 consecutive 16-byte chunks of one row is conflict-free too. (The first version stored fragment
+// order with 4-byte stores, every row touching 8 of the 32 banks: 16-way conflicts, ~2 us per norm on every CTA.)
+// Only rows < batch are written: the mma rows are independent, so whatever rows >= batch hold (the region is
+// shared with the attention ring) only reaches output rows that no epilogue stores.
+constexpr int kActPad = 8;
+__host__ __device__ constexpr int act_stride(int H) { return H + kActPad; }
+// Byte offset of the GEMV cross-warp sums (gemv_stage) in the shared union: after the A tile, not over it.
+__host__ __device__ constexpr int red_offset(int H) { return (16 * act_stride(H) * 2 + 127) / 128 * 128; }
+
+// Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. With from_embed,
+// the CTA that owns row m (m % grid) stores the raw row as the residual stream (layer 0: the residual is the
+// embedding).
 template <typename T>
-__device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, uint32_t* act) {
+__device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int H = p.hidden, nvec = H / 8;
+  const int H = p.hidden, nvec = H / 8, AS = act_stride(H);
+  if (warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
+  // The norm weight does not depend on the row: its loads go out with (not after) the first row's.
+  uint4 wv[kMaxVec];
+#pragma unroll
+  for (int j = 0; j < kMaxVec; ++j) {
+    const int idx = lane + 32 * j;
+    wv[j] = idx < nvec ? reinterpret_cast<const uint4*>(weight)[idx] : make_uint4(0, 0, 0, 0);
+  }
 #pragma unroll 1  // one row at a time: two rows' registers at once would spill
-  for (int m = warp; m < kMegaMaxBatch; m += kWarps) {
-    const bool live = m < p.batch;
+  for (int m = warp; m < p.batch; m += kWarps) {
     const T* row = static_cast<const T*>(p.resid) + (int64_t)m * H;
     bool id_ok = true;
-    if (live && from_embed) {
+    if (from_embed) {
       const int64_t id = p.input_ids[m];
       id_ok = id >= 0 && id < p.vocab_size;
       row = static_cast<const T*>(p.embed) + (id_ok ? id : 0) * H;
@@ -261,7 +293,7 @@ __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T*
     for (int j = 0; j < kMaxVec; ++j) {
       const int idx = lane + 32 * j;
       v[j] = make_uint4(0, 0, 0, 0);
-      if (live && idx < nvec) {
+      if (idx < nvec) {
         const uint4* src = reinterpret_cast<const uint4*>(row) + idx;
         v[j] = from_embed ? *src : __ldcg(src);
         const uint32_t w4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
@@ -274,35 +306,31 @@ __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T*
     }
     ss = warp_sum_xor(ss, 1, 32);
     const float inv = id_ok ? rsqrtf(ss / H + p.eps) : CUDART_NAN_F;
-    const bool store_resid = live && from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
+    const bool store_resid = from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
+    uint4* dst = reinterpret_cast<uint4*>(act + m * AS);
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
       const int idx = lane + 32 * j;
       if (idx >= nvec) continue;
       if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(p.resid) + (int64_t)m * H)[idx] = v[j];
-      const uint4 wv = reinterpret_cast<const uint4*>(weight)[idx];
-      const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv.x, wv.y, wv.z, wv.w};
-      const int k0 = idx * 8;
+      const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+      uint32_t o4[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        uint32_t out = 0;
-        if (live) {
-          // As rms_norm_ref: x * rsqrt(mean + eps), times the weight, one rounding.
-          out = pack2<T>(__fmul_rn(__fmul_rn(lo_f<T>(x4[e]), inv), lo_f<T>(g4[e])),
+      for (int e = 0; e < 4; ++e)  // as rms_norm_ref: x * rsqrt(mean + eps), times the weight, one rounding
+        o4[e] = pack2<T>(__fmul_rn(__fmul_rn(lo_f<T>(x4[e]), inv), lo_f<T>(g4[e])),
                          __fmul_rn(__fmul_rn(hi_f<T>(x4[e]), inv), hi_f<T>(g4[e])));
-        }
-        act[frag_u32(m, k0 + 2 * e)] = out;
-      }
+      dst[idx] = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
   }
 }
 
 // ---- GEMV on tensor cores ---------------------------------------------------------------------------------------
-// acc[g] (C fragment: rows = batch, columns = the granule's 8 weight rows) += A x W_g^T over one k-pair.
+// acc[g] (C fragment: rows = batch, columns = the granule's 8 weight rows) += A x W_g^T over one k-pair; a_lo and
+// a_hi are the A registers of its two k-steps.
 template <typename T>
-__device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint4& lo, const uint4& hi,
-                                          const uint4* w, int n_gran, int kpairs, int kp, int lane) {
-  const uint32_t a_lo[4] = {lo.x, lo.y, lo.z, lo.w}, a_hi[4] = {hi.x, hi.y, hi.z, hi.w};
+__device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint32_t (&a_lo)[4],
+                                          const uint32_t (&a_hi)[4], const uint4* w, int n_gran, int kpairs, int kp,
+                                          int lane) {
 #pragma unroll
   for (int g = 0; g < kMaxGran; ++g) {
     if (g < n_gran) {
@@ -313,37 +341,82 @@ __device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint4
   }
 }
 
-// Each warp takes an equal share of the K dimension (in k-pairs = 32 columns) for all of the CTA's granules; the
-// warps' partial sums are added in gemv_sum. A comes from shared memory (the CTA's own norm output) or, with
-// A_GLOBAL, from a global A-fragment buffer another phase wrote, read through L2 into registers kRound k-pairs at a
-// time (o_proj of Qwen3-0.6B: 8 k-pairs per warp, one round; down_proj: 12, two). Loading only the live half of
-// each fragment at B <= 8 would make down one round, but its registers made the whole kernel spill (tried).
-template <typename T, bool A_GLOBAL>
-__device__ __forceinline__ void gemv_accumulate(const uint4* w, int n_gran, int kpairs, const uint4* a,
-                                                float (&acc)[kMaxGran][4]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+__device__ __forceinline__ void zero_acc(float (&acc)[kMaxGran][4]) {
 #pragma unroll
   for (int g = 0; g < kMaxGran; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+}
+
+// Each warp takes an equal share of the K dimension (in k-pairs = 32 columns) for all of the CTA's granules; the
+// warps' partial sums are added in gemv_sum. Here A is the CTA's own norm output, the shared tile of norm_to_act:
+// for ldmatrix.x4 lane l gives the address of row l % 16 at column 8 (l / 16) of the k-step, so its four 8x8
+// matrices are rows 0-7 | 8-15 at k 0-7, then rows 0-7 | 8-15 at k 8-15: the A registers a0..a3 of m16n8k16.
+template <typename T>
+__device__ __forceinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpairs, const T* act, int AS,
+                                            float (&acc)[kMaxGran][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  zero_acc(acc);
   const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
   if (n_gran == 0) return;
-  if constexpr (!A_GLOBAL) {
-    for (int kp = kp_begin; kp < kp_end; ++kp)
-      mma_kpair<T>(acc, a[(2 * kp) * 32 + lane], a[(2 * kp + 1) * 32 + lane], w, n_gran, kpairs, kp, lane);
-  } else {
+  const T* arow = act + (lane & 15) * AS + 8 * (lane >> 4);
+  for (int kp = kp_begin; kp < kp_end; ++kp) {
+    uint32_t lo[4], hi[4];
+    ldmatrix_x4(lo, arow + 32 * kp);
+    ldmatrix_x4(hi, arow + 32 * kp + 16);
+    mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp, lane);
+  }
+}
+
+// As gemv_smem_a with A from a global row-fragment buffer another phase wrote (megakernel.h), read through L2 into
+// registers. Lane (g, q) loads row g's and row g + 8's 16 bytes of each k-pair: the A registers {a0, a2} and
+// {a1, a3} of both k-steps. Rows >= batch are never read (the first version read all 16 rows on every CTA: 64 KB for
+// o_proj, 96 KB for down at any B). At B <= 8 rows 8..15 are dead, so the registers of their words carry row g of
+// the next kRound k-pairs instead: one round of loads covers 2 kRound k-pairs (down_proj of Qwen3-0.6B: 12 per
+// warp, one L2 round trip instead of two). Their a1/a3 registers then hold other k-pairs' words: garbage that only
+// reaches C rows 8..15, which no epilogue stores at B <= 8.
+template <typename T>
+__device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a, int batch,
+                                              float (&acc)[kMaxGran][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  zero_acc(acc);
+  const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
+  if (n_gran == 0) return;
+  const bool narrow = batch <= 8;
+  const bool live0 = g < batch, live8 = narrow ? live0 : g + 8 < batch;
+  const uint4* row0 = a + (int64_t)g * kpairs * 4 + q;
+  const uint4* row8 = narrow ? row0 : a + (int64_t)(g + 8) * kpairs * 4 + q;
+  const int second = narrow ? kRound : 0;  // k-pair offset of the words in f8
 #pragma unroll 1
-    for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound) {
-      uint4 f[2 * kRound];
+  for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound + second) {
+    uint4 f0[kRound], f8[kRound];
 #pragma unroll
-      for (int i = 0; i < 2 * kRound; ++i)
-        if (2 * kp0 + i < 2 * kp_end) f[i] = __ldcg(a + (int64_t)(2 * kp0 + i) * 32 + lane);
+    for (int i = 0; i < kRound; ++i) {
+      f0[i] = f8[i] = make_uint4(0, 0, 0, 0);
+      if (live0 && kp0 + i < kp_end) f0[i] = __ldcg(row0 + (int64_t)(kp0 + i) * 4);
+      if (live8 && kp0 + second + i < kp_end) f8[i] = __ldcg(row8 + (int64_t)(kp0 + second + i) * 4);
+    }
 #pragma unroll
-      for (int i = 0; i < kRound; ++i)
-        if (kp0 + i < kp_end) mma_kpair<T>(acc, f[2 * i], f[2 * i + 1], w, n_gran, kpairs, kp0 + i, lane);
+    for (int i = 0; i < kRound; ++i) {
+      if (kp0 + i < kp_end) {
+        const uint32_t lo[4] = {f0[i].x, f8[i].x, f0[i].y, f8[i].y};
+        const uint32_t hi[4] = {f0[i].z, f8[i].z, f0[i].w, f8[i].w};
+        mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + i, lane);
+      }
+    }
+    if (narrow) {
+#pragma unroll
+      for (int i = 0; i < kRound; ++i) {
+        if (kp0 + kRound + i < kp_end) {
+          const uint32_t lo[4] = {f8[i].x, f0[i].x, f8[i].y, f0[i].y};
+          const uint32_t hi[4] = {f8[i].z, f0[i].z, f8[i].w, f0[i].w};
+          mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + kRound + i, lane);
+        }
+      }
     }
   }
 }
 
-// Stages every warp's accumulators in `red` (the caller has synchronised: nothing reads that memory any more).
+// Stages every warp's accumulators in `red`, which lies after the A tile: no barrier is needed between a warp's
+// last read of the tile and its stage (the previous readers of `red`, an epilogue, are a grid barrier back).
 __device__ __forceinline__ void gemv_stage(const float (&acc)[kMaxGran][4], int n_gran, float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -466,8 +539,8 @@ __device__ void swiglu_epilogue(const MegakernelParams& p, const Phase& ph, cons
       y[e] = __fmul_rn(round_t<T>(g / (1.f + expf(-g))), u);
     }
     const int i = (ph.gran.begin + j) * 8 + 2 * (lane % 4), m0 = lane / 4;
-    if (m0 < p.batch) h[frag_u32(m0, i)] = pack2<T>(y[0], y[1]);
-    if (m0 + 8 < p.batch) h[frag_u32(m0 + 8, i)] = pack2<T>(y[2], y[3]);
+    if (m0 < p.batch) h[rowfrag_u32(m0, i, p.inter)] = pack2<T>(y[0], y[1]);
+    if (m0 + 8 < p.batch) h[rowfrag_u32(m0 + 8, i, p.inter)] = pack2<T>(y[2], y[3]);
   }
 }
 
@@ -487,17 +560,20 @@ struct Att {
 // Rounding as qk_norm_rope: the normalised head is rounded, RoPE runs in fp32 on it (products rounded
 // separately) and is rounded once.
 template <typename T, int D>
-__device__ void attn_prep(const MegakernelParams& p, const Dims& d, int layer, int b, int kvh, bool kv, int64_t slot,
-                          T* sq, T* stash) {
+__device__ void attn_prep(const MegakernelParams& p, const Dims& d, int layer, int b, int64_t pos, int kvh, bool kv,
+                          int64_t slot, T* sq, T* stash) {
   constexpr int PE = D / 64;  // rotation pairs per lane
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t pos = p.positions[b];
   const bool pos_ok = pos >= 0 && pos < p.max_positions;
   const float* cs = p.cos_sin + (pos_ok ? pos : 0) * D;
   const T* row = static_cast<const T*>(p.qkv) + (int64_t)b * d.Nqkv;
-  // Tasks: query heads 0..15 (rows of the tile; past the group: zero), then k (16) and v (17) when kv.
-  const int tasks = kv ? 18 : 16;
-  for (int task = warp; task < tasks; task += kWarps) {
+  // Tasks: query heads 0..15 (rows of the tile; past the group: zero), then k (16) and v (17) when kv. Warp w
+  // takes the w-th, (w + 8)-th, ... task of the order (the group's heads, k, v, the zero rows), so the tasks that
+  // load from global memory fall on different warps while there are at most 8 of them (Qwen3-0.6B: 2 heads + k
+  // + v): one L2 round trip per warp, not two in a row.
+  const int tasks = kv ? 18 : 16, real = d.G + (kv ? 2 : 0);
+  for (int t = warp; t < tasks; t += kWarps) {
+    const int task = t < d.G ? t : t < real ? 16 + (t - d.G) : d.G + (t - real);
     const bool is_q = task < 16, is_v = task == 17;
     if (is_q && task >= d.G) {
       for (int i = lane; i < D; i += 32) reinterpret_cast<uint16_t*>(sq)[task * Att<D>::QS + i] = 0;
@@ -571,11 +647,11 @@ __device__ __forceinline__ Item locate_item(const MegakernelParams& p, const Att
   const int r = item - plan.base[it.b];
   it.kvh = r / it.parts;
   it.part = r % it.parts;
-  it.ctx = max(p.seq_lens[it.b], 0);
+  it.ctx = max(plan.ctx[it.b], 0);
   const int64_t span = (int64_t)plan.len[it.b] * kChunk;
   it.start = (int)min((int64_t)it.part * span, (int64_t)it.ctx);
   it.end = (int)min((int64_t)it.start + span, (int64_t)it.ctx);
-  it.slot = it.part == it.parts - 1 ? p.slot_mapping[it.b] : -1;
+  it.slot = it.part == it.parts - 1 ? plan.slot[it.b] : -1;
   it.stash_pos = it.slot >= 0 ? it.ctx - 1 : -1;
   const int warp = threadIdx.x / 32, first = it.start / kChunk, last = (it.end + kChunk - 1) / kChunk;
   it.ch0 = first + warp;
@@ -621,10 +697,10 @@ __device__ __forceinline__ void attn_prologue(const MegakernelParams& p, const D
   for (int j = 0; j < Att<D>::S; ++j) issue_chunk<T, D>(p, d, layer, it, j, ring, lane);
 }
 
-// Writes head row j of the group for sequence b (fp32 values of D dims, dims d and d + 1) into the A fragments.
+// Writes dims dd, dd + 1 of query head `head` of sequence b into the row fragments of o_proj's input.
 template <typename T>
 __device__ __forceinline__ void store_attn(const MegakernelParams& p, int b, int head, int D, int dd, float y0, float y1) {
-  static_cast<uint32_t*>(p.attn_frag)[frag_u32(b, head * D + dd)] = pack2<T>(y0, y1);
+  static_cast<uint32_t*>(p.attn_frag)[rowfrag_u32(b, head * D + dd, p.num_heads * D)] = pack2<T>(y0, y1);
 }
 
 // Merge the P partitions of (b, kvh) (their partial rows are items first .. first + P - 1) into the output.
@@ -632,17 +708,24 @@ template <typename T, int D>
 __device__ void merge_partitions(const MegakernelParams& p, const Dims& d, int b, int kvh, int first, int parts,
                                  float* sw) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = d.G, RS = D + 2;
-  float* sl = sw + G * parts;
+  float* sl = sw + G * parts;  // [G] the merged sums
+  float* sp = sl + G;          // [G * parts] each partition's sum, kept from the one read of (max, sum)
   for (int j = warp; j < G; j += kWarps) {
+    // One L2 round trip for (max, sum) of every partition (adjacent floats, 8-byte aligned: RS and D are even);
+    // a lane later reads back only the entries it wrote itself, so no synchronisation is needed in between.
     float mx = -CUDART_INF_F;
-    for (int q = lane; q < parts; q += 32) mx = fmaxf(mx, __ldcg(p.partials + ((int64_t)(first + q) * G + j) * RS + D));
+    for (int q = lane; q < parts; q += 32) {
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.partials + ((int64_t)(first + q) * G + j) * RS + D));
+      sw[j * parts + q] = ml.x;
+      sp[j * parts + q] = ml.y;
+      mx = fmaxf(mx, ml.x);
+    }
     mx = warp_max_xor(mx, 1, 32);
     float lsum = 0.f;
     for (int q = lane; q < parts; q += 32) {
-      const float* row = p.partials + ((int64_t)(first + q) * G + j) * RS;
-      const float w = exp2f(__ldcg(row + D) - mx);
+      const float w = exp2f(sw[j * parts + q] - mx);
       sw[j * parts + q] = w;
-      lsum += __ldcg(row + D + 1) * w;
+      lsum += sp[j * parts + q] * w;
     }
     lsum = warp_sum_xor(lsum, 1, 32);
     if (lane == 0) sl[j] = lsum;
@@ -679,7 +762,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   if (!prefetched) attn_prologue<T, D>(p, d, layer, it, sm);
   T* sq = reinterpret_cast<T*>(sm.qtile);
   T* stash = sq + kMegaMaxBatch * A::QS;
-  attn_prep<T, D>(p, d, layer, it.b, it.kvh, it.slot >= 0, it.slot, sq, stash);
+  attn_prep<T, D>(p, d, layer, it.b, plan.pos[it.b], it.kvh, it.slot >= 0, it.slot, sq, stash);
   __syncthreads();
 
   // Q as the A operand (rows = the group's heads), from the tile.
@@ -877,22 +960,23 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
   float acc[kMaxGran][4];
-  uint32_t* act = reinterpret_cast<uint32_t*>(sm.uni);
-  float4* red = reinterpret_cast<float4*>(sm.uni);
+  T* act = reinterpret_cast<T*>(sm.uni);
+  const int AS = act_stride(d.H);
+  // The GEMV sums sit after the A tile, so a warp stages its sums while others may still read the tile.
+  float4* red = reinterpret_cast<float4*>(sm.uni + red_offset(d.H));
 
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const bool more = layer + 1 < p.num_layers;
-    // QKV: norm -> A fragments in shared memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
+    // QKV: norm -> A tile in shared memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
     norm_to_act<T>(p, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
     __syncthreads();
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
-    gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32,
-                              reinterpret_cast<const uint4*>(act), acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32, act, AS,
+                   acc);
     gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
-    __syncthreads();
+    __syncthreads();  // every warp is done with buffer 0 and has staged its sums
+    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -907,45 +991,41 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     }
     grid_barrier(counter, ++epoch);
 
-    // O: A fragments from global memory; then buffer 1 takes DOWN's slice.
+    // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
     uint32_t old_resid[2];
     resid_prefetch<T>(p, d, ph.o, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
-    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
-                             static_cast<const uint4*>(p.attn_frag), acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
+                     static_cast<const uint4*>(p.attn_frag), p.batch, acc);
     gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
     __syncthreads();
+    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier(counter, ++epoch);
 
-    // GU: norm -> A fragments; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
+    // GU: norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
     norm_to_act<T>(p, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
     __syncthreads();
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
     const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
-    gemv_accumulate<T, false>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32,
-                              reinterpret_cast<const uint4*>(act), acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
+    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, acc);
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier(counter, ++epoch);
 
-    // DOWN: A fragments from global memory; then buffer 1 takes the next layer's O slice.
+    // DOWN: A from the global row fragments; then buffer 1 takes the next layer's O slice.
     resid_prefetch<T>(p, d, ph.down, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
-    gemv_accumulate<T, true>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
-                             static_cast<const uint4*>(p.h_frag), acc);
-    __syncthreads();
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+    gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
+                     static_cast<const uint4*>(p.h_frag), p.batch, acc);
     gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
     __syncthreads();
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
     grid_barrier(counter, ++epoch);
   }
@@ -972,11 +1052,11 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
   if (std::max(std::max(gq, 2 * gp), go) > kMaxGran) return cudaErrorInvalidValue;
   plan->w0 = round_up(2LL * std::max(gq * 8LL * H, gp * 16LL * H), 128);
   plan->w1 = round_up(2LL * std::max(go * 8LL * Kq, go * 8LL * I), 128);
-  const int64_t act = 16LL * H * 2;
-  const int64_t red = (int64_t)kWarps * std::max(std::max(gq, 2 * gp), go) * 32 * 16;
+  const int64_t act = 16LL * act_stride(H) * 2;
+  const int64_t red = red_offset(H) + (int64_t)kWarps * std::max(std::max(gq, 2 * gp), go) * 32 * 16;
   const int64_t ring = (int64_t)kWarps * (128 / D) * 2 * kChunk * D * 2;
   const int64_t warp_merge = (int64_t)kWarps * G * D * 4 + 2LL * kWarps * G * 4;
-  const int64_t part_merge = (int64_t)G * kMegaMaxPartitions * 4 + G * 4;
+  const int64_t part_merge = 2LL * G * kMegaMaxPartitions * 4 + G * 4;
   plan->uni = round_up(std::max(std::max(act, red), std::max(ring, std::max(warp_merge, part_merge))), 128);
   plan->qtile = round_up(2LL * (kMegaMaxBatch * (D + 8) + 2 * D), 128);
   plan->misc = round_up(2 * 8 + (int64_t)sizeof(Phases) + (int64_t)sizeof(AttnPlan), 128);

@@ -13,39 +13,20 @@
 #include <string>
 #include <tuple>
 
+#include "bindings_util.h"
 #include "fused.h"
 #include "gemm.h"
 
 namespace {
 
 using at::Tensor;
+using minillm::bindings::msg;
 using minillm::ScalarType;
 
-// Error messages are assembled here (std::to_string) and handed to TORCH_CHECK as one string, which c10 passes
-// through untouched. Streaming an integer into c10::str's ostringstream from this library crashed (SIGSEGV in
-// basic_ostream::_M_insert<long>, resolved inside the .so) on the H200 image with torch 2.11.
-std::string text(const char* s) { return s; }
-std::string text(const std::string& s) { return s; }
-std::string text(int64_t v) { return std::to_string(v); }
-std::string text(at::ScalarType t) { return c10::toString(t); }
-std::string text(const c10::Device& d) { return d.str(); }
-std::string text(at::IntArrayRef shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
-template <typename... Parts>
-std::string msg(const Parts&... parts) {
-  return (std::string() + ... + text(parts));
-}
-
-// Raises ValueError with the concatenated message parts.
-#define FUSED_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, msg(__VA_ARGS__))
 
 ScalarType act_dtype(const Tensor& t, const char* name) {
   const at::ScalarType s = t.scalar_type();
-  FUSED_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, name,
+  MINILLM_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, name,
                     ": dtype must be float32, float16 or bfloat16, got ", s);
   return s == at::kFloat ? ScalarType::kFloat32 : s == at::kHalf ? ScalarType::kFloat16 : ScalarType::kBFloat16;
 }
@@ -55,28 +36,28 @@ void check_launch(cudaError_t err, const char* op) {
 }
 
 void check_like(const Tensor& t, const Tensor& ref, const char* name, const char* ref_name) {
-  FUSED_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref_name, "'s device ",
+  MINILLM_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be on ", ref_name, "'s device ",
                     ref.device(), ", got ", t.device());
-  FUSED_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have ", ref_name, "'s dtype ",
+  MINILLM_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have ", ref_name, "'s dtype ",
                     ref.scalar_type(), ", got ", t.scalar_type());
 }
 
 // x as [rows, hidden] with a unit last stride (a view when the leading dims allow one, else a copy).
 Tensor as_rows(const Tensor& x, const char* name) {
-  FUSED_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
-  FUSED_CHECK(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dim, got shape ", x.sizes());
+  MINILLM_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
+  MINILLM_CHECK(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dim, got shape ", x.sizes());
   const Tensor y = x.stride(-1) == 1 ? x : x.contiguous();
   return y.reshape({-1, y.size(-1)});
 }
 
 void check_weight(const Tensor& w, const Tensor& x, const char* name, int64_t size) {
   check_like(w, x, name, "the activation");
-  FUSED_CHECK(w.dim() == 1 && w.size(0) == size && w.is_contiguous(), name, " must be contiguous [", size,
+  MINILLM_CHECK(w.dim() == 1 && w.size(0) == size && w.is_contiguous(), name, " must be contiguous [", size,
                     "], got shape ", w.sizes());
 }
 
 void check_hidden(int64_t hidden, const char* name) {
-  FUSED_CHECK(hidden <= minillm::kMaxNormHidden, name, ": last dim must be in [1, ", minillm::kMaxNormHidden,
+  MINILLM_CHECK(hidden <= minillm::kMaxNormHidden, name, ": last dim must be in [1, ", minillm::kMaxNormHidden,
                     "], got ", hidden);
 }
 
@@ -97,7 +78,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 
 std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
                                               double eps) {
-  FUSED_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
+  MINILLM_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
                     residual.sizes());
   check_like(residual, x, "residual", "x");
   const ScalarType dtype = act_dtype(x, "x");
@@ -118,7 +99,7 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
 Tensor silu_and_mul(const Tensor& gate_up) {
   const ScalarType dtype = act_dtype(gate_up, "gate_up");
   const Tensor g2 = as_rows(gate_up, "gate_up");
-  FUSED_CHECK(g2.size(1) % 2 == 0, "gate_up: last dim must be even (gate | up), got ", g2.size(1));
+  MINILLM_CHECK(g2.size(1) % 2 == 0, "gate_up: last dim must be even (gate | up), got ", g2.size(1));
   const int64_t inter = g2.size(1) / 2;
   const c10::cuda::CUDAGuard guard(gate_up.device());
   auto sizes = gate_up.sizes().vec();
@@ -131,19 +112,19 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 }
 
 void check_heads(const Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  FUSED_CHECK(num_heads >= 1 && num_heads <= 65536, "num_heads must be in [1, 65536], got ", num_heads);
-  FUSED_CHECK(num_kv_heads >= 1 && num_kv_heads <= 65536, "num_kv_heads must be in [1, 65536], got ",
+  MINILLM_CHECK(num_heads >= 1 && num_heads <= 65536, "num_heads must be in [1, 65536], got ", num_heads);
+  MINILLM_CHECK(num_kv_heads >= 1 && num_kv_heads <= 65536, "num_kv_heads must be in [1, 65536], got ",
                     num_kv_heads);
-  FUSED_CHECK(head_dim >= 2 && head_dim <= minillm::kMaxHeadDim && head_dim % 2 == 0,
+  MINILLM_CHECK(head_dim >= 2 && head_dim <= minillm::kMaxHeadDim && head_dim % 2 == 0,
                     "head_dim must be even and in [2, ", minillm::kMaxHeadDim, "], got ", head_dim);
-  FUSED_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+  MINILLM_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
                     "qkv must be [tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [T, ",
                     (num_heads + 2 * num_kv_heads) * head_dim, "], got shape ", qkv.sizes());
 }
 
 void check_norm_weights(const std::optional<Tensor>& qw, const std::optional<Tensor>& kw, const Tensor& qkv,
                         int64_t head_dim) {
-  FUSED_CHECK(qw.has_value() == kw.has_value(),
+  MINILLM_CHECK(qw.has_value() == kw.has_value(),
                     "q_norm_weight and k_norm_weight must be given together (Qwen3) or both None (Qwen2)");
   if (!qw.has_value()) return;
   check_weight(*qw, qkv, "q_norm_weight", head_dim);
@@ -161,17 +142,17 @@ struct RopeInputs {
 RopeInputs check_rope_inputs(const Tensor& qkv_in, const Tensor& positions_in, const Tensor& cos_sin_cache,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight) {
-  FUSED_CHECK(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
+  MINILLM_CHECK(qkv_in.is_cuda(), "qkv must be a CUDA tensor");
   const ScalarType dtype = act_dtype(qkv_in, "qkv");
   check_heads(qkv_in, num_heads, num_kv_heads, head_dim);
   const Tensor qkv = qkv_in.stride(1) == 1 ? qkv_in : qkv_in.contiguous();
   const int64_t tokens = qkv.size(0);
   check_norm_weights(q_norm_weight, k_norm_weight, qkv, head_dim);
-  FUSED_CHECK(positions_in.dim() == 1 && positions_in.size(0) == tokens && positions_in.is_cuda() &&
+  MINILLM_CHECK(positions_in.dim() == 1 && positions_in.size(0) == tokens && positions_in.is_cuda() &&
                         !at::isFloatingType(positions_in.scalar_type()),
                     "positions must be an integer CUDA tensor [", tokens, "], got ", positions_in.sizes(), " ",
                     positions_in.scalar_type());
-  FUSED_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+  MINILLM_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
                         cos_sin_cache.size(1) == head_dim && cos_sin_cache.is_contiguous() &&
                         cos_sin_cache.device() == qkv.device(),
                     "cos_sin_cache must be contiguous float32 [max_positions, ", head_dim, "] on qkv's device, got ",
@@ -226,10 +207,10 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qkv_in, const Tens
 void check_kv_cache(const Tensor& cache, const Tensor& qkv, const char* name, int64_t num_kv_heads,
                     int64_t head_dim) {
   check_like(cache, qkv, name, "qkv");
-  FUSED_CHECK(cache.dim() == 4 && cache.size(2) == num_kv_heads && cache.size(3) == head_dim, name,
+  MINILLM_CHECK(cache.dim() == 4 && cache.size(2) == num_kv_heads && cache.size(3) == head_dim, name,
               " must be [num_blocks, block_size, num_kv_heads, head_dim] = [N, B, ", num_kv_heads, ", ", head_dim,
               "], got shape ", cache.sizes());
-  FUSED_CHECK(cache.is_contiguous(), name, " must be contiguous (slots are addressed as flat rows)");
+  MINILLM_CHECK(cache.is_contiguous(), name, " must be contiguous (slots are addressed as flat rows)");
 }
 
 // qk_norm_rope with the KV-cache write fused in: k and v rows go to their slots of k_cache / v_cache (slot -1:
@@ -243,13 +224,13 @@ Tensor qk_norm_rope_cache(const Tensor& qkv_in, const Tensor& positions_in, cons
   const int64_t tokens = in.qkv.size(0);
   check_kv_cache(k_cache, in.qkv, "k_cache", num_kv_heads, head_dim);
   check_kv_cache(v_cache, in.qkv, "v_cache", num_kv_heads, head_dim);
-  FUSED_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
+  MINILLM_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
               v_cache.sizes());
-  FUSED_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+  MINILLM_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
                   slot_mapping.device() == in.qkv.device(),
               "slot_mapping must be contiguous int64 [>= tokens] on qkv's device, got ", slot_mapping.sizes(), " ",
               slot_mapping.scalar_type(), " on ", slot_mapping.device());
-  FUSED_CHECK(slot_mapping.size(0) >= tokens, "slot_mapping must have at least one slot per token (", tokens,
+  MINILLM_CHECK(slot_mapping.size(0) >= tokens, "slot_mapping must have at least one slot per token (", tokens,
               "), got ", slot_mapping.size(0));
   const c10::cuda::CUDAGuard guard(in.qkv.device());
   Tensor q = at::empty({tokens, num_heads, head_dim}, in.qkv.options());
@@ -264,20 +245,20 @@ Tensor qk_norm_rope_cache(const Tensor& qkv_in, const Tensor& positions_in, cons
 
 // logits: float32, float16 or bfloat16 (the lm_head output as it is); the kernel widens each value to fp32.
 Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset) {
-  FUSED_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
+  MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
                     logits_in.sizes(), " on ", logits_in.device());
   const ScalarType dtype = act_dtype(logits_in, "logits");
   const Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  FUSED_CHECK(vocab >= 1 && vocab <= minillm::kMaxVocab - 4, "logits: vocab size must be in [1, ",
+  MINILLM_CHECK(vocab >= 1 && vocab <= minillm::kMaxVocab - 4, "logits: vocab size must be in [1, ",
                     minillm::kMaxVocab - 4, "], got ", vocab);
-  FUSED_CHECK(inv_temperature.scalar_type() == at::kFloat && inv_temperature.dim() == 1 &&
+  MINILLM_CHECK(inv_temperature.scalar_type() == at::kFloat && inv_temperature.dim() == 1 &&
                         inv_temperature.size(0) == rows && inv_temperature.is_contiguous() &&
                         inv_temperature.device() == logits.device(),
                     "inv_temperature must be contiguous float32 [", rows, "] on logits' device, got ",
                     inv_temperature.sizes(), " ", inv_temperature.scalar_type());
-  FUSED_CHECK(seed >= 0, "seed must be in [0, 2**63), got ", seed);
-  FUSED_CHECK(offset >= 0, "offset must be in [0, 2**63), got ", offset);
+  MINILLM_CHECK(seed >= 0, "seed must be in [0, 2**63), got ", seed);
+  MINILLM_CHECK(offset >= 0, "offset must be in [0, 2**63), got ", offset);
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   check_launch(minillm::launch_sample_exponential_race(
@@ -290,22 +271,22 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
 
 // x [M, K] times w [N, K]^T -> [M, N] (a decode-sized linear layer, no bias); launcher in gemm.h.
 Tensor skinny_gemm(const Tensor& x_in, const Tensor& w, int64_t splits) {
-  FUSED_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [M, K], got ", x_in.sizes(), " on ",
+  MINILLM_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [M, K], got ", x_in.sizes(), " on ",
               x_in.device());
   check_like(w, x_in, "w", "x");
   const ScalarType dtype = act_dtype(x_in, "x");
-  FUSED_CHECK(dtype != ScalarType::kFloat32, "x: dtype must be float16 or bfloat16, got ", x_in.scalar_type());
+  MINILLM_CHECK(dtype != ScalarType::kFloat32, "x: dtype must be float16 or bfloat16, got ", x_in.scalar_type());
   // 16-byte copies: rows must start 16-byte aligned, else a contiguous copy is made.
   const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 && x_in.stride(0) % 8 == 0;
   const Tensor x = x_in.stride(1) == 1 && aligned ? x_in : x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  FUSED_CHECK(w.dim() == 2 && w.size(1) == k && w.is_contiguous(), "w must be contiguous [N, ", k, "], got ",
+  MINILLM_CHECK(w.dim() == 2 && w.size(1) == k && w.is_contiguous(), "w must be contiguous [N, ", k, "], got ",
               w.sizes());
-  FUSED_CHECK(splits == 1 || splits == 2 || splits == 4 || splits == 8, "splits must be 1, 2, 4 or 8, got ",
+  MINILLM_CHECK(splits == 1 || splits == 2 || splits == 4 || splits == 8, "splits must be 1, 2, 4 or 8, got ",
               splits);
-  FUSED_CHECK(n % minillm::kGemmTileN == 0, "w: N must be a multiple of ", int64_t(minillm::kGemmTileN), ", got ",
+  MINILLM_CHECK(n % minillm::kGemmTileN == 0, "w: N must be a multiple of ", int64_t(minillm::kGemmTileN), ", got ",
               n);
-  FUSED_CHECK(k % (splits * minillm::kGemmTileK) == 0, "K must be a multiple of splits * ",
+  MINILLM_CHECK(k % (splits * minillm::kGemmTileK) == 0, "K must be a multiple of splits * ",
               int64_t(minillm::kGemmTileK), ", got K=", k, ", splits=", splits);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor y = at::empty({m, n}, x.options());

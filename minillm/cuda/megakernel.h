@@ -9,8 +9,10 @@
 // CTA owns form one contiguous range (one bulk copy). gate_up interleaves gate granule j and up granule j.
 // Layers are stacked: layer l of a matrix starts at l * rows * K elements.
 //
-// Activation ("A fragment") layout of the global buffers attn_frag [Hq * D] and h_frag [I] for 16 batch rows:
-// element (m, k) at ((k / 16 * 32 + (m % 8) * 4 + (k % 8) / 2) * 4 + (k % 16 >= 8) * 2 + (m >= 8)) * 2 + k % 2.
+// Activation ("row fragment") layout of the global buffers attn_frag [16 * Hq D] and h_frag [16 * I] (width K):
+// element (m, k) at (((m * K / 32 + k / 32) * 4 + (k % 8) / 2) * 4 + (k % 32 >= 16) * 2 + (k % 16 >= 8)) * 2 + k % 2.
+// Row m is contiguous (only the live rows are written and read); within it, the 16 bytes at (k / 32, q) are the A
+// registers a0/a2 (or a1/a3 for rows 8..15) of mma lane quad position q for both k-steps of the k-pair k / 32.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -58,8 +60,8 @@ struct MegakernelParams {
   void* v_cache[kMegaMaxLayers];
   // ---- workspaces (caller-owned, see megakernel_workspace_* below) ----
   void* qkv;          // [kMegaMaxBatch, (Hq + 2 Hkv) D] row-major
-  void* attn_frag;    // [Hq D * 16] A-fragment order
-  void* h_frag;       // [inter * 16] A-fragment order
+  void* attn_frag;    // [16 * Hq D] row-fragment order
+  void* h_frag;       // [16 * inter] row-fragment order
   void* resid;        // [kMegaMaxBatch, hidden]: the residual stream
   void* out;          // [batch, hidden]: final-normed hidden states
   float* partials;    // [num_ctas, group, D + 2]

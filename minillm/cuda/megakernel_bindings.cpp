@@ -13,46 +13,29 @@
 #include <string>
 #include <vector>
 
+#include "bindings_util.h"
 #include "megakernel.h"
 
 namespace {
 
 using at::Tensor;
-
-// Messages are assembled with std::to_string and handed to TORCH_CHECK as one string (see fused_bindings.cpp for
-// why: streaming integers through c10::str from this library crashed on the GPU image).
-std::string text(const char* s) { return s; }
-std::string text(int64_t v) { return std::to_string(v); }
-std::string text(at::ScalarType t) { return c10::toString(t); }
-std::string text(const c10::Device& d) { return d.str(); }
-std::string text(at::IntArrayRef shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
-template <typename... Parts>
-std::string msg(const Parts&... parts) {
-  return (std::string() + ... + text(parts));
-}
-
-#define MEGA_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, msg(__VA_ARGS__))
+using minillm::bindings::msg;
 
 // A contiguous CUDA tensor on `device` with `dtype` and at least `numel` elements.
 void check_buffer(const Tensor& t, const char* name, const c10::Device& device, at::ScalarType dtype, int64_t numel) {
-  MEGA_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
-  MEGA_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  MEGA_CHECK(t.is_contiguous(), name, " must be contiguous");
-  MEGA_CHECK(t.numel() >= numel, name, " must hold at least ", numel, " elements, got shape ", t.sizes());
-  MEGA_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+  MINILLM_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
+  MINILLM_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  MINILLM_CHECK(t.is_contiguous(), name, " must be contiguous");
+  MINILLM_CHECK(t.numel() >= numel, name, " must hold at least ", numel, " elements, got shape ", t.sizes());
+  MINILLM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
 // A step input: CUDA, `dtype`, at least `rows` leading entries, unit last stride.
 void check_input(const Tensor& t, const char* name, const c10::Device& device, at::ScalarType dtype, int64_t rows,
                  int64_t dims) {
-  MEGA_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
-  MEGA_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  MEGA_CHECK(t.dim() == dims && t.size(0) >= rows && t.stride(-1) == 1, name, " must be a ", dims,
+  MINILLM_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
+  MINILLM_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  MINILLM_CHECK(t.dim() == dims && t.size(0) >= rows && t.stride(-1) == 1, name, " must be a ", dims,
              "-d tensor with at least ", rows, " rows and a unit last stride, got shape ", t.sizes());
 }
 
@@ -64,12 +47,12 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
                        Tensor& act_ws, Tensor& partials, Tensor& sync, Tensor& out, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
                        int64_t num_ctas, int64_t min_partition_chunks, bool cooperative) {
-  MEGA_CHECK(embed.is_cuda() && embed.dim() == 2, "embed must be a CUDA tensor [vocab, hidden], got ", embed.sizes());
+  MINILLM_CHECK(embed.is_cuda() && embed.dim() == 2, "embed must be a CUDA tensor [vocab, hidden], got ", embed.sizes());
   const c10::Device device = embed.device();
   const at::ScalarType dt = embed.scalar_type();
-  MEGA_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "embed: dtype must be bfloat16 or float16, got ", dt);
+  MINILLM_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "embed: dtype must be bfloat16 or float16, got ", dt);
   const int64_t batch = input_ids.dim() == 1 ? input_ids.size(0) : -1;
-  MEGA_CHECK(batch >= 1 && batch <= minillm::kMegaMaxBatch, "input_ids must be [B] with 1 <= B <= ",
+  MINILLM_CHECK(batch >= 1 && batch <= minillm::kMegaMaxBatch, "input_ids must be [B] with 1 <= B <= ",
              int64_t(minillm::kMegaMaxBatch), ", got shape ", input_ids.sizes());
   check_input(input_ids, "input_ids", device, at::kLong, batch, 1);
   check_input(positions, "positions", device, at::kLong, batch, 1);
@@ -78,22 +61,22 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
   check_input(block_tables, "block_tables", device, at::kInt, batch, 2);
 
   const int64_t hidden = embed.size(1), layers = int64_t(kv_caches.size()) / 2;
-  MEGA_CHECK(kv_caches.size() % 2 == 0 && layers >= 1 && layers <= minillm::kMegaMaxLayers,
+  MINILLM_CHECK(kv_caches.size() % 2 == 0 && layers >= 1 && layers <= minillm::kMegaMaxLayers,
              "kv_caches must list (k_cache, v_cache) of every layer (1 to ", int64_t(minillm::kMegaMaxLayers),
              " layers), got ", int64_t(kv_caches.size()), " tensors");
-  MEGA_CHECK(num_heads >= 1 && num_kv_heads >= 1 && num_heads % num_kv_heads == 0,
+  MINILLM_CHECK(num_heads >= 1 && num_kv_heads >= 1 && num_heads % num_kv_heads == 0,
              "num_heads must be a multiple of num_kv_heads, got ", num_heads, " and ", num_kv_heads);
   const int64_t nqkv = (num_heads + 2 * num_kv_heads) * head_dim, kq = num_heads * head_dim;
   const int64_t group = num_heads / num_kv_heads;
 
   minillm::MegakernelParams p{};
   const Tensor& k0 = kv_caches[0];
-  MEGA_CHECK(k0.dim() == 4 && k0.size(2) == num_kv_heads && k0.size(3) == head_dim,
+  MINILLM_CHECK(k0.dim() == 4 && k0.size(2) == num_kv_heads && k0.size(3) == head_dim,
              "kv_caches[0] must be [num_blocks, block_size, ", num_kv_heads, ", ", head_dim, "], got ", k0.sizes());
   for (int64_t i = 0; i < 2 * layers; ++i) {
     const Tensor& c = kv_caches[i];
     check_buffer(c, "kv_caches[i]", device, dt, 0);
-    MEGA_CHECK(c.sizes() == k0.sizes(), "every KV cache must have kv_caches[0]'s shape ", k0.sizes(), ", entry ", i,
+    MINILLM_CHECK(c.sizes() == k0.sizes(), "every KV cache must have kv_caches[0]'s shape ", k0.sizes(), ", entry ", i,
                " has ", c.sizes());
     (i % 2 == 0 ? p.k_cache : p.v_cache)[i / 2] = c.data_ptr();
   }
@@ -104,14 +87,14 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
   if (b_qkv) check_buffer(*b_qkv, "b_qkv", device, dt, layers * nqkv);
   check_buffer(ln1, "ln1", device, dt, layers * hidden);
   check_buffer(ln2, "ln2", device, dt, layers * hidden);
-  MEGA_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm must be given together (Qwen3) or both None");
+  MINILLM_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm must be given together (Qwen3) or both None");
   if (q_norm) {
     check_buffer(*q_norm, "q_norm", device, dt, layers * head_dim);
     check_buffer(*k_norm, "k_norm", device, dt, layers * head_dim);
   }
   check_buffer(final_norm, "final_norm", device, dt, hidden);
   check_buffer(embed, "embed", device, dt, 0);
-  MEGA_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == head_dim, "cos_sin must be [max_positions, ", head_dim,
+  MINILLM_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == head_dim, "cos_sin must be [max_positions, ", head_dim,
              "], got ", cos_sin.sizes());
   check_buffer(cos_sin, "cos_sin", device, at::kFloat, 0);
   const int64_t mb = minillm::kMegaMaxBatch;
@@ -119,7 +102,7 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
   check_buffer(partials, "partials", device, at::kFloat, num_ctas * group * (head_dim + 2));
   check_buffer(sync, "sync", device, at::kInt, minillm::megakernel_sync_words(int(num_kv_heads)));
   check_buffer(out, "out", device, dt, batch * hidden);
-  MEGA_CHECK(out.dim() == 2 && out.size(1) == hidden, "out must be [rows, ", hidden, "], got ", out.sizes());
+  MINILLM_CHECK(out.dim() == 2 && out.size(1) == hidden, "out must be [rows, ", hidden, "], got ", out.sizes());
 
   p.input_ids = input_ids.data_ptr<int64_t>();
   p.positions = positions.data_ptr<int64_t>();
@@ -166,7 +149,7 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
   p.dtype = dt == at::kBFloat16 ? minillm::ScalarType::kBFloat16 : minillm::ScalarType::kFloat16;
 
   minillm::MegakernelSmemPlan plan;
-  MEGA_CHECK(minillm::megakernel_smem_plan(p, &plan) == cudaSuccess,
+  MINILLM_CHECK(minillm::megakernel_smem_plan(p, &plan) == cudaSuccess,
              "decode_megakernel does not cover this shape (hidden ", hidden, ", intermediate ", intermediate,
              ", heads ", num_heads, "/", num_kv_heads, ", head_dim ", head_dim, ", block_size ", int64_t(p.block_size),
              ", ", num_ctas, " CTAs); see minillm/ops/megakernel.py: DecodeMegakernel.applies");

@@ -26,7 +26,8 @@ class KernelChoice:
     skinny_gemm: bool             # decode-sized linear layers on the skinny GEMM (where it applies)
     decode_min_partitions: int
     decode_ctas_per_sm: int
-    megakernel_max_batch: int = 0    # decode steps up to this many rows run the persistent kernel (0 = never)
+    megakernel_max_batch: int = 0    # decode steps up to this many rows run the persistent kernel (0 = never) ...
+    megakernel_max_tokens: int = 0   # ... when their contexts total at most this many tokens
     megakernel_min_chunks: int = 8
     unavailable: str | None = None   # why the CUDA kernels do not run although kernels.backend allowed them
 
@@ -69,7 +70,7 @@ def resolve_kernels(cfg: EngineConfig, device) -> KernelChoice:
     return KernelChoice(cuda=True, attention=attention, attention_mode=rt.attention_mode, skinny_gemm=k.skinny_gemm,
                         decode_min_partitions=k.decode_min_partitions, decode_ctas_per_sm=k.decode_ctas_per_sm,
                         megakernel_max_batch=k.megakernel_max_batch if k.megakernel and attention == "cuda" else 0,
-                        megakernel_min_chunks=k.megakernel_min_chunks)
+                        megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks)
 
 
 _warned: set[str] = set()

@@ -36,6 +36,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 MAX_GROUP = 16
 DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
+ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
 # ---- weight and activation layouts -------------------------------------------------------------------------------
@@ -65,31 +66,104 @@ def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=1).reshape(-1)
 
 
-def act_fragment_index(m: torch.Tensor | int, k: torch.Tensor | int):
-    """Element index of (batch row m < 16, column k) in an A-fragment buffer of 16 rows (megakernel.h): block
-    k // 16 of 32 lanes x 8 elements, lane (m % 8) * 4 + (k % 8) // 2, register (k % 16 >= 8) * 2 + (m >= 8)."""
-    lane = (m % 8) * 4 + (k % 8) // 2
-    reg = (k % 16 >= 8) * 2 + (m >= 8) * 1
-    return ((k // 16 * 32 + lane) * 4 + reg) * 2 + k % 2
+def act_fragment_index(m: torch.Tensor | int, k: torch.Tensor | int, width: int):
+    """Element index of (batch row m < 16, column k) in a global row-fragment buffer of 16 rows of `width` columns
+    (megakernel.h): row m is contiguous; its 16 bytes at (k-pair k // 32, quad position q = (k % 8) // 2) hold
+    words (k % 32 >= 16) * 2 + (k % 16 >= 8), i.e. the A registers a0/a2 (a1/a3 for rows 8..15) of mma lane
+    4 (m % 8) + q for both k-steps of the k-pair."""
+    word = (k % 32 >= 16) * 2 + (k % 16 >= 8) * 1
+    return (((m * (width // 32) + k // 32) * 4 + (k % 8) // 2) * 4 + word) * 2 + k % 2
 
 
 def pack_act_fragments(x: torch.Tensor) -> torch.Tensor:
-    """[rows <= 16, K] -> flat [16 * K] A fragments (rows past x's are zero)."""
+    """[rows <= 16, K] -> flat [16 * K] row fragments (rows past x's are zero)."""
     rows, k = x.shape
     out = torch.zeros(16 * k, dtype=x.dtype, device=x.device)
     m = torch.arange(rows, device=x.device)[:, None].expand(rows, k)
     kk = torch.arange(k, device=x.device)[None, :].expand(rows, k)
-    out[act_fragment_index(m, kk).reshape(-1)] = x.reshape(-1)
+    out[act_fragment_index(m, kk, k).reshape(-1)] = x.reshape(-1)
     return out
 
 
-def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def act_tile_stride(hidden: int) -> int:
+    """Row stride (elements) of the shared-memory A tile the kernel's norms write: 16 rows of hidden + ACT_PAD, an
+    odd number of 16-byte chunks, so that the 8 rows one ldmatrix phase reads lie in 8 different bank groups."""
+    return hidden + ACT_PAD
+
+
+def ldmatrix_a_words(tile: torch.Tensor, k: int, stride: int) -> torch.Tensor:
+    """The A registers [k / 16, lane, reg, half] that gemv_smem_a gets from a row-major shared tile (flat, row m of
+    width k at m * stride), built from its per-lane addresses (lane l: row l % 16, column 16 ks + 8 (l / 16)) and
+    the PTX rule of ldmatrix.x4 (lanes 8j..8j+7 address the 8 rows of matrix j; lane t receives elements
+    2 (t % 4), +1 of row t / 4 of matrix j in register j)."""
+    words = torch.zeros(k // 16, 32, 4, 2, dtype=tile.dtype)
+    for ks in range(k // 16):
+        addr = [(lane % 16) * stride + 16 * ks + 8 * (lane // 16) for lane in range(32)]
+        for t in range(32):
+            for j in range(4):
+                base = addr[8 * j + t // 4] + 2 * (t % 4)
+                words[ks, t, j] = tile[base:base + 2]
+    return words
+
+
+def ldmatrix_bank_groups(k: int, stride: int) -> list[list[int]]:
+    """16-byte bank groups (of 8) of the 8 row addresses in each ldmatrix phase of gemv_smem_a, element size 2:
+    a phase is conflict-free when its 8 groups differ."""
+    phases = []
+    for ks in range(k // 16):
+        addr = [(lane % 16) * stride + 16 * ks + 8 * (lane // 16) for lane in range(32)]
+        phases += [[(addr[8 * j + i] * 2 // 16) % 8 for i in range(8)] for j in range(4)]
+    return phases
+
+
+def global_a_words(act: torch.Tensor, k: int, batch: int = 16) -> torch.Tensor:
+    """The A registers [k / 16, lane, reg, half] that gemv_global_a loads from a row-fragment buffer: lane
+    (g = l / 4, q = l % 4) reads the 16 bytes of row g (registers 0, 2) and of row g + 8 (registers 1, 3) at each
+    k-pair, word 2 (step % 2) + reg / 2 of them; rows >= batch are not read and count as zeros."""
+    words = torch.zeros(k // 16, 32, 4, 2, dtype=act.dtype)
+    flat = act.view(-1, 4, 2)                                  # [16-byte slot * 4 words, ...] -> per u32 word
+    kpairs = k // 32
+    for step in range(k // 16):
+        kp, t = step // 2, step % 2
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            for reg in range(4):
+                row = g + 8 * (reg % 2)
+                if row >= batch:
+                    continue
+                slot = (row * kpairs + kp) * 4 + q
+                words[step, lane, reg] = flat[slot, 2 * t + reg // 2]
+    return words
+
+
+def global_a_rounds(kpairs: int, batch: int, warps: int = WARPS, k_round: int = 8) -> list[list[list[int]]]:
+    """The k-pairs each warp of gemv_global_a multiplies, round by round (one round = one L2 round trip): warp w
+    takes k-pairs [w kpairs / warps, (w + 1) kpairs / warps); a round holds k_round k-pairs, 2 k_round at
+    batch <= 8 (rows 8..15 are dead and their registers carry row g of the next k_round k-pairs)."""
+    out = []
+    for w in range(warps):
+        begin, end = w * kpairs // warps, (w + 1) * kpairs // warps
+        second = k_round if batch <= 8 else 0
+        rounds, kp0 = [], begin
+        while kp0 < end:
+            first = [kp0 + i for i in range(k_round) if kp0 + i < end]
+            extra = [kp0 + k_round + i for i in range(k_round) if second and kp0 + k_round + i < end]
+            rounds.append(first + extra)
+            kp0 += k_round + second
+        out.append(rounds)
+    return out
+
+
+def emulate_gemv(packed_w: torch.Tensor, act: torch.Tensor, n: int, k: int, a_words: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """What the kernel's tensor-core loop computes, [16, n] in fp32, built only from the PTX fragment rules of
     mma.m16n8k16 (A: a0a1 row g, a2a3 row g + 8, a4a5 col + 8, a6a7 both; B: b0b1 k = 2q, b2b3 k = 2q + 8, n = l / 4)
-    applied to the per-lane 16-byte words the kernel loads: a check of both layouts that needs no GPU."""
+    applied to the per-lane words the kernel loads: a check of both layouts that needs no GPU. A is the global
+    row-fragment buffer `act` (all 16 rows read), or the per-lane registers `a_words` (from ldmatrix_a_words or
+    global_a_words)."""
     lanes = torch.arange(32)
     grp, q = lanes // 4, lanes % 4
-    a_words = act.float().view(k // 16, 32, 4, 2)            # [step, lane, reg, half]
+    a_words = (global_a_words(act, k) if a_words is None else a_words).float()   # [step, lane, reg, half]
     w_words = packed_w.float().view(n // 8, k // 32, 32, 4, 2)  # [granule, pair, lane, t, half]
     a = torch.zeros(k // 16, 16, 16)
     for reg in range(4):
@@ -154,7 +228,8 @@ def partition_plan(seq_lens: list[int], num_kv_heads: int, num_ctas: int,
 def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int, num_ctas: int) -> dict:
     """Shared-memory regions (bytes) of one CTA, as megakernel_smem_plan computes them: w0 (QKV / gate_up slices),
     w1 (o_proj / down slices), uni (norm output, GEMV partial sums, attention ring and merges), qtile, misc
-    (2 mbarriers, the CTA's 4 slices of 24 bytes, the attention plan of 3 + 3 x 16 + 1 ints)."""
+    (2 mbarriers, the CTA's 4 slices of 24 bytes, the attention plan of 3 + 4 x 16 + 1 ints and the 2 x 16
+    int64 positions and slots it copies)."""
     def up(x: int) -> int:
         return -(-x // 128) * 128
     n, d, group = num_ctas, head_dim, num_heads // num_kv_heads
@@ -162,9 +237,11 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     gq, gp, go = -(-nqkv // 8 // n), -(-inter // 8 // n), -(-hidden // 8 // n)
     max_gran = max(gq, 2 * gp, go)
     plan = dict(w0=up(2 * max(gq * 8 * hidden, gp * 16 * hidden)), w1=up(2 * max(go * 8 * kq, go * 8 * inter)))
-    uni = max(16 * hidden * 2, WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
-              WARPS * group * d * 4 + 2 * WARPS * group * 4, group * MAX_PARTITIONS * 4 + group * 4)
-    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(16 + 96 + 4 * (3 + 3 * MAX_BATCH + 1)))
+    red_offset = up(16 * act_tile_stride(hidden) * 2)   # the GEMV sums follow the A tile (not over it)
+    uni = max(red_offset + WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
+              WARPS * group * d * 4 + 2 * WARPS * group * 4, 2 * group * MAX_PARTITIONS * 4 + group * 4)
+    misc = 16 + 96 + 4 * (3 + 4 * MAX_BATCH + 1) + 8 * 2 * MAX_BATCH
+    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(misc))
     plan["total"] = sum(plan.values())
     plan["max_granules"] = max_gran
     return plan

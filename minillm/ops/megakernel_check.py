@@ -236,12 +236,12 @@ def run_megakernel_cases(quick: bool = False) -> list[dict]:
 
 
 def unpack_act_fragments(buf: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """[rows, k] from a flat 16-row A-fragment buffer (inverse of megakernel.pack_act_fragments)."""
+    """[rows, k] from a flat 16-row row-fragment buffer (inverse of megakernel.pack_act_fragments)."""
     from minillm.ops.megakernel import act_fragment_index
 
     m = torch.arange(rows, device=buf.device)[:, None].expand(rows, k)
     kk = torch.arange(k, device=buf.device)[None, :].expand(rows, k)
-    return buf[act_fragment_index(m, kk)]
+    return buf[act_fragment_index(m, kk, k)]
 
 
 @torch.no_grad()

@@ -157,7 +157,8 @@ class ModelRunner:
         if prof is not None:
             prof.mark("build")
         decode_only = meta.num_decodes == meta.num_seqs
-        if decode_only and self.mega_graphs is not None and self.mega_graphs.bucket(meta.num_seqs):
+        if decode_only and self.mega_graphs is not None and self.mega_graphs.bucket(meta.num_seqs) \
+                and sum(meta.seq_lens_cpu) <= self.kernels.megakernel_max_tokens:
             hidden = self.mega_graphs.replay(step.input_ids, step.positions, meta)
         elif decode_only and self.graphs is not None and self.graphs.bucket(meta.num_seqs):
             hidden = self.graphs.replay(step.input_ids, step.positions, meta)
