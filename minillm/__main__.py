@@ -1,3 +1,3 @@
-from minillm.cli import main
+from minillm.commands import main
 
 main()

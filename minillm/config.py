@@ -15,7 +15,12 @@ class ConfigError(ValueError):
 
 def _check(cond: bool, key: str, value, allowed: str) -> None:
     if not cond:
-        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+        from minillm.untrusted import short_repr   # a huge value must not make a huge message
+        raise ConfigError(f"{key}={short_repr(value)} is not allowed: {allowed}")
+
+
+def _is_int(v, low: int, high: int | None = None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None = from the model's config (capped by max_position_embeddings)
 
     def validate(self) -> None:
+        _check(self.model is None or (isinstance(self.model, str) and self.model.strip() != ""), "model.model",
+               self.model, "a model directory, a preset name, demo, or null (the demo model)")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype,
                "one of auto, float32, bfloat16, float16")
         _check(self.load_format in ("auto", "safetensors", "dummy"), "model.load_format", self.load_format,
@@ -85,12 +92,15 @@ class RuntimeConfig:
     async_scheduling: bool = True
 
     def validate(self) -> None:
-        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "runtime.device",
-               self.device, "auto, cpu, cuda or cuda:N")
+        _check(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or (
+            self.device.startswith("cuda:") and self.device[5:].isdigit())), "runtime.device", self.device,
+            "auto, cpu, cuda or cuda:N")
         _check(self.attention in ("auto", "cuda", "torch"), "runtime.attention", self.attention,
                "one of auto, cuda, torch")
         _check(self.attention_mode in ("split", "unified"), "runtime.attention_mode", self.attention_mode,
                "one of split, unified")
+        # The GPU sampler keys its noise on a 63-bit seed (and torch generators take no more).
+        _check(_is_int(self.seed, 0, (1 << 63) - 1), "runtime.seed", self.seed, "an integer in [0, 2**63 - 1]")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import yaml
 
 from minillm.config import ConfigError, EngineConfig, env_alias_values
 from minillm.sampling_params import SamplingParams
+from minillm.untrusted import load_yaml, short_repr
 
 # Sampling defaults for generate / serve-stdin when neither the config nor the input line sets a value.
 # NOTE: configs/default.yaml mirrors these; a test keeps the two equal.
@@ -29,13 +30,15 @@ _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false"
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
+    if len(word) > 64:   # no key is this long; do not spend time comparing it
+        return ""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _unknown(what: str, name: str, choices: Iterable[str]) -> ConfigError:
     choices = list(choices)
-    return ConfigError(f"unknown {what} {name!r}{_suggest(name, choices)}; valid: {', '.join(choices)}")
+    return ConfigError(f"unknown {what} {short_repr(name)}{_suggest(name, choices)}; valid: {', '.join(choices)}")
 
 
 def _type_ok(value: Any, type_name: str) -> bool:
@@ -60,7 +63,7 @@ def _check_type(section: str, field: dataclasses.Field, value: Any) -> None:
     allowed = [part.strip() for part in str(field.type).split("|")]
     if not any(_type_ok(value, t) for t in allowed):
         words = " or ".join(_TYPE_NAMES[t] for t in allowed)
-        raise ConfigError(f"{section}.{field.name}={value!r} has the wrong type: expected {words}")
+        raise ConfigError(f"{section}.{field.name}={short_repr(value)} has the wrong type: expected {words}")
 
 
 def _engine_field(section: str, key: str) -> dataclasses.Field:
@@ -82,13 +85,42 @@ def _check_key(section: str, key: str) -> None:
         _engine_field(section, key)
 
 
-def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+MAX_CONFIG_FILE_BYTES = 1 << 20
+
+
+def read_yaml_file(path: Path, what: str = "config file") -> Any:
+    """A YAML file's content through the bounded loader; every failure is a ConfigError naming the file."""
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{what} not found: {path}" if not path.exists() else f"{what} {path} is not a file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if path.stat().st_size > MAX_CONFIG_FILE_BYTES:
+            raise ConfigError(f"{what} {path} is {path.stat().st_size:,} bytes; the limit is "
+                              f"{MAX_CONFIG_FILE_BYTES:,}")
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: {e}") from None
+    try:
+        return load_yaml(text)
+    except (yaml.YAMLError, ValueError) as e:   # ValueError: TooNested
+        raise ConfigError(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from None
+
+
+def yaml_problem(e: Exception) -> str:
+    """A YAML error in one line: PyYAML's own message spans several, with a copy of the offending text."""
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(e).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"{context + ': ' if context else ''}{problem}{where}"
+
+
+def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+    data = read_yaml_file(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -113,11 +145,12 @@ def parse_set(item: str) -> tuple[str, str, Any]:
     name, sep, raw = item.partition("=")
     section, dot, key = name.strip().partition(".")
     if not sep or not dot or not section or not key:
-        raise ConfigError(f"--set expects section.key=value (e.g. scheduler.max_num_seqs=64), got {item!r}")
+        raise ConfigError(f"--set expects section.key=value (e.g. scheduler.max_num_seqs=64), "
+                          f"got {short_repr(item)}")
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {name}: value {raw!r} is not valid YAML: {e}") from None
+        value = load_yaml(raw)
+    except (yaml.YAMLError, ValueError) as e:   # ValueError: TooNested
+        raise ConfigError(f"--set {name}: value {short_repr(raw)} is not valid YAML: {yaml_problem(e)}") from None
     return section, key, value
 
 

@@ -6,9 +6,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minillm.untrusted import short_repr
+
 # The per-row scalars the sampler reads every step, in the order of SamplingParams.packed_row() (and of the rows of
 # minillm/sampling/batch.py's parameter matrix). The last three are host-only flags: min_tokens, whether a seed is
 # set, whether logprobs are wanted.
+MAX_TEMPERATURE = 1e4           # far past uniform sampling already; logits / T stays a normal float32
+MIN_REPETITION_PENALTY = 1e-2    # logits are divided (or multiplied) by it: keep them finite in float32
 ROW_FIELDS = ("temperature", "top_p", "min_p", "top_k", "presence", "frequency", "repetition",
               "min_tokens", "seeded", "logprobs")
 
@@ -34,8 +38,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Only a list (or tuple) is a list here: list() of a dict or a string would silently take its keys/chars.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {short_repr(value)}")
+            setattr(self, name, list(value or []))
         self._validate()
 
     def packed_row(self) -> bytes:
@@ -47,7 +55,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            return ValueError(f"{name} must be {allowed}, got {short_repr(getattr(self, name))}")
 
         def is_num(x) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -55,12 +63,13 @@ class SamplingParams:
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        if not is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a finite number >= 0")
+        # Upper bounds keep every value the sampler packs into float32 finite there.
+        if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"a finite number >= 0 (at most {MAX_TEMPERATURE:g})")
         if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", "in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+            raise bad("top_k", "an integer >= 0 (0 or -1 disables it), below 2**31")
         if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise bad("min_p", "in [0, 1]")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -83,8 +92,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_num(v) or not math.isfinite(v) or not (-2.0 <= v <= 2.0):
                 raise bad(name, "in [-2, 2]")
-        if not is_num(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "a finite number > 0")
+        if not is_num(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= \
+                1 / MIN_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"a number in [{MIN_REPETITION_PENALTY:g}, {1 / MIN_REPETITION_PENALTY:g}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= 20)):
             raise bad("logprobs", "an integer in [0, 20] or null")
 

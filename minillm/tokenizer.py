@@ -17,6 +17,8 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
+from minillm.untrusted import loads_json, short_repr
+
 
 class Tokenizer:
     def __init__(self, tokenizer: _HFTokenizer, *, eos_token_ids: frozenset[int] = frozenset(),
@@ -35,7 +37,11 @@ class Tokenizer:
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {str(root)!r}: a text prompt, chat messages or stop "
                                     f"strings need the model's tokenizer.json")
-        tok = _HFTokenizer.from_file(str(tok_file))
+        try:
+            tok = _HFTokenizer.from_file(str(tok_file))
+        except Exception as e:   # noqa: BLE001 - the tokenizers library raises bare Exceptions for bad files
+            raise ValueError(f"{tok_file} is not a tokenizer file the tokenizers library can read: "
+                             f"{str(e)[:200]}") from None
         tok_cfg = _read_json(root / "tokenizer_config.json")
         bos, eos = _token_text(tok_cfg.get("bos_token")), _token_text(tok_cfg.get("eos_token"))
         eos_ids = _ids_of(_read_json(root / "config.json").get("eos_token_id"), "config.json")
@@ -121,9 +127,9 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path.name} is not valid JSON: {e}") from e
+        data = loads_json(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError, TooNested, bad UTF-8
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path.name} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -135,7 +141,8 @@ def _ids_of(value: Any, source: str) -> set[int]:
         return set()
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ValueError(f"{source}: eos_token_id must be a non-negative integer or a list of them, got {value!r}")
+        raise ValueError(f"{source}: eos_token_id must be a non-negative integer or a list of them, "
+                         f"got {short_repr(value)}")
     return set(values)
 
 
@@ -149,7 +156,10 @@ def _token_text(value: Any) -> str | None:
 def _chat_template(root: Path, tok_cfg: dict) -> str | None:
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja_file} is not UTF-8 text: {e}") from None
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):
         # Several named templates: the one named "default" is the chat template.

@@ -5,7 +5,7 @@ host work for the same step: its request states (the plain SchedulerOutput appli
 tokens recorded), InputBuilder.build (token ids, positions, slot mapping, block tables,
 metadata) and the sampling batch (SamplingBatchCache.get), i.e. everything the CPU does per step except launching
 GPU work.
-That sum is what the <= 250 us per-step budget of DESIGN section 7 is about.
+That sum is what the <= 250 us per-step budget of docs/architecture.md (section 7) is about.
 
     python scripts/bench_scheduler_cpu.py [--requests 256] [--context 1000] [--steps 3000] [--prefix-caching]
                                           [--with-inputs]

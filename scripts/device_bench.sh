@@ -33,7 +33,7 @@ export COLUMNS=200   # rich tables in the logs at full width
 python3 -c "import time; t=time.perf_counter(); from minillm.ops.build import load_extension as ok; \
 print('cuda ops:', bool(ok()), f'build/load {time.perf_counter()-t:.1f} s')" > "$OUT/build.log" 2>&1
 
-mb() { python3 -m minillm.bench.commands "$@" --no-progress; }
+mb() { python3 -m minillm "$@" --no-progress; }
 
 run_bench() {   # $1: GPU index
     CUDA_VISIBLE_DEVICES=$1 mb bench --compare --output "$OUT/bench.jsonl" > "$OUT/bench.log" 2>&1 || echo "bench: some runs failed (see bench.log)"

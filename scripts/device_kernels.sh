@@ -10,7 +10,7 @@ start=$(date +%s)
 python3 -c "from minillm.ops.build import load_extension; load_extension()" 2>&1 | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x -m gpu tests/test_kernels_gpu.py 2>&1 | tee "$OUT/pytest.log" | tail -15
-python3 -m minillm.ops.check --output "$OUT/kernels.jsonl" ${CHECK_ARGS:-} 2>&1 | tee "$OUT/check.log" | grep -v " ok " | tail -60
+python3 -m minillm check-kernels --output "$OUT/kernels.jsonl" ${CHECK_ARGS:-} 2>&1 | tee "$OUT/check.log" | grep -v " ok " | tail -60
 rc=${PIPESTATUS[0]}
 # The built extension, for a later run to carry (cuda sources unchanged -> same hash -> no rebuild).
 tar -C "$MINILLM_EXT_DIR" -czf "$OUT/ext.tgz" --exclude='*.o' --exclude='*.ninja*' . 2>/dev/null

@@ -14,10 +14,10 @@ for shape in "256 1024" "64 512" "8 2048"; do
       --output "$OUT/profile_b$1_c$2${a:+_async}.json" 2>&1 | head -16
   done
 done
-python3 -m minillm.bench.commands bench --no-progress --output "$OUT/bench.jsonl" 2>&1 | tail -6
-python3 -m minillm.bench.commands bench --no-progress --set runtime.async_scheduling=true \
+python3 -m minillm bench --no-progress --output "$OUT/bench.jsonl" 2>&1 | tail -6
+python3 -m minillm bench --no-progress --set runtime.async_scheduling=true \
   --output "$OUT/bench.jsonl" 2>&1 | tail -6
-python3 -m minillm.bench.commands latency-sweep --no-progress --rates 8 --configs chunked-2048 \
+python3 -m minillm latency-sweep --no-progress --rates 8 --configs chunked-2048 \
   --output "$OUT/latency.jsonl" --plot /tmp/latency_a.png 2>&1 | tail -6
-python3 -m minillm.bench.commands latency-sweep --no-progress --rates 8 --configs chunked-2048 \
+python3 -m minillm latency-sweep --no-progress --rates 8 --configs chunked-2048 \
   --set runtime.async_scheduling=true --output "$OUT/latency.jsonl" --plot /tmp/latency_b.png 2>&1 | tail -6

@@ -68,13 +68,12 @@ def _server_config(args, out_dir: Path) -> Path:
     """The suite entry resolved exactly as latency-sweep resolves it, as an engine config file for `serve`."""
     import yaml
 
-    from minillm.bench.commands import _build, _online_workload, _pick_configs, _read_suite
-    from minillm.cli import EngineFlags
+    from minillm.bench.suite import fit_workload, online_workload, pick_configs, read_suite
 
-    suite = _read_suite(args.suite)
-    workload = _online_workload(suite, args.workload, args.num_requests)
-    (entry,) = _pick_configs(suite.get("configs"), args.config_name)
-    cfg = _build(suite, EngineFlags(config=args.engine_config, device=args.device), entry, workload.max_model_len)
+    suite = read_suite(args.suite)
+    workload = online_workload(suite, args.workload, args.num_requests)
+    (entry,) = pick_configs(suite.get("configs"), args.config_name)
+    _, cfg, _ = fit_workload(workload, suite, args.engine_config, [], {"device": args.device}, entry)
     path = out_dir / f"serve_{args.config_name}.yaml"
     path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     return path

@@ -25,12 +25,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minillm.bench.commands import BENCH_SUITE, _build, _device, _label, _offline_workload, _prepare_device, \
-    _read_suite
 from minillm.bench.floor import floor_record, measure_device
 from minillm.bench.kernel_profile import summarize_profile
 from minillm.bench.offline import build_llm, floor_work, free_device_memory, timed_pass, warm_up
-from minillm.cli import EngineFlags
+from minillm.bench.suite import BENCH_SUITE, device_of, label, offline_workload, prepare_device, read_suite
+from minillm.bench.suite import build_config as suite_config
 from minillm.engine.profile import StepProfile
 from minillm.fingerprint import stamp
 
@@ -42,7 +41,7 @@ def build_config(args, max_model_len: int):
     if model == "tiny":
         sets.append("model.model=null")
         model = None
-    return _build(_read_suite(args.suite), EngineFlags(model=model, set=sets), {}, max_model_len)
+    return suite_config(read_suite(args.suite), None, sets, {"model": model}, {}, max_model_len)
 
 
 def sync(cuda: bool) -> None:
@@ -88,8 +87,8 @@ def decode_attention_bandwidth(kv_bytes: int, kernels: dict, copy_bytes_per_s: f
 
 
 def run(args, w, cfg) -> dict:
-    dev = _device(cfg)
-    extra = _prepare_device(dev)
+    dev = device_of(cfg)
+    extra = prepare_device(dev)
     rates = measure_device(dev)   # before the engine takes the GPU memory, as the bench does
     llm, load_s = build_llm(cfg)
     try:
@@ -101,7 +100,7 @@ def run(args, w, cfg) -> dict:
         del llm
         free_device_memory()
     floor = floor_record(work, rates, wall_a)
-    return {"kind": "profile_bench", "label": _label(cfg), "config": dataclasses.asdict(cfg), "dtype": dtype,
+    return {"kind": "profile_bench", "label": label(cfg), "config": dataclasses.asdict(cfg), "dtype": dtype,
             "device": dev, "workload": w.summary(), "load_s": load_s, "warmup_s": warmup_s, **extra,
             "wall_a_s": wall_a, "wall_b_s": wall_b, "output_tok_s": w.output_tokens / wall_a,
             "preemptions": preemptions, "floor": floor, "step_profile": host, "kernels": kernels,
@@ -149,7 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--output", type=Path, default=Path("profile_bench.json"))
     args = ap.parse_args(argv)
     try:
-        w = _offline_workload(args.workload, args.num_requests)
+        w = offline_workload(args.workload, args.num_requests)
         cfg = build_config(args, w.max_model_len)
     except ValueError as e:   # ConfigError and workload errors: a message, not a traceback
         sys.exit(f"profile_bench: error: {e}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from minillm.cli import app
+from minillm.commands import app
 from minillm.sampling_params import SamplingParams
 from minillm.serve.requests import (MAX_LINE_BYTES, AbortCommand, LineError, ParsedRequest, TooLong, iter_lines,
                                     parse_line)

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from minillm.bench.plots import plot_latency
 from minillm.bench.report import BENCH_KEYS, LATENCY_KEYS, read_jsonl
-from minillm.cli import app
+from minillm.commands import app
 
 OFFLINE = "kind: offline\nnum_requests: 8\nprompt_len: [8, 40]\noutput_len: [3, 6]\nmax_model_len: 128\n"
 ONLINE = ("kind: online\nnum_requests: 8\nshort_prompt_len: [8, 24]\nlong_prompt_len: [60, 90]\n"
@@ -50,6 +50,54 @@ def test_bench_writes_jsonl(tiny, tmp_path):
     assert line["floor"]["kv_bytes"] > 0 and line["floor"]["floor_s"] is None
     assert line["fingerprint"]["torch"] and line["commit"]
     assert "minillm bench (offline)" in result.output
+    table = result.stdout.split("appended")[0]
+    assert max(len(line) for line in table.splitlines()) <= 80
+
+
+def test_bench_on_the_demo_model_fits_the_workload_and_says_what_a_cpu_run_costs(tmp_path):
+    import torch
+    wl = tmp_path / "wl.yaml"     # ids up to 10,000 and 4,096 positions: more than the demo model has
+    wl.write_text("kind: offline\nnum_requests: 3\nprompt_len: [8, 30]\noutput_len: [2, 4]\nmax_model_len: 4096\n")
+    out = tmp_path / "b.jsonl"
+    result = _invoke("bench", "--model", "demo", "--device", "cpu", "--workload", wl, "-o", out, "--no-progress")
+    (line,) = read_jsonl(out)
+    assert line["workload"]["fitted"] == {"vocab_size": 4096, "max_model_len": 2048}
+    assert line["config"]["model"]["max_model_len"] == 2048 and line["workload"]["output_tokens"] > 0
+    assert "folded into the model's vocabulary of 4096" in result.stderr
+    if not torch.cuda.is_available():
+        assert "no GPU: running demo (3.4 M parameters) on the CPU" in result.stderr and "roughly" in result.stderr
+
+
+def test_cpu_estimates_tell_minutes_from_hours():
+    from minillm.bench.cpu_estimate import estimate_seconds
+    from minillm.bench.workloads import reference_offline
+    from minillm.config import EngineConfig
+    from minillm.model.loader import resolve_arch
+    rates = (10.5e9, 35e9)   # a 2-core machine: 10.5 GB/s copies, 35 GFLOP/s float32 matmuls
+    w = reference_offline()
+    preset = EngineConfig.from_kwargs("qwen3-0.6b")
+    demo = EngineConfig.from_kwargs("demo")
+    small = w.head(16).fit(4096, 2048)[0]
+    assert estimate_seconds(resolve_arch("qwen3-0.6b"), w, preset, rates) > 3 * 3600
+    assert 30 < estimate_seconds(resolve_arch("demo"), small, demo, rates) < 3 * 60    # measured there: 79 s
+    assert 520 < estimate_seconds(resolve_arch("qwen3-0.6b"), w.head(4), preset, rates) < 2100   # measured: 1,043 s
+
+
+def test_bench_table_fits_80_columns_and_keeps_long_labels():
+    from rich.console import Console
+    from minillm.bench.report import bench_table
+    line = {"label": "chunked-16384+torch+unified+eager", "engine": "minillm", "workload": {"num_requests": 256},
+            "config": {"scheduler": {"enable_chunked_prefill": True, "policy": "fcfs",
+                                     "max_num_batched_tokens": 16384},
+                       "runtime": {"attention": "torch", "attention_mode": "unified", "enforce_eager": True}},
+            "wall_s": 1005.76, "output_tok_s": 23274.2, "total_tok_s": 148088.1, "preemptions": 10000,
+            "floor": {"fraction_of_floor": 0.65}, "load_s": 12.3, "warmup_s": 3.2}
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(bench_table([line, dict(line, label="static")]))
+    text = console.export_text()
+    assert max(len(row.rstrip()) for row in text.splitlines()) <= 80
+    assert "148,088" in text and "10000" in text and "65.0" in text
+    assert "chunked-16384+torch+unified+eager" in "".join(text.split())   # folded over lines, not cut
 
 
 def test_latency_sweep_writes_jsonl_and_png(tiny, tmp_path):

@@ -1,4 +1,4 @@
-"""The floor formula reproduces DESIGN section 7's figures on the offline reference."""
+"""The floor formula reproduces the figures of docs/architecture.md section 7 on the offline reference."""
 import pytest
 import torch
 
@@ -58,7 +58,7 @@ def test_kv_bytes_and_steps_against_a_brute_force_count(prompts, max_tokens, seq
 def test_floor_record_fraction_and_nulls():
     work = _reference_work()
     rec = floor_record(work, DeviceRates(4.23e12, 760e12, 1.0), wall_s=7.5)
-    assert rec["fraction_of_floor"] == pytest.approx(3.75 / 7.5, abs=0.002)   # the DESIGN floor, half of it
+    assert rec["fraction_of_floor"] == pytest.approx(3.75 / 7.5, abs=0.002)   # the documented floor, half of it
     cpu = floor_record(work, DeviceRates(None, None, 0.0), wall_s=7.5)
     assert cpu["floor_s"] is None and cpu["fraction_of_floor"] is None and cpu["kv_bytes"] == work.kv_bytes
 

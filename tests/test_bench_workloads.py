@@ -1,4 +1,5 @@
-"""Reference workloads reproduce DESIGN section 6 exactly and deterministically; YAML files are validated."""
+"""Reference workloads reproduce docs/architecture.md section 6 exactly and deterministically; YAML files are
+validated; workloads fit smaller models."""
 import pytest
 
 from minillm.bench.workloads import (REFERENCE_INPUT_TOKENS, REFERENCE_OUTPUT_TOKENS, check_reference_totals,
@@ -66,7 +67,7 @@ def test_yaml_workload(tmp_path):
     path.write_text("kind: closed\n")
     with pytest.raises(ValueError, match="kind"):
         load_workload(path)
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="not found"):
         load_workload(tmp_path / "missing.yaml")
 
 
@@ -76,3 +77,47 @@ def test_salted_changes_only_first_tokens():
     assert [len(p) for p in s.prompts] == [len(p) for p in w.prompts] and s.max_tokens == w.max_tokens
     assert all(a[0] != b[0] and a[1:] == b[1:] for a, b in zip(s.prompts, w.prompts))
     assert w.salted(0) is w
+
+
+def test_fit_folds_ids_into_a_small_vocabulary_and_keeps_the_work():
+    w = reference_offline().head(6)
+    fitted, notes = w.fit(vocab_size=4096, max_len=2048)
+    assert all(0 <= t < 4096 for p in fitted.prompts for t in p)
+    assert [len(p) for p in fitted.prompts] == [len(p) for p in w.prompts] and fitted.max_tokens == w.max_tokens
+    assert notes == ["token ids folded into the model's vocabulary of 4096"]
+    assert fitted.summary()["fitted"] == {"vocab_size": 4096, "max_model_len": 2048}
+    assert all(0 <= t < 4096 for p in fitted.salted(3).prompts for t in p)   # a later pass stays inside too
+
+
+def test_fit_cuts_requests_to_a_shorter_model():
+    w = online_workload(num_requests=40)
+    fitted, notes = w.fit(vocab_size=151_936, max_len=2048)
+    assert fitted.max_model_len == 2048 and len(notes) == 1 and "cut to fit" in notes[0]
+    assert all(len(p) + m <= 2048 and len(p) >= 1 for p, m in zip(fitted.prompts, fitted.max_tokens))
+    assert fitted.max_tokens == w.max_tokens                     # outputs are kept, prompts lose their end
+    kept = [(a, b) for a, b in zip(w.prompts, fitted.prompts) if len(a) + 256 <= 2048]
+    assert kept and all(a == b for a, b in kept)
+    assert fitted.unit_arrivals == w.unit_arrivals
+
+
+def test_fit_is_a_no_op_where_the_model_is_big_enough():
+    w = reference_offline().head(2)
+    assert w.fit(vocab_size=151_936, max_len=40_960) == (w, [])
+
+
+@pytest.mark.parametrize("text, words", [
+    ("num_requests: 1000000000\n", "num_requests=1000000000"),
+    ("prompt_len: 5\n", "prompt_len=5"),
+    ("max_model_len: x\n", "max_model_len='x'"),
+    ("seed: [1]\n", "seed=[1]"),
+    ("temperature: .inf\n", "temperature=inf"),
+    ("kind: online\nlong_fraction: yes\n", "long_fraction=True"),
+    ("name: [1]\n", "name=[1]"),
+    ("num_requests: 100000\nprompt_len: [1, 100000]\nmax_model_len: 200000\n", "the limit is 50,000,000"),
+])
+def test_hostile_workload_files_are_refused(tmp_path, text, words):
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_workload(path)
+    assert words in str(e.value)

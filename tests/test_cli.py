@@ -2,14 +2,18 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
-from minillm import cli
-from minillm.cli import EngineFlags, app
+from minillm import commands
+from minillm.commands import app
+from minillm.commands.engine_flags import EngineFlags
 
 ENGINE_ARGS = ["--device", "cpu", "--set", "cache.num_kv_blocks=64"]
+COMMANDS = ["generate", "serve-stdin", "serve", "bench", "latency-sweep", "check-kernels"]
 
 
 def run_cli(*args, input=None):
@@ -23,16 +27,16 @@ def answers(text: str) -> list[dict]:
 # ---------------------------------------------------------------- help and lazy commands
 
 def test_help_lists_every_command_without_importing_torch():
-    code = ("import sys; from minillm.cli import app; from typer.testing import CliRunner; "
+    code = ("import sys; from minillm.commands import app; from typer.testing import CliRunner; "
             "r = CliRunner().invoke(app, ['--help']); print(r.output); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for name in ("generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"):
+    for name in COMMANDS:
         assert name in out.stdout
 
 
-@pytest.mark.parametrize("command", ["generate", "serve-stdin", "bench", "latency-sweep", "check-kernels"])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help(command):
     result = run_cli(command, "--help")
     assert result.exit_code == 0 and "Usage" in result.output
@@ -46,7 +50,7 @@ def test_engine_flags_on_engine_commands():
 
 
 def test_command_whose_module_is_missing_says_not_built(monkeypatch):
-    monkeypatch.setitem(cli.LAZY_COMMANDS, "future-thing", ("minillm.no_such_module", "cmd", "Does a thing."))
+    monkeypatch.setitem(commands.COMMANDS, "future-thing", ("minillm.no_such_module", "cmd", "Does a thing."))
     help_result = run_cli("future-thing", "--help")
     assert help_result.exit_code == 0 and "Does a thing." in help_result.output
     result = run_cli("future-thing", "--some-flag", "3")
@@ -54,9 +58,40 @@ def test_command_whose_module_is_missing_says_not_built(monkeypatch):
 
 
 def test_command_whose_function_is_missing_says_not_built(monkeypatch):
-    monkeypatch.setitem(cli.LAZY_COMMANDS, "future-thing", ("minillm.config", "no_such_command", "Thing."))
+    monkeypatch.setitem(commands.COMMANDS, "future-thing", ("minillm.config", "no_such_command", "Thing."))
     result = run_cli("future-thing")
     assert result.exit_code == 2 and "not built yet" in result.stderr
+
+
+def greet_command(name: str = "world", *, engine: EngineFlags) -> None:
+    """Say hello (a stand-in for a command another module adds)."""
+    print(f"hello {name} on {engine.device}")
+
+
+def test_a_new_command_is_one_registry_entry(monkeypatch):
+    from minillm.commands.engine_flags import engine_options
+    monkeypatch.setattr(sys.modules[__name__], "greet_command", engine_options(greet_command))
+    monkeypatch.setitem(commands.COMMANDS, "greet", (__name__, "greet_command", "Say hello."))
+    assert "Say hello." in run_cli("--help").output
+    result = run_cli("greet", "--name", "you", "--device", "cpu")
+    assert result.exit_code == 0 and result.stdout == "hello you on cpu\n"
+    assert "--budget N" in run_cli("greet", "--help").output      # the shared engine flags came with it
+
+
+def test_commands_sit_on_top_of_the_package():
+    """Only minillm/commands/ (and the two entry shims) import the CLI layer: no cycle through it."""
+    import ast
+    root = Path(commands.__file__).parents[1]
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("commands/") or rel in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{rel}: {n}" for n in names if n.startswith(("minillm.commands", "minillm.cli"))]
+    assert offenders == []
 
 
 def test_flags_reach_the_engine_config(tmp_path):
@@ -146,3 +181,59 @@ def test_serve_stdin_in_process_stdin(tiny_model):
     events = answers(result.stdout)
     assert [e["event"] for e in events if e["id"] == "a"][-1] == "done"
     assert [e["event"] for e in events if e["id"] == "zzz"] == ["error"]
+
+
+# ---------------------------------------------------------------- readable help, README commands
+
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_reads_like_a_man_page(command):
+    text = run_cli(*command, "--help").output
+    for tag in ("<bool>", "<str>", "<int>", "<path>", "<float>", "{input}", "{INPUT}"):
+        assert tag not in text, (command, tag)
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_generate_help_names_every_field_and_the_exit_codes():
+    from minillm.serve.requests import ALLOWED_KEYS
+    text = run_cli("generate", "--help").output
+    assert "Usage: minillm generate [OPTIONS] INPUT" in text
+    missing = [key for key in ALLOWED_KEYS if key not in text]
+    assert missing == []
+    for word in ("Exit status", "0 every line answered", "2 usage", "130", "143"):
+        assert word in text
+
+
+def test_check_kernels_without_a_gpu_says_so_on_stderr():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = run_cli("check-kernels", "--quick")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("minillm: error: ") and "no GPU" in result.stderr
+
+
+def readme_commands() -> list[list[str]]:
+    import shlex
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    lines = [shlex.split(line.strip())[1:] for line in readme.read_text().splitlines()
+             if line.startswith("    minillm ")]
+    return [args for args in lines if not any(a.startswith("[") for a in args)]   # not a usage synopsis
+
+
+@pytest.mark.parametrize("args", readme_commands(), ids=" ".join)
+def test_every_readme_command_parses(args):
+    """Each `minillm ...` line of README names a real command and real flags (parsed, not run)."""
+    group = typer.main.get_command(app)
+    with group.make_context("minillm", list(args), resilient_parsing=False) as ctx:
+        name, cmd, rest = group.resolve_command(ctx, list(args))
+        cmd.make_context(name, rest, parent=ctx)
+
+
+def test_readme_installs_cpu_torch_before_the_project():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("##", 1)[0]
+    steps = [line.strip() for line in setup.splitlines() if line.startswith("    python")]
+    assert "download.pytorch.org/whl/cpu" in steps[0] and steps[1] == 'python -m pip install -e ".[dev]"'
+    assert "hf download" in readme and "huggingface-cli" not in readme

@@ -1,5 +1,5 @@
 """End-to-end: the engine's greedy tokens equal HF transformers' (fp32, CPU) on tiny random checkpoints,
-whatever the chunk budget, prefix-cache hits, preemption or batch composition (DESIGN 8 and 11)."""
+whatever the chunk budget, prefix-cache hits, preemption or batch composition (docs/architecture.md section 8)."""
 import random
 
 import pytest

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from http_server import ServerProcess
 from minillm.bench.report import LATENCY_KEYS, read_jsonl
-from minillm.cli import app
+from minillm.commands import app
 
 # token ids below the demo model's 4,096-token vocabulary; lengths inside its max_model_len
 ONLINE = ("kind: online\nnum_requests: 8\nshort_prompt_len: [8, 24]\nlong_prompt_len: [60, 90]\n"

@@ -81,7 +81,7 @@ def test_qwen3_preset_shape_arithmetic():
     arch = ModelArchConfig.from_hf_dict(json.loads((loader.PRESET_DIR / "qwen3-0.6b.json").read_text()))
     assert (arch.num_hidden_layers, arch.head_dim, arch.num_key_value_heads, arch.rope_theta) == (28, 128, 8, 1e6)
     assert 595e6 < arch.num_params < 597e6
-    assert abs(arch.weight_bytes(2) - 1.19e9) < 0.01e9     # DESIGN 7: 1.19 GB in bf16, LM head included
+    assert abs(arch.weight_bytes(2) - 1.19e9) < 0.01e9     # architecture.md 7: 1.19 GB in bf16, LM head included
     assert arch.kv_bytes_per_token(2) == 112 * 1024          # 28 layers x 8 heads x 128 x 2 B x (K, V)
 
 

@@ -1,4 +1,4 @@
-"""serve-stdin: requests arriving over time, streamed events, abort, EOF mid-stream and SIGINT.
+"""serve-stdin: requests arriving over time, streamed events, abort, EOF mid-stream, SIGINT and SIGTERM.
 
 The subprocess tests drive `python -m minillm serve-stdin` exactly as a client would; the in-process tests feed
 lines straight to StdinServer for deterministic ordering.
@@ -100,17 +100,18 @@ def test_requests_over_time_abort_and_eof_mid_stream(tiny_model):
     assert all(i < last_final[ev["id"]] for i, ev in enumerate(events) if ev["event"] == "token")
 
 
-def test_sigint_aborts_everything_and_exits_130(tiny_model):
+@pytest.mark.parametrize("sig, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_aborts_everything_with_final_events(tiny_model, sig, exit_code):
     srv = Server(tiny_model)
     try:
         srv.send({"id": "long", "prompt": "The function", "max_tokens": 450, "ignore_eos": True})
         srv.send({"id": "other", "prompt": "Return", "max_tokens": 450, "ignore_eos": True})
         srv.wait_for("long", "token")
-        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.send_signal(sig)
         code, events = srv.finish()
     finally:
         srv.proc.kill()
-    assert code == 130
+    assert code == exit_code
     finals = finals_by_id(events)
     assert {k: [e["finish_reason"] for e in v] for k, v in finals.items()} == {"long": ["abort"],
                                                                              "other": ["abort"]}

@@ -1,7 +1,8 @@
 """TorchAttentionBackend against a dense causal reference on contiguous K/V.
 
-Recipe of DESIGN 5: the cache starts full of NaN so any read of a slot the sequence does not own shows up,
-block tables are random and never adjacent, lengths are ragged (1, block boundaries, multi-block).
+Recipe of docs/architecture.md section 5: the cache starts full of NaN so any read of a slot the sequence does
+not own shows up, block tables are random and never adjacent, lengths are ragged (1, block boundaries,
+multi-block).
 """
 import pytest
 import torch

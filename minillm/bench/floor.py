@@ -1,4 +1,4 @@
-"""The hardware floor of a workload (DESIGN section 7): the least time any engine could take on this GPU.
+"""The hardware floor of a workload (docs/architecture.md, section 7): the least time any engine could take on this GPU.
 
 floor seconds = (KV bytes + weight bytes) / measured copy bandwidth + prefill FLOPs / measured GEMM rate
 

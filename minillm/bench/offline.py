@@ -10,13 +10,11 @@ import gc
 import random
 import statistics
 import time
-from contextlib import nullcontext
-
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from minillm.bench.floor import DeviceRates, FloorWork, ModelShape, dtype_bytes, floor_record, workload_work
 from minillm.bench.workloads import Workload
 from minillm.engine.profile import StepProfile
+from minillm.progress import progress_bar
 from minillm.sampling_params import SamplingParams
 
 WARMUP_REQUESTS = 8
@@ -27,14 +25,6 @@ WARMUP_MAX_TOKENS = 4
 def sampling_params(workload: Workload) -> list[SamplingParams]:
     return [SamplingParams(temperature=workload.temperature, max_tokens=m, ignore_eos=True)
             for m in workload.max_tokens]
-
-
-def progress_bar(enabled: bool):
-    """A rich progress bar counting finished requests and generated tokens (a no-op context when disabled)."""
-    if not enabled:
-        return nullcontext(None)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[tokens]} tok"), TimeElapsedColumn(), transient=True)
 
 
 def build_llm(cfg):
@@ -92,7 +82,8 @@ def timed_pass(llm, workload: Workload, show_progress: bool) -> tuple[float, int
 
 
 def floor_work(llm, workload: Workload, max_num_seqs: int) -> tuple[FloorWork, str]:
-    """What `workload` must move and compute on this engine's model and dtype (DESIGN 7), and the dtype's name."""
+    """What `workload` must move and compute on this engine's model and dtype (docs/architecture.md section 7),
+    and the dtype's name."""
     work = workload_work(ModelShape.from_arch(llm.model_arch), [len(p) for p in workload.prompts],
                          workload.max_tokens, dtype_bytes(llm.dtype), max_num_seqs)
     return work, str(llm.dtype)

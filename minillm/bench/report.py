@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -56,27 +57,40 @@ def _engine_desc(line: dict) -> str:
             f"{' eager' if rt['enforce_eager'] else ''}")
 
 
+def _add_column(table: Table, header: str, first: bool) -> None:
+    """Numbers never wrap; the label column takes what is left of 80 columns and folds a long label."""
+    if first:
+        table.add_column(header, justify="left", overflow="fold", ratio=1)
+    else:
+        table.add_column(header.replace(" ", "\n", 1), justify="right", no_wrap=True)
+
+
 def bench_table(lines: list[dict]) -> Table:
-    """Side by side, with each throughput as a ratio to the first line."""
-    table = Table(title="minillm bench (offline)")
-    for col in ("run", "engine / config", "requests", "wall s", "out tok/s", "total tok/s", "preempt",
-                "% floor", "vs first", "load s", "warm-up s"):
-        table.add_column(col, justify="left" if col in ("run", "engine / config") else "right")
+    """Side by side, with each throughput as a ratio to the first line. Fits 80 columns: what each run's
+    engine was and how long it took to load are in the caption, one line per run."""
+    table = Table(title="minillm bench (offline)", box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left",
+                  pad_edge=False)
+    for col in ("run", "reqs", "wall s", "out tok/s", "total tok/s", "% floor", "vs first", "preempt"):
+        _add_column(table, col, first=col == "run")
     first = lines[0]["output_tok_s"] if lines else None
+    notes = []
     for line in lines:
         frac = line["floor"]["fraction_of_floor"]
-        table.add_row(line["label"], _engine_desc(line), str(line["workload"]["num_requests"]),
-                      _fmt(line["wall_s"], digits=2), _fmt(line["output_tok_s"], digits=0),
-                      _fmt(line["total_tok_s"], digits=0), "-" if line["preemptions"] is None else
-                      str(line["preemptions"]), _fmt(frac, 100), _fmt(line["output_tok_s"] / first, digits=2) + "x",
-                      _fmt(line["load_s"]), _fmt(line["warmup_s"]))
+        table.add_row(line["label"], str(line["workload"]["num_requests"]), _fmt(line["wall_s"], digits=2),
+                      _fmt(line["output_tok_s"], digits=0), _fmt(line["total_tok_s"], digits=0), _fmt(frac, 100),
+                      _fmt(line["output_tok_s"] / first, digits=2) + "x",
+                      "-" if line["preemptions"] is None else str(line["preemptions"]))
+        notes.append(f"{line['label']}: {_engine_desc(line)}; load {_fmt(line['load_s'])} s, warm-up "
+                     f"{_fmt(line['warmup_s'])} s")
+    table.caption = "\n".join(notes)
     return table
 
 
 def latency_table(lines: list[dict]) -> Table:
-    table = Table(title="minillm latency-sweep (online, times in ms)")
+    table = Table(title="minillm latency-sweep (online, times in ms)", box=box.SIMPLE_HEAD, title_justify="left",
+                  pad_edge=False)
     for col in ("config", "budget", "rate", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ITL max", "out tok/s"):
-        table.add_column(col, justify="left" if col == "config" else "right")
+        _add_column(table, col, first=col == "config")
     for line in lines:
         table.add_row(line["label"], str(line["budget"]), f"{line['rate']:g}", _fmt(line["ttft_p50_s"], 1e3),
                       _fmt(line["ttft_p99_s"], 1e3), _fmt(line["itl_p50_s"], 1e3), _fmt(line["itl_p99_s"], 1e3),

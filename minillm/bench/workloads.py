@@ -1,4 +1,5 @@
-"""Benchmark workloads: the offline and online references of DESIGN section 6, and YAML workload files.
+"""Benchmark workloads: the offline and online references (docs/architecture.md, "Reference workloads"), and
+YAML workload files.
 
 A workload is plain data (prompt token ids, per-request max_tokens, optional arrival times) so the same object
 drives minillm and the HF peer. Random token ids are fine because every request ignores EOS: the work done is
@@ -11,9 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-# DESIGN section 6: the offline reference must come out to exactly these totals.
+from minillm.untrusted import short_repr
+
+# The offline reference must come out to exactly these totals (docs/architecture.md).
 REFERENCE_INPUT_TOKENS = 142_827
 REFERENCE_OUTPUT_TOKENS = 133_966
 
@@ -71,6 +73,35 @@ class Workload:
             raise ValueError(f"rate={rate!r} is not allowed: requests per second, > 0")
         return [t / rate for t in self.unit_arrivals]
 
+    def fit(self, vocab_size: int, max_len: int) -> tuple["Workload", list[str]]:
+        """This workload for a model with `vocab_size` token ids and `max_len` positions, and what changed.
+
+        Token ids are folded into the vocabulary (t % vocab_size): every request ignores EOS, so the work depends
+        on the lengths alone and stays the same. Where the model is shorter than the workload's max_model_len,
+        each request that would not fit keeps its max_tokens and loses the end of its prompt (the work shrinks,
+        and the notes say so)."""
+        notes, prompts, max_tokens = [], self.prompts, list(self.max_tokens)
+        top = self.params.get("max_token_id", 10000)
+        if top >= vocab_size:
+            prompts = [[t % vocab_size for t in p] for p in prompts]
+            notes.append(f"token ids folded into the model's vocabulary of {vocab_size}")
+        new_len = min(self.max_model_len, max_len)
+        if new_len < self.max_model_len:
+            cut = 0
+            for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+                if len(p) + m > new_len:
+                    max_tokens[i] = m = min(m, new_len - 1)
+                    prompts[i] = p[:new_len - m]
+                    cut += 1
+            notes.append(f"max_model_len {self.max_model_len} -> {new_len} (the model's limit): {cut} of "
+                         f"{self.num_requests} requests cut to fit")
+        if not notes:
+            return self, []
+        params = {**self.params, "max_token_id": min(top, vocab_size - 1),
+                  "fitted": {"vocab_size": vocab_size, "max_model_len": new_len}}
+        return replace(self, name=f"{self.name}-fit", prompts=prompts, max_tokens=max_tokens,
+                       max_model_len=new_len, params=params), notes
+
     def summary(self) -> dict:
         """What a results line records about the workload."""
         return {"name": self.name, "num_requests": self.num_requests, "input_tokens": self.input_tokens,
@@ -78,12 +109,44 @@ class Workload:
                 "max_model_len": self.max_model_len, **self.params}
 
 
+MAX_REQUESTS = 100_000          # a workload is built in memory up front
+MAX_LEN = 1 << 20               # prompt/output lengths and max_model_len
+MAX_PROMPT_TOKENS = 50_000_000  # all prompts together (the offline reference has 142,827)
+
+
 def _check_range(name: str, value, low: int) -> tuple[int, int]:
-    ok = (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)
-          and low <= value[0] <= value[1])
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_int(v) for v in value)
+          and low <= value[0] <= value[1] <= MAX_LEN)
     if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: a pair [lo, hi] of integers with {low} <= lo <= hi")
+        raise ValueError(f"{name}={short_repr(value)} is not allowed: a pair [lo, hi] of integers with "
+                         f"{low} <= lo <= hi <= {MAX_LEN}")
     return int(value[0]), int(value[1])
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_total(num_requests: int, longest_prompt: int) -> None:
+    if num_requests * longest_prompt > MAX_PROMPT_TOKENS:
+        raise ValueError(f"num_requests={num_requests:,} prompts of up to {longest_prompt:,} tokens could hold "
+                         f"{num_requests * longest_prompt:,} prompt tokens; the limit is {MAX_PROMPT_TOKENS:,}")
+
+
+def _check_common(num_requests, max_token_id, seed, temperature, max_model_len) -> None:
+    """The generator settings every workload kind shares; a workload file can hold anything."""
+    checks = [("num_requests", num_requests, _is_int(num_requests) and 1 <= num_requests <= MAX_REQUESTS,
+               f"an integer in [1, {MAX_REQUESTS:,}]"),
+              ("max_token_id", max_token_id, _is_int(max_token_id) and 0 <= max_token_id < 2**31,
+               "an integer in [0, 2**31)"),
+              ("seed", seed, _is_int(seed) and 0 <= seed < 2**32, "an integer in [0, 2**32)"),
+              ("temperature", temperature, isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+               and 0 <= temperature <= 1e4, "a number in [0, 1e4]"),
+              ("max_model_len", max_model_len, _is_int(max_model_len) and 2 <= max_model_len <= MAX_LEN,
+               f"an integer in [2, {MAX_LEN}]")]
+    for name, value, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{name}={short_repr(value)} is not allowed: {allowed}")
 
 
 def offline_workload(num_requests: int = 256, prompt_len=(100, 1024), output_len=(100, 1024),
@@ -92,12 +155,12 @@ def offline_workload(num_requests: int = 256, prompt_len=(100, 1024), output_len
     """Random prompts drawn with Python's `random`, in the reference order.
 
     NOTE: all prompts are drawn first, then all max_tokens. Interleaving the two draws gives different totals;
-    only this order reproduces DESIGN's 142,827 / 133,966 with the defaults.
+    only this order reproduces the reference's 142,827 / 133,966 with the defaults.
     """
-    if not isinstance(num_requests, int) or num_requests < 1:
-        raise ValueError(f"num_requests={num_requests!r} is not allowed: an integer >= 1")
-    p_lo, p_hi = _check_range("prompt_len", list(prompt_len), 1)
-    o_lo, o_hi = _check_range("output_len", list(output_len), 1)
+    _check_common(num_requests, max_token_id, seed, temperature, max_model_len)
+    p_lo, p_hi = _check_range("prompt_len", prompt_len, 1)
+    o_lo, o_hi = _check_range("output_len", output_len, 1)
+    _check_total(num_requests, p_hi)
     if p_hi + o_hi > max_model_len:
         raise ValueError(f"max_model_len={max_model_len} is too small: prompt_len hi + output_len hi = {p_hi + o_hi}")
     random.seed(seed)
@@ -113,7 +176,7 @@ def reference_offline() -> Workload:
 
 
 def check_reference_totals(w: Workload) -> None:
-    """Raise if the full offline reference does not reproduce DESIGN's totals (a changed generator would
+    """Raise if the full offline reference does not reproduce its documented totals (a changed generator would
     silently make every result incomparable)."""
     got = (w.input_tokens, w.output_tokens)
     want = (REFERENCE_INPUT_TOKENS, REFERENCE_OUTPUT_TOKENS)
@@ -131,13 +194,14 @@ def online_workload(num_requests: int = 240, short_prompt_len=(128, 512), long_p
     lengths, then the exponential inter-arrival gaps of a rate-1 process. Arrivals at rate r are those times / r,
     so every rate replays the same requests.
     """
-    if not isinstance(num_requests, int) or num_requests < 1:
-        raise ValueError(f"num_requests={num_requests!r} is not allowed: an integer >= 1")
-    if not 0.0 <= long_fraction <= 1.0:
-        raise ValueError(f"long_fraction={long_fraction!r} is not allowed: a number in [0, 1]")
-    s_lo, s_hi = _check_range("short_prompt_len", list(short_prompt_len), 1)
-    l_lo, l_hi = _check_range("long_prompt_len", list(long_prompt_len), 1)
-    o_lo, o_hi = _check_range("output_len", list(output_len), 1)
+    _check_common(num_requests, max_token_id, seed, temperature, max_model_len)
+    if isinstance(long_fraction, bool) or not isinstance(long_fraction, (int, float)) or \
+            not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"long_fraction={short_repr(long_fraction)} is not allowed: a number in [0, 1]")
+    s_lo, s_hi = _check_range("short_prompt_len", short_prompt_len, 1)
+    l_lo, l_hi = _check_range("long_prompt_len", long_prompt_len, 1)
+    o_lo, o_hi = _check_range("output_len", output_len, 1)
+    _check_total(num_requests, max(s_hi, l_hi))
     if max(s_hi, l_hi) + o_hi > max_model_len:
         raise ValueError(f"max_model_len={max_model_len} is too small for prompts up to {max(s_hi, l_hi)} "
                          f"plus outputs up to {o_hi}")
@@ -169,19 +233,20 @@ def load_workload(path: str | Path) -> Workload:
         output_len: [16, 128]
         max_model_len: 512
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"workload file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    from minillm.config_loader import read_yaml_file
+    path = Path(path).expanduser()
+    data = read_yaml_file(path, "workload file") or {}
     if not isinstance(data, dict):
         raise ValueError(f"workload file {str(path)!r} must hold a mapping, got {type(data).__name__}")
     kind = data.pop("kind", "offline")
-    if kind not in _KINDS:
-        raise ValueError(f"kind={kind!r} in {str(path)!r} is not allowed: one of {', '.join(_KINDS)}")
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise ValueError(f"kind={short_repr(kind)} in {str(path)!r} is not allowed: one of {', '.join(_KINDS)}")
     make = _KINDS[kind]
     allowed = set(make.__code__.co_varnames[:make.__code__.co_argcount])
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted(map(str, set(data) - allowed))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in {str(path)!r}; allowed for kind {kind}: {sorted(allowed)}")
     data.setdefault("name", path.stem)
-    return make(**data)
+    if not isinstance(data["name"], str):
+        raise ValueError(f"name={short_repr(data['name'])} in {str(path)!r} is not allowed: a string")
+    return make(**{str(k): v for k, v in data.items()})

@@ -24,7 +24,8 @@ class LLMEngine:
         self.core = EngineCore(cfg)
         self.runner, self.scheduler = self.core.runner, self.core.scheduler
         self.max_model_len = self.core.max_model_len
-        self.prompts = PromptPreparer(self.runner.model_dir, self.runner.arch, self.max_model_len)
+        self.prompts = PromptPreparer(self.runner.model_dir, self.runner.arch, self.max_model_len,
+                                      cfg.scheduler.max_num_seqs)
         self.tokenizer = self.prompts.tokenizer
         self.outputs = OutputProcessor(self.prompts)
         self._pending: list[StepOutput] = []

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minillm.limits import check_request
 from minillm.sampling_params import SamplingParams
 
 
 class PromptPreparer:
-    def __init__(self, model_dir: Path | None, arch, max_model_len: int):
+    def __init__(self, model_dir: Path | None, arch, max_model_len: int, max_num_seqs: int | None = None):
         self.vocab_size = arch.vocab_size
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.tokenizer = None
         if model_dir is not None and (Path(model_dir) / "tokenizer.json").exists():
             from minillm.tokenizer import Tokenizer
@@ -22,6 +24,7 @@ class PromptPreparer:
         self.eos_token_ids = frozenset(eos)
 
     def prepare(self, prompt, params: SamplingParams, enable_thinking: bool | None = None) -> list[int]:
+        check_request(params, self.vocab_size, self.max_num_seqs)
         ids = self._to_ids(prompt, enable_thinking)
         if not ids:
             raise ValueError("prompt is empty")

@@ -6,14 +6,15 @@ One frozen dataclass for both Qwen3 and Qwen2/2.5; the two differ only in `qkv_b
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from minillm.config import ConfigError
+from minillm.untrusted import loads_json, short_repr
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 
+MAX_CONFIG_BYTES = 1 << 20
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -42,11 +43,19 @@ class ModelArchConfig:
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"no config.json in model directory {Path(path)}")
+        if cfg.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{cfg} is {cfg.stat().st_size:,} bytes; a model config is a few KB "
+                              f"(the limit is {MAX_CONFIG_BYTES:,})")
         try:
-            d = json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
+            d = loads_json(cfg.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError, TooNested, bad UTF-8
             raise ConfigError(f"{cfg} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(d)
+        if not isinstance(d, dict):
+            raise ConfigError(f"{cfg} must hold a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_hf_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg}: {e}") from None
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelArchConfig":
@@ -54,12 +63,14 @@ class ModelArchConfig:
         for key in _REQUIRED_INTS:
             _positive_int(d, key)
         heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
-        if not isinstance(kv_heads, int) or heads % kv_heads != 0:
+        kv_heads = _optional(d, "num_key_value_heads", heads, _is_positive_int, "a positive integer")
+        if heads % kv_heads != 0:
             raise ConfigError(f"num_key_value_heads={kv_heads!r} is not allowed: a positive divisor of "
                               f"num_attention_heads={heads}")
         # Qwen2 configs usually omit head_dim: it is hidden_size / num_attention_heads there.
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        head_dim = _optional(d, "head_dim", d["hidden_size"] // heads, _is_positive_int, "a positive integer")
+        if head_dim < 2:
+            raise ConfigError(f"head_dim={head_dim} (hidden_size / num_attention_heads) is not allowed: at least 2")
         if head_dim % 2 != 0:
             raise ConfigError(f"head_dim={head_dim} is not allowed: RoPE needs an even head dimension")
         if d.get("use_sliding_window"):
@@ -78,14 +89,16 @@ class ModelArchConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rope_theta=_rope_theta(d),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            rms_norm_eps=float(_optional(d, "rms_norm_eps", 1e-6, _is_positive_number, "a positive number")),
+            tie_word_embeddings=_optional(d, "tie_word_embeddings", False, _is_bool, "true or false"),
+            max_position_embeddings=_optional(d, "max_position_embeddings", 32768,
+                                              lambda v: _is_positive_int(v) and v >= 2, "an integer >= 2"),
             qkv_bias=not is_qwen3,
             qk_norm=is_qwen3,
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-            eos_token_id=d.get("eos_token_id"),
-            bos_token_id=d.get("bos_token_id"),
+            torch_dtype=_optional(d, "torch_dtype", None, _is_str, "a string") or
+            _optional(d, "dtype", None, _is_str, "a string"),
+            eos_token_id=_optional(d, "eos_token_id", None, _is_token_ids, "a token id or a list of token ids"),
+            bos_token_id=_optional(d, "bos_token_id", None, _is_token_id, "a token id"),
         )
 
     # ---- derived sizes ---------------------------------------------------------------------------------
@@ -122,28 +135,66 @@ class ModelArchConfig:
 
 def _architecture(d: dict) -> str:
     archs = d.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = [archs]
     for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
+        if isinstance(arch, str) and arch in SUPPORTED_ARCHITECTURES:
             return arch
-    raise ConfigError(f"architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ConfigError(f"architectures={short_repr(archs)} is not supported; supported: "
+                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _is_positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _is_positive_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_token_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_token_ids(v) -> bool:
+    return _is_token_id(v) or (isinstance(v, list) and all(_is_token_id(t) for t in v))
+
+
+def _optional(d: dict, key: str, default, ok, allowed: str):
+    """d[key], or `default` where it is absent or null; a present value must pass `ok`."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not ok(v):
+        raise ConfigError(f"{key}={short_repr(v)} is not allowed: {allowed}")
+    return v
 
 
 def _positive_int(d: dict, key: str) -> None:
     if key not in d:
         raise ConfigError(f"config.json is missing {key!r}")
-    v = d[key]
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(f"{key}={v!r} is not allowed: a positive integer")
+    if not _is_positive_int(d[key]):
+        raise ConfigError(f"{key}={short_repr(d[key])} is not allowed: a positive integer")
 
 
 def _rope_theta(d: dict) -> float:
     # transformers 5 writes rope_parameters={rope_type, rope_theta}; 4.x wrote rope_theta + rope_scaling.
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters / rope_scaling={short_repr(params)} is not allowed: an object or null")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"rope type {rope_type!r} is not supported: only plain RoPE (rope_scaling null / "
-                          f"rope_type 'default') is implemented")
+        raise ConfigError(f"rope type {short_repr(rope_type)} is not supported: only plain RoPE (rope_scaling "
+                          f"null / rope_type 'default') is implemented")
     theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"rope_theta={theta!r} is not allowed: a positive number")
+    if not _is_positive_number(theta):
+        raise ConfigError(f"rope_theta={short_repr(theta)} is not allowed: a positive number")
     return float(theta)

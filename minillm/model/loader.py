@@ -9,19 +9,23 @@ dtype "auto" means float32 on CPU (exact reference path) and bfloat16 on CUDA.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from minillm.config import ConfigError
 from minillm.device import resolve_device, resolve_dtype  # noqa: F401 (part of the loader's API)
+from minillm.limits import check_weights_fit
 from minillm.model.arch import ModelArchConfig
 from minillm.model.qwen3 import QwenForCausalLM
 from minillm.model.registry import get_model_class
+from minillm.untrusted import loads_json
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+DEMO_NAME = "demo"   # --model demo: the embedded demo model, by name (null/None means the same)
 # Packed module name -> {shard: the checkpoint module name whose weight (and bias) fills that shard's rows}.
 _PACKED = {
     "qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
@@ -33,6 +37,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def resolve_arch(model: str | None, load_format: str = "auto") -> ModelArchConfig:
+    """The architecture `model` names (directory, preset, demo), read from its config.json without loading."""
+    return _resolve_source(model, load_format)[0]
 
 
 def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype | str = "auto",
@@ -54,6 +63,8 @@ def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype 
     arch, path = _resolve_source(model, load_format)
     fmt = "dummy" if path is None or load_format == "dummy" else "safetensors"
     files = _weight_files(path) if fmt == "safetensors" else {}
+    check_weights_fit(arch, torch.tensor([], dtype=torch_dtype).element_size(), dev,
+                      f"model {str(path) if path is not None else model!r}")
     net = get_model_class(arch.architecture)(arch, attn_backend, dtype=torch_dtype, device=dev, kernels=kernels)
     if fmt == "dummy":
         init_dummy_weights(net, seed)
@@ -63,42 +74,72 @@ def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype 
 
 
 def _resolve_source(model: str | None, load_format: str) -> tuple[ModelArchConfig, Path | None]:
-    if model is None:
+    if model is None or model == DEMO_NAME and not _is(Path(model).exists):
         if not DEMO_MODEL_DIR.is_dir():
             raise FileNotFoundError(f"the demo model directory {DEMO_MODEL_DIR} is missing; pass a model "
                                     f"directory or a preset ({', '.join(preset_names())})")
         return ModelArchConfig.from_dir(DEMO_MODEL_DIR), DEMO_MODEL_DIR
     preset = PRESET_DIR / f"{model}.json"
-    if "/" not in model and preset.is_file() and not Path(model).exists():
+    path = Path(model).expanduser()   # `--model=~/x` and LLM("~/x") reach us unexpanded
+    if "/" not in model and _is(preset.is_file) and not _is(path.exists):
         if load_format == "safetensors":
             raise ConfigError(f"preset {model!r} ships no weights: use load_format dummy (or auto)")
         return ModelArchConfig.from_hf_dict(json.loads(preset.read_text())), None
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist (and {model!r} is not a preset; "
-                                f"presets: {', '.join(preset_names())})")
+    if not _is(path.is_dir):
+        what = "is not a directory" if _is(path.exists) else "does not exist"
+        shown = str(path) if len(str(path)) <= 200 else str(path)[:197] + "..."
+        raise FileNotFoundError(f"model directory {shown} {what}, and it is not a preset either (presets: "
+                                f"{', '.join(preset_names())}, or {DEMO_NAME} for the demo model)")
     return ModelArchConfig.from_dir(path), path
+
+
+def _is(check) -> bool:
+    """A path test that says False where the OS refuses the question (a name too long, a bad character)."""
+    try:
+        return check()
+    except (OSError, ValueError):
+        return False
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it, from model.safetensors.index.json or by listing each file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"{index} has no 'weight_map' object")
-        for fname in set(weight_map.values()):
-            if not (path / fname).is_file():
-                raise FileNotFoundError(f"{path / fname} is listed in {index.name} but missing")
-        return {name: path / fname for name, fname in weight_map.items()}
+        return _indexed_files(path, index)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors weights in {path} (use load_format dummy for random weights)")
     files = {}
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
+        with _open_weights(shard) as f:
             files.update(dict.fromkeys(f.keys(), shard))
     return files
+
+
+def _indexed_files(path: Path, index: Path) -> dict[str, Path]:
+    try:
+        data = loads_json(index.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{index} is not valid JSON: {e}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise ConfigError(f"{index} needs a 'weight_map' object of tensor name -> file name")
+    for fname in set(weight_map.values()):
+        if not (path / fname).is_file():
+            raise FileNotFoundError(f"{path / fname} is listed in {index.name} but missing")
+    return {name: path / fname for name, fname in weight_map.items()}
+
+
+@contextmanager
+def _open_weights(file: Path):
+    """safe_open that turns a truncated, empty or corrupt file (a SafetensorError, which is no OSError or
+    ValueError) into a ConfigError naming the file, also when a tensor read fails inside the block."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ConfigError(f"weights file {file} cannot be read: {e} (is it truncated or not safetensors?)") from None
 
 
 def _checkpoint_targets(net: QwenForCausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
@@ -130,7 +171,7 @@ def load_safetensors(net: QwenForCausalLM, files: dict[str, Path]) -> None:
     for name in sorted(names):
         by_file.setdefault(files[name], []).append(name)
     for file, file_names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _open_weights(file) as f:
             for name in file_names:
                 _copy_into(targets[name], name, f.get_tensor(name))
 

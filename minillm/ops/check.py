@@ -1,4 +1,5 @@
-"""`minillm check-kernels`: every attention kernel against its fp32 reference, then timed against torch.
+"""The checks behind `minillm check-kernels`: every attention kernel against its fp32 reference, then timed
+against torch. (The command itself is minillm/commands/check_kernels.py.)
 
 Cases: KV write (whole cache compared bit-exact, untouched NaN slots unchanged), ragged prefill, prefix hits,
 chunked prefill, tile/block-boundary lengths incl. 1, decode v1 / split-K / dispatched at small, long and mixed
@@ -13,7 +14,6 @@ import math
 import statistics
 from pathlib import Path
 
-import typer
 
 TOL = {"bfloat16": 2e-2, "float16": 4e-3}
 KINDS = ("kv_write", "prefill", "decode", "backend")
@@ -269,17 +269,9 @@ def _print_timings(rows) -> None:
     Console().print(table)
 
 
-def check_kernels_command(
-    output: Path = typer.Option(Path("results/kernels.jsonl"), "--output", "-o", help="JSON lines appended here"),
-    quick: bool = typer.Option(False, "--quick", help="fewer shapes and timings"),
-    timing: bool = typer.Option(True, "--timing/--no-timing", help="time the kernels against torch after checking"),
-) -> None:
-    """Check every CUDA attention kernel against its fp32 reference, then time it against torch."""
-    import torch
-
-    if not torch.cuda.is_available():
-        typer.echo("check-kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False).")
-        raise typer.Exit(2)
+def run_all(output: Path, quick: bool = False, timing: bool = True) -> tuple[int, int, int]:
+    """Check every case, time the kernels (unless `timing` is off), print both tables and append every row to
+    `output`. Needs a CUDA GPU. Returns (cases passed, cases, timings)."""
     from minillm.fingerprint import stamp
     from minillm.ops.build import load_extension
 
@@ -295,11 +287,4 @@ def check_kernels_command(
         for kind, rows in (("case", cases), ("timing", timings)):
             for r in rows:
                 f.write(json.dumps({"kind": kind, **_finite(r), **base}) + "\n")
-    failed = [r["case"] for r in cases if not r["passed"]]
-    typer.echo(f"{len(cases) - len(failed)}/{len(cases)} cases passed; {len(timings)} timings -> {output}")
-    if failed:
-        raise typer.Exit(1)
-
-
-if __name__ == "__main__":
-    typer.run(check_kernels_command)
+    return sum(bool(r["passed"]) for r in cases), len(cases), len(timings)

@@ -1,9 +1,9 @@
 """CUDA graphs for decode-only steps.
 
 A decode step of Qwen3-0.6B is ~340 small kernels; launched eagerly from Python that costs more than the
-GPU work at small batch (DESIGN 7). We capture one graph per batch-size bucket over static input buffers
-and replay it: the step's inputs are copied into the buffers, padded rows write to no slot (-1) and
-attend to one token of block 0, and their outputs are ignored.
+GPU work at small batch (docs/architecture.md, section 7). We capture one graph per batch-size bucket over
+static input buffers and replay it: the step's inputs are copied into the buffers, padded rows write to no
+slot (-1) and attend to one token of block 0, and their outputs are ignored.
 
 Graphs are captured with max_seq_len = max_model_len. The decode kernel's split-K grid depends on the batch
 size only (every sequence is cut into the same number of partitions), so a replay fits any context.

@@ -2,7 +2,10 @@
 
 On a GPU the pool takes what is left of gpu_memory_utilization * total memory after the peak of the
 largest possible step (measured by running it once on a scratch cache). On the CPU it is sized to hold
-max_num_seqs full-length sequences, capped at CPU_KV_BYTES.
+max_num_seqs full-length sequences, capped at about the model's own size (at least CPU_KV_MIN_BYTES, at most
+CPU_KV_MAX_BYTES) and at half the free memory, and never below one full-length sequence: CPU serving runs few
+sequences at once, and a preempted one is recomputed. Before any of it is allocated, the step buffers and an
+explicit cache.num_kv_blocks are checked against the free memory (minillm/limits.py).
 """
 from __future__ import annotations
 
@@ -12,9 +15,12 @@ import torch
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.config import CacheConfig, ConfigError
+from minillm.limits import (HOST_BYTES_PER_BLOCK, EngineShape, check_kv_fits, check_step_fits, device_free_bytes,
+                            usable)
 
 log = logging.getLogger(__name__)
-CPU_KV_BYTES = 2 << 30
+CPU_KV_MIN_BYTES = 256 << 20
+CPU_KV_MAX_BYTES = 2 << 30
 
 
 def allocate_kv_cache(arch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
@@ -25,22 +31,56 @@ def allocate_kv_cache(arch, num_blocks: int, block_size: int, dtype: torch.dtype
     return [(kv[i, 0], kv[i, 1]) for i in range(arch.num_hidden_layers)]
 
 
+def engine_shape(runner) -> EngineShape:
+    a, sched = runner.arch, runner.cfg.scheduler
+    return EngineShape(max_num_seqs=sched.max_num_seqs, max_num_tokens=runner.max_num_tokens,
+                       max_model_len=runner.max_model_len, block_size=runner.cfg.cache.block_size,
+                       hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, q_size=a.q_size,
+                       kv_size=a.kv_size, vocab_size=a.vocab_size, dtype_bytes=_element_size(runner.dtype))
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
 def choose_num_blocks(runner, cache: CacheConfig) -> int:
+    """The pool size, after checking that the step buffers and the pool fit in the device's free memory."""
     per_block = runner.kv_bytes_per_block()
     needed_per_seq = runner.blocks_for(runner.max_model_len)
+    on_gpu = runner.device.type == "cuda"
+    where = "the GPU" if on_gpu else "this machine"
+    shape = engine_shape(runner)
+    free = device_free_bytes(runner.device)
+    check_step_fits(shape, free, where)
+    left = None if free is None else free - shape.step_bytes
+    # On the CPU the pool's bookkeeping shares the memory with its tensor.
+    block_cost = per_block if on_gpu else per_block + HOST_BYTES_PER_BLOCK
     if cache.num_kv_blocks is not None:
         num = cache.num_kv_blocks
-    elif runner.device.type == "cuda":
+        check_kv_fits(num, block_cost, left, where, f"cache.num_kv_blocks={num:,}")
+    elif on_gpu:
         num = _gpu_blocks(runner, cache, per_block)
     else:
-        want = runner.cfg.scheduler.max_num_seqs * needed_per_seq
-        num = max(min(want, CPU_KV_BYTES // per_block), needed_per_seq)
+        num = _cpu_blocks(runner, per_block, needed_per_seq, left)
+        check_kv_fits(num, block_cost, left, where,
+                      f"one sequence of max_model_len={runner.max_model_len} (lower model.max_model_len)")
     if num < needed_per_seq:
         raise ConfigError(
             f"the KV cache holds {num} blocks x {cache.block_size} tokens = {num * cache.block_size} tokens, less "
             f"than one sequence of max_model_len={runner.max_model_len}: lower model.max_model_len or raise "
             f"cache.gpu_memory_utilization / cache.num_kv_blocks")
     return num
+
+
+def _cpu_blocks(runner, per_block: int, needed_per_seq: int, left: int | None) -> int:
+    """The CPU default: max_num_seqs full-length sequences, within the caps of the module docstring."""
+    want = runner.cfg.scheduler.max_num_seqs * needed_per_seq
+    weights = runner.arch.num_params * _element_size(runner.dtype)
+    cap = min(CPU_KV_MAX_BYTES, max(CPU_KV_MIN_BYTES, weights))
+    room = usable(left)
+    if room is not None:
+        cap = min(cap, room // 2)
+    return max(min(want, cap // per_block), needed_per_seq)
 
 
 def _gpu_blocks(runner, cache: CacheConfig, per_block: int) -> int:

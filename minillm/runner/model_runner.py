@@ -59,8 +59,9 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
         # No step holds more tokens than the budget, prefill-first included (the scheduler's contract: a longer
-        # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound.
-        self.max_num_tokens = sched.max_num_batched_tokens
+        # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound,
+        # capped at what a step can hold at all: max_num_seqs sequences of at most max_model_len tokens each.
+        self.max_num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=self.kernels.cuda)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.

@@ -3,6 +3,10 @@
 All lines are parsed and admitted first (a bad one gets its error answer and takes no engine state), then the
 engine steps until every admitted request has finished. Answers are written as soon as every earlier line has
 its answer, so a long run streams its results in order.
+
+SIGINT or SIGTERM ends the run early without losing a line: requests in flight are aborted and answered with
+what they have so far (finish_reason "abort"), lines not yet admitted get an "interrupted" error answer. If the
+output cannot be written (disk full, a closed pipe), the run stops at once and the error is reported.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any, BinaryIO
 
 from minillm.progress import TokenProgress
 from minillm.serve.requests import LineError, TooLong, parse_line, write_line
+from minillm.serve.shutdown import StopSignals
 
 
 @dataclass
@@ -22,10 +27,14 @@ class Summary:
     completion_tokens: int = 0
     seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)   # error type -> count
+    stopped_by: StopSignals | None = None   # a SIGINT / SIGTERM ended the run early
+    write_error: OSError | None = None      # the output could not be written; answers from there on are lost
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.failed == 0 else 1
+        if self.stopped_by is not None and self.stopped_by.requested:
+            return self.stopped_by.exit_code
+        return 0 if self.failed == 0 and self.write_error is None else 1
 
 
 def usage(out) -> dict:
@@ -54,11 +63,13 @@ def answer_json(rid: Any, out) -> dict:
 
 
 class _OrderedWriter:
-    """Holds answers by slot and writes the longest finished prefix, so output order = input order."""
+    """Holds answers by slot and writes the longest finished prefix, so output order = input order.
+    A failed write is kept in `error`; nothing more is written after it."""
 
     def __init__(self, stream: BinaryIO, n: int, summary: Summary, on_answer):
         self.stream, self.answers, self.next, self.summary = stream, [None] * n, 0, summary
         self.on_answer = on_answer   # progress callback, given the answer's output token count
+        self.error: OSError | None = None
 
     def put(self, slot: int, answer: dict) -> None:
         self.answers[slot] = answer
@@ -72,13 +83,17 @@ class _OrderedWriter:
             self.summary.prompt_tokens += answer["usage"]["prompt_tokens"]
             self.summary.completion_tokens += answer["usage"]["completion_tokens"]
             self.on_answer(answer["usage"]["completion_tokens"])
-        while self.next < len(self.answers) and self.answers[self.next] is not None:
-            write_line(self.stream, self.answers[self.next])
+        while self.error is None and self.next < len(self.answers) and self.answers[self.next] is not None:
+            try:
+                write_line(self.stream, self.answers[self.next])
+            except OSError as e:   # ENOSPC, EPIPE (a reader such as `head -1` went away), EIO, ...
+                self.error = e
+                return
             self.answers[self.next] = None   # written: drop it, a big run need not keep every answer
             self.next += 1
 
 
-def _admit(llm, lines, defaults: dict, writer: _OrderedWriter) -> dict[str, tuple[int, Any]]:
+def _admit(llm, lines, defaults: dict, writer: _OrderedWriter, stop: StopSignals) -> dict[str, tuple[int, Any]]:
     """Parse and add every line; returns engine request id -> (slot, user id) for the admitted ones."""
     admitted = {}
     for slot, (line_no, raw) in enumerate(lines):
@@ -86,6 +101,8 @@ def _admit(llm, lines, defaults: dict, writer: _OrderedWriter) -> dict[str, tupl
         try:
             req = parse_line(line_no, raw, defaults)
             rid = req.id
+            if stop.requested or writer.error is not None:
+                raise LineError(rid, "interrupted", f"not started: the run was stopped ({_why(stop, writer)})")
             # The engine id is the line number: user ids may repeat or collide; line numbers cannot.
             eid = llm.add_request(req.prompt, req.params, request_id=str(line_no), priority=req.priority,
                                   enable_thinking=req.enable_thinking)
@@ -93,14 +110,24 @@ def _admit(llm, lines, defaults: dict, writer: _OrderedWriter) -> dict[str, tupl
             writer.put(slot, e.to_json())
         except ValueError as e:   # the engine's verdict: too long for max_model_len, ids outside the vocab, ...
             writer.put(slot, LineError(rid, "invalid_request", str(e)).to_json())
+        except Exception as e:  # noqa: BLE001 - one line's unexpected failure must not cost the others theirs
+            writer.put(slot, LineError(rid, "engine_error", f"{type(e).__name__}: {e}").to_json())
         else:
             admitted[eid] = (slot, rid)
     return admitted
 
 
-def _run(llm, admitted: dict, writer: _OrderedWriter) -> None:
+def _why(stop: StopSignals, writer: _OrderedWriter) -> str:
+    return stop.name if stop.requested else f"output failed: {writer.error}"
+
+
+def _run(llm, admitted: dict, writer: _OrderedWriter, stop: StopSignals) -> None:
+    aborted = False
     try:
         while llm.has_unfinished_requests():
+            if not aborted and (stop.requested or writer.error is not None):
+                _abort_all(llm, admitted)
+                aborted = True
             for so in llm.step():
                 if so.output is not None and so.request_id in admitted:
                     slot, rid = admitted.pop(so.request_id)
@@ -112,15 +139,22 @@ def _run(llm, admitted: dict, writer: _OrderedWriter) -> None:
         admitted.clear()
 
 
+def _abort_all(llm, admitted: dict) -> None:
+    """Abort what is still running; the engine reports each abort (with the text so far) on its next step."""
+    for eid in list(admitted):
+        llm.abort(eid)
+
+
 def run_generate(llm, lines: list[tuple[int, bytes | TooLong]], defaults: dict, out: BinaryIO,
                  progress: bool = True) -> Summary:
     """Serve every (line number, raw line) and write one answer per line to `out` (binary, flushed per line)."""
     summary = Summary()
     start = time.perf_counter()
-    with TokenProgress(len(lines), progress) as advance:
+    with TokenProgress(len(lines), progress) as advance, StopSignals() as stop:
         writer = _OrderedWriter(out, len(lines), summary, advance)
-        _run(llm, _admit(llm, lines, defaults, writer), writer)
+        _run(llm, _admit(llm, lines, defaults, writer, stop), writer, stop)
     summary.seconds = time.perf_counter() - start
+    summary.stopped_by, summary.write_error = stop, writer.error
     return summary
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, BinaryIO, Iterator
 
 from minillm.sampling_params import SamplingParams
+from minillm.untrusted import TooNested, loads_json, short_repr
 
 MAX_LINE_BYTES = 1 << 20   # 1 MiB: longer lines get a "line_too_long" answer and are skipped, never buffered
 _READ_CHUNK = 1 << 16
@@ -103,8 +104,10 @@ def decode_line(line_no: int, raw: bytes | TooLong) -> dict:
         raise LineError(line_no, "invalid_encoding", f"line {line_no} is not valid UTF-8 ({e.reason} at byte "
                         f"{e.start})") from None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, ValueError) as e:
+        obj = loads_json(text)
+    except TooNested as e:
+        raise LineError(line_no, "invalid_json", f"line {line_no} is {e} (JSON depth limit)") from None
+    except ValueError as e:   # JSONDecodeError, NaN/Infinity, an integer of more than 4,300 digits
         raise LineError(line_no, "invalid_json", f"line {line_no} is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise LineError(line_no, "invalid_request", f"line {line_no} must be a JSON object, got "
@@ -112,17 +115,12 @@ def decode_line(line_no: int, raw: bytes | TooLong) -> dict:
     return obj
 
 
-def _reject_constant(name: str):
-    # json accepts NaN / Infinity by default; they are not JSON and would slip past numeric range checks.
-    raise ValueError(f"{name} is not allowed")
-
-
 def _request_id(obj: dict, line_no: int) -> Any:
     if "id" not in obj or obj["id"] is None:
         return line_no
     rid = obj["id"]
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-        raise LineError(line_no, "invalid_request", f"id must be a string or an integer, got {rid!r}")
+        raise LineError(line_no, "invalid_request", f"id must be a string or an integer, got {short_repr(rid)}")
     return rid
 
 
@@ -145,7 +143,7 @@ def _prompt(obj: dict, rid: Any) -> str | list[int] | list[dict]:
         ok = isinstance(value, list) and value != [] and all(_is_message(m) for m in value)
         allowed = 'a non-empty list of {"role": str, "content": str} objects'
     if not ok:
-        raise LineError(rid, "invalid_request", f"{key} must be {allowed}, got {_short(value)}")
+        raise LineError(rid, "invalid_request", f"{key} must be {allowed}, got {short_repr(value)}")
     return value
 
 
@@ -154,20 +152,15 @@ def _is_message(m: Any) -> bool:
             and m["role"] != "" and isinstance(m.get("content"), str))
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _params(obj: dict, rid: Any, defaults: dict) -> tuple[SamplingParams, int]:
     given = {k: obj[k] for k in PARAM_KEYS if k in obj}
     try:
         params = SamplingParams(**{**defaults, **given})
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:
         raise LineError(rid, "invalid_request", str(e)) from None
     priority = obj.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise LineError(rid, "invalid_request", f"priority must be an integer, got {_short(priority)}")
+        raise LineError(rid, "invalid_request", f"priority must be an integer, got {short_repr(priority)}")
     return params, priority
 
 
@@ -181,7 +174,9 @@ def parse_request(obj: dict, line_no: int, defaults: dict) -> ParsedRequest:
     rid = _request_id(obj, line_no)
     unknown = sorted(set(obj) - set(ALLOWED_KEYS))
     if unknown:
-        raise LineError(rid, "invalid_request", f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: "
+        named = ", ".join(short_repr(k, 40) for k in unknown[:5]) + (f" and {len(unknown) - 5} more"
+                                                                      if len(unknown) > 5 else "")
+        raise LineError(rid, "invalid_request", f"unknown field(s) {named}; allowed: "
                         f"{', '.join(ALLOWED_KEYS)}")
     for value in obj.values():
         _check_finite(value, rid)
@@ -190,7 +185,7 @@ def parse_request(obj: dict, line_no: int, defaults: dict) -> ParsedRequest:
     thinking = obj.get("enable_thinking")
     if thinking is not None and (not isinstance(thinking, bool) or "messages" not in obj):
         raise LineError(rid, "invalid_request", f"enable_thinking must be true or false and comes with messages, "
-                        f"got {_short(thinking)}")
+                        f"got {short_repr(thinking)}")
     return ParsedRequest(rid, prompt, params, priority, thinking)
 
 
@@ -203,6 +198,7 @@ def parse_line(line_no: int, raw: bytes | TooLong, defaults: dict, allow_abort: 
             raise LineError(line_no, "invalid_request", 'an abort line is {"abort": ID} with no other fields')
         target = obj["abort"]
         if isinstance(target, bool) or not isinstance(target, (str, int)):
-            raise LineError(line_no, "invalid_request", f"abort needs a string or integer id, got {target!r}")
+            raise LineError(line_no, "invalid_request", f"abort needs a string or integer id, got "
+                            f"{short_repr(target)}")
         return AbortCommand(target)
     return parse_request(obj, line_no, defaults)

@@ -9,20 +9,22 @@ blocks on the queue only when idle. Events per request:
     {"id", "event": "error", "error": {"type", "message"}}              exactly one instead of "done"
 
 `{"abort": ID}` aborts a request in flight (its "done" event has finish_reason "abort"). At EOF the requests in
-flight finish and the server exits 0; SIGINT aborts them all, emits their final events, and exits 130.
+flight finish and the server exits 0; SIGINT or SIGTERM aborts them all, emits their final events, and exits
+130 or 143. If stdout goes away (the reader closed the pipe), the server aborts everything and exits 1 quietly.
 """
 from __future__ import annotations
 
 import queue
-import signal
 import threading
 from typing import Any, BinaryIO
 
 from minillm.serve.generate_jsonl import logprobs_json, usage
 from minillm.serve.requests import AbortCommand, LineError, is_blank, iter_lines, parse_line, write_line
+from minillm.serve.shutdown import StopSignals
+from minillm.untrusted import short_repr
 
 _EOF = object()
-_IDLE_POLL_S = 0.5   # how often an idle server wakes up, so SIGINT is seen promptly on every platform
+_IDLE_POLL_S = 0.5   # how often an idle server wakes up, so a signal is seen promptly on every platform
 
 
 def _reader(stream: BinaryIO, q: queue.Queue) -> None:
@@ -40,12 +42,25 @@ class StdinServer:
         self.inflight: dict[str, tuple[Any, int]] = {}   # engine id -> (user id, n), until its final event
         self.by_user: dict[Any, str] = {}    # user id -> engine id (abort lines name the user id)
         self.eof = False
-        self.interrupted = False
+        self.stop = StopSignals()
+        self.write_error: OSError | None = None   # stdout failed (closed pipe, full disk): stop serving
 
     # ---- input ----------------------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self.stop.requested or self.write_error is not None
+
+    def _write(self, event: dict) -> None:
+        if self.write_error is not None:
+            return
+        try:
+            write_line(self.out, event)
+        except OSError as e:
+            self.write_error = e
+
     def _handle(self, line_no: int, raw) -> None:
         if isinstance(raw, Exception):
-            write_line(self.out, LineError(line_no, "read_error", f"stdin failed: {raw}").to_json())
+            self._write(LineError(line_no, "read_error", f"stdin failed: {raw}").to_json())
             return
         if is_blank(raw):
             return
@@ -55,13 +70,15 @@ class StdinServer:
                 self._abort(item.id)
                 return
             if item.id in self.by_user:
-                raise LineError(item.id, "invalid_request", f"id {item.id!r} is already in flight")
+                raise LineError(item.id, "invalid_request", f"id {short_repr(item.id)} is already in flight")
             eid = self.llm.add_request(item.prompt, item.params, request_id=str(line_no), priority=item.priority,
                                        enable_thinking=item.enable_thinking)
         except LineError as e:
             self._error(e)
         except ValueError as e:   # the engine refused it (too long, ids outside the vocab, ...)
             self._error(LineError(item.id, "invalid_request", str(e)))
+        except Exception as e:  # noqa: BLE001 - one line's unexpected failure must not end the server
+            self._error(LineError(item.id, "engine_error", f"{type(e).__name__}: {e}"))
         else:
             self.inflight[eid] = (item.id, item.params.n)
             self.by_user[item.id] = eid
@@ -69,16 +86,16 @@ class StdinServer:
     def _abort(self, user_id: Any) -> None:
         eid = self.by_user.get(user_id)
         if eid is None or not self.llm.abort(eid):
-            self._error(LineError(user_id, "unknown_id", f"no request with id {user_id!r} is in flight"))
+            self._error(LineError(user_id, "unknown_id", f"no request with id {short_repr(user_id)} is in flight"))
         # The engine emits the aborted request's final StepOutput on the next step().
 
     def _error(self, err: LineError) -> None:
         line = err.to_json()
-        write_line(self.out, {"id": line["id"], "event": "error", "error": line["error"]})
+        self._write({"id": line["id"], "event": "error", "error": line["error"]})
 
     def _drain(self, block: bool) -> None:
         """Admit every line that has arrived; when `block`, wait (in short polls) for at least one."""
-        while not self.interrupted:
+        while not self.stopping:
             try:
                 item = self.queue.get(timeout=_IDLE_POLL_S) if block else self.queue.get_nowait()
             except queue.Empty:
@@ -100,9 +117,9 @@ class StdinServer:
             event = {"id": rid, "event": "token", "text": so.new_text, "token_ids": so.new_token_ids}
             if n > 1:
                 event["index"] = so.index
-            write_line(self.out, event)
+            self._write(event)
         if so.output is not None:   # the whole request (all n completions) has finished
-            write_line(self.out, self._done(rid, so.output))
+            self._write(self._done(rid, so.output))
             del self.inflight[so.request_id]
             del self.by_user[rid]
 
@@ -120,30 +137,23 @@ class StdinServer:
 
     # ---- loop -----------------------------------------------------------------------------------------
     def serve(self, stream: BinaryIO) -> int:
-        """Run until EOF and every request has its final event (0), or until SIGINT (130)."""
+        """Run until EOF and every request has its final event (0), until SIGINT / SIGTERM (130 / 143), or
+        until stdout fails (1)."""
         self.queue: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(stream, self.queue), daemon=True, name="stdin-reader").start()
-        # SIGINT only sets a flag, checked between steps, so it never lands inside a step and the engine stays
-        # consistent for the aborts. A second SIGINT falls back to the default (KeyboardInterrupt).
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        try:
+        with self.stop:
             self._loop()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        if self.interrupted:
-            self._abort_all()
-            return 130
-        return 0
-
-    def _on_sigint(self, signum, frame) -> None:
-        self.interrupted = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+            if self.stopping:
+                self._abort_all()
+        if self.stop.requested:
+            return self.stop.exit_code
+        return 1 if self.write_error is not None else 0
 
     def _loop(self) -> None:
-        while not self.interrupted and not (self.eof and not self.llm.has_unfinished_requests()):
+        while not self.stopping and not (self.eof and not self.llm.has_unfinished_requests()):
             if not self.eof:
                 self._drain(block=not self.llm.has_unfinished_requests())
-            if self.llm.has_unfinished_requests() and not self.interrupted:
+            if self.llm.has_unfinished_requests() and not self.stopping:
                 self._step()
 
     def _step(self) -> None:

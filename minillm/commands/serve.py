@@ -5,8 +5,7 @@ the engine loop runs, and "ready" on stderr names the address (with --port 0, th
 SIGTERM or SIGINT: no new connections, requests in flight may finish within --drain-timeout, then the rest are
 aborted and the process exits 0 (a second SIGINT skips the wait: exit 130).
 """
-# NOTE: no `from __future__ import annotations`: engine_options re-exports this signature from minillm.cli (see
-# minillm/bench/commands.py).
+# NOTE: no `from __future__ import annotations`: engine_options reads this signature with the aliases below.
 import contextlib
 import importlib.util
 import signal
@@ -16,7 +15,8 @@ from typing import Annotated, Optional
 import typer
 import uvicorn
 
-from minillm.cli import EngineFlags, build_llm, engine_options
+from minillm.commands.common import fail
+from minillm.commands.engine_flags import EngineFlags, build_llm, engine_options
 from minillm.llm import freeze_heap
 from minillm.serve.http.app import create_app
 from minillm.serve.http.settings import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING,
@@ -24,11 +24,6 @@ from minillm.serve.http.settings import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BO
 
 DEMO_MODEL_NAME = "minillm-demo"
 _CUT_OFF_AFTER_S = 5.0   # after the drain deadline's aborts, how long streams may take to end before being cut
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"minillm: error: {message}", err=True)
-    return typer.Exit(2)
 
 
 @engine_options
@@ -55,7 +50,7 @@ def serve_command(
         settings = ServerSettings(served_model_name or cfg.model.model or DEMO_MODEL_NAME, host, port, api_key,
                                   max_body_bytes, max_waiting, drain_timeout).validate()
     except ValueError as e:
-        raise _fail(str(e)) from None
+        fail(str(e))
     sock = _bind(host, port)
     llm = build_llm(cfg)
     app = create_app(llm, sampling, settings)
@@ -81,7 +76,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except OSError as e:
-        raise _fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
     return sock
 
 
