@@ -33,7 +33,7 @@ from minillm.ops.build import load_extension  # noqa: E402
 from minillm.ops.choice import KernelChoice  # noqa: E402
 from minillm.ops import megakernel as mkops  # noqa: E402
 from minillm.runner.cuda_graphs import DecodeGraphs  # noqa: E402
-from minillm.runner.kv_sizing import allocate_kv_cache  # noqa: E402
+from minillm.cache.spec import KVCacheSpec  # noqa: E402
 
 
 def median_replay_us(run, replays: int) -> float:
@@ -130,7 +130,7 @@ def main() -> int:
     max_len = max(contexts) + bs
     max_blocks = -(-max_len // bs)
     num_blocks = max(batches) * max_blocks + 8
-    kv_caches = allocate_kv_cache(arch, num_blocks, bs, torch.bfloat16, dev)
+    kv_caches = KVCacheSpec.for_model(arch, bs, "auto", torch.bfloat16).allocate(num_blocks, dev)
     for k, v in kv_caches:   # finite, O(1) contents: timing does not depend on them
         k.normal_()
         v.normal_()

@@ -30,6 +30,9 @@ def bench_command(
                                         show_default="configs/bench.yaml")] = BENCH_SUITE,
     output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE",
                                          help="JSONL file to append to.")] = Path("results/bench.jsonl"),
+    decode_sweep: Annotated[bool, typer.Option(
+        "--decode-sweep", help="Instead: ms per decode step for B = 1..256 against the bandwidth floor "
+                               "(results/decode_steps.jsonl and decode_steps.png unless -o).")] = False,
     progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
     """Offline throughput on the reference workload, with % of the hardware floor.
@@ -47,6 +50,8 @@ def bench_command(
     from minillm.bench.report import append_jsonl, bench_table, print_table
     from minillm.bench.suite import device_of, label, offline_workload, prepare_device, read_suite
 
+    if decode_sweep:
+        return _decode_sweep(suite, engine, output)
     try:
         if peer not in ("minillm", "hf"):
             raise ConfigError(f"--engine={peer!r} is not allowed: minillm or hf")
@@ -79,6 +84,22 @@ def bench_command(
         print_table(bench_table(lines))
     typer.echo(f"appended {len(lines)} line(s) to {output}")
     _report_failures(failed)
+
+
+def _decode_sweep(suite: Path, engine: EngineFlags, output: Path) -> None:
+    """`bench --decode-sweep`: the suite's base engine (or --config), one decode-only run per batch size."""
+    from minillm.bench.decode_sweep import sweep_and_record
+    from minillm.bench.suite import build_config, device_of, read_suite
+
+    try:
+        cfg = build_config(read_suite(suite), engine.config, engine.set or [], engine.overrides(), {}, None)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+    if device_of(cfg) == "cpu":
+        fail("--decode-sweep times decode steps on a GPU; none is visible")
+    out = Path("results/decode_steps.jsonl") if output == Path("results/bench.jsonl") else output
+    sweep_and_record(cfg, out)
+    typer.echo(f"appended to {out}; figure {out.with_name('decode_steps.png')}")
 
 
 def _fitted(entry: dict, w, data: dict, engine: EngineFlags) -> tuple:

@@ -28,6 +28,7 @@ class EngineFlags:
     policy: Optional[str] = None
     attention: Optional[str] = None
     attention_mode: Optional[str] = None
+    kernels: Optional[str] = None
     eager: bool = False
     set: Optional[list[str]] = None
 
@@ -36,7 +37,7 @@ class EngineFlags:
         return {"model": self.model, "device": self.device, "dtype": self.dtype,
                 "max_num_batched_tokens": self.budget, "max_model_len": self.max_model_len,
                 "enable_chunked_prefill": self.chunked, "scheduling_policy": self.policy,
-                "attention": self.attention, "attention_mode": self.attention_mode,
+                "attention": self.attention, "attention_mode": self.attention_mode, "kernels": self.kernels,
                 "enforce_eager": True if self.eager else None}
 
     def load(self):
@@ -73,6 +74,8 @@ _ENGINE_PARAMS = [
         metavar="BACKEND", help="auto | cuda | torch")]),
     _P("attention_mode", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
         metavar="MODE", help="split | unified")]),
+    _P("kernels", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
+        metavar="BACKEND", help="auto | cuda | torch: minillm's CUDA kernels (kernels.backend).")]),
     _P("eager", _P.KEYWORD_ONLY, default=False, annotation=Annotated[bool, typer.Option(
         "--eager", help="No CUDA graphs (runtime.enforce_eager).")]),
     _P("set", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[list[str]], typer.Option(
@@ -99,10 +102,15 @@ def engine_options(fn):
 
 
 def build_llm(cfg):
-    """Load the engine; a missing or unusable model (files, architecture) ends the command with exit 2."""
+    """Load the engine; a missing or unusable model (files, architecture) ends the command with exit 2.
+
+    The commands are serving processes, so the heap built so far leaves the cycle collector's reach
+    (minillm.llm.freeze_heap: no full-collection pause lands in a token's latency)."""
     from minillm.config import ConfigError
-    from minillm.llm import LLM
+    from minillm.llm import LLM, freeze_heap
     try:
-        return LLM.from_config(cfg)
+        llm = LLM.from_config(cfg)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))
+    freeze_heap()
+    return llm

@@ -23,14 +23,6 @@ CPU_KV_MIN_BYTES = 256 << 20
 CPU_KV_MAX_BYTES = 2 << 30
 
 
-def allocate_kv_cache(arch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; per layer (k_cache, v_cache) views.
-    Zero-filled so that a padded row reading a stale slot sees finite numbers, never NaN."""
-    kv = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim,
-                     dtype=dtype, device=device)
-    return [(kv[i, 0], kv[i, 1]) for i in range(arch.num_hidden_layers)]
-
-
 def engine_shape(runner) -> EngineShape:
     a, sched = runner.arch, runner.cfg.scheduler
     return EngineShape(max_num_seqs=sched.max_num_seqs, max_num_tokens=runner.max_num_tokens,
@@ -132,7 +124,7 @@ def profile_run(runner) -> int:
     then max_num_seqs rows of logits plus sampler-sized scratch) on a scratch KV cache; return peak bytes."""
     total = runner.max_num_tokens
     ids, positions, meta, blocks = prefill_batch(runner, total)
-    scratch = allocate_kv_cache(runner.arch, blocks, runner.cfg.cache.block_size, runner.dtype, runner.device)
+    scratch = runner.kv_spec.allocate(blocks, runner.device)
     dev = runner.device
     hidden = runner.model(ids, positions, scratch, meta)
     rows = torch.arange(runner.cfg.scheduler.max_num_seqs, device=dev) % total
