@@ -59,7 +59,10 @@ for s in "$@"; do
       stage gputests 240 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
         tests/test_engine_gpu.py tests/test_fused_gpu.py tests/test_gemm_gpu.py tests/test_kernels_gpu.py ;;
     sweep)
-      stage sweep 200 python3 -m minillm.bench.decode_sweep --output "$OUT/decode_steps.jsonl" ;;
+      stage sweep 200 python3 -m minillm bench --decode-sweep --no-progress -o "$OUT/decode_steps.jsonl" ;;
+    latency)   # the in-process latency sweep, chunked-2048 at 4 and 8 req/s
+      stage latency 240 python3 -m minillm latency-sweep --configs chunked-2048 --rates 4,8 --no-progress \
+        -o "$OUT/latency.jsonl" --plot "$LOG/latency.png" ;;
     sweep16)   # the sweep's batch sizes the decode megakernel serves
       stage sweep16 150 python3 -m minillm.bench.decode_sweep --batches 1,2,4,8,16 --output "$OUT/decode_steps.jsonl" ;;
     oldsweep)   # the same sweep (this tree's module) over the previous commit's engine
