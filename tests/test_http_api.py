@@ -139,9 +139,11 @@ def test_completion_logprobs_whole_and_streamed(client):
     # greedy: the sampled token is the most likely one
     assert all(abs(x - max(top.values())) < 1e-4 for x, top in zip(lp.token_logprobs, lp.top_logprobs))
     assert lp.text_offset == sorted(lp.text_offset)
-    streamed = [t for c in client.completions.create(**kw, stream=True) if c.choices[0].logprobs
-                for t in c.choices[0].logprobs.tokens]
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
+    # each chunk carries its own tokens' logprobs, not all of them at the end
+    assert sum(1 for c in chunks if c.choices[0].logprobs and c.choices[0].logprobs.tokens) > 1
 
 
 def test_chat_logprobs_with_top_logprobs(client):

@@ -88,6 +88,7 @@ class OutputProcessor:
             if group.held:
                 done.admit += group.held
                 group.held = []
+        new_lps = None
         if new_ids:
             metrics = group.metrics
             if metrics.first_token_time is None:
@@ -96,6 +97,7 @@ class OutputProcessor:
                 metrics.token_times += [now] * len(new_ids)
             if out.logprobs is not None and comp.logprobs is not None:
                 comp.logprobs.append(out.logprobs)
+                new_lps = [out.logprobs]
         text, reason = "", out.finish_reason
         detok = comp.detok
         if detok is not None:
@@ -105,10 +107,11 @@ class OutputProcessor:
                 done.stopped.append(out.request_id)
         if reason is None:
             if new_ids:
-                done.outputs.append(StepOutput(group.request_id, new_ids, text, False, None, now, None, idx))
+                done.outputs.append(StepOutput(group.request_id, new_ids, text, False, None, now, None, idx,
+                                               logprobs=new_lps))
             return
         del self._child[out.request_id]
-        done.outputs.append(self._final(group, idx, new_ids, text, reason, now))
+        done.outputs.append(self._final(group, idx, new_ids, text, reason, now, new_lps))
 
     def abort(self, request_id: str) -> tuple[list[str], list[StepOutput]]:
         """End every unfinished completion of a user request: (their core request ids, their final outputs)."""
@@ -124,7 +127,8 @@ class OutputProcessor:
         group.held = []
         return live, finals
 
-    def _final(self, group: _Group, idx: int, new_ids, text: str, reason: str, now: float) -> StepOutput:
+    def _final(self, group: _Group, idx: int, new_ids, text: str, reason: str, now: float,
+               new_lps=None) -> StepOutput:
         """The final StepOutput of a completion (carrying the RequestOutput once all n are done)."""
         comp = group.completions[idx]
         if comp.detok is not None:
@@ -140,4 +144,4 @@ class OutputProcessor:
                                   num_cached_tokens=group.num_cached_tokens)
             del self._groups[group.request_id]
         return StepOutput(group.request_id, list(new_ids), text if group.stream else "", True, reason, now,
-                          output=final, index=idx)
+                          output=final, index=idx, logprobs=new_lps)

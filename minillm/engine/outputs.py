@@ -102,3 +102,4 @@ class StepOutput:
     time: float                         # time.perf_counter() when these tokens became visible
     output: RequestOutput | None = None  # set when the request (all n completions) has finished
     index: int = 0                      # which of the request's n completions advanced
+    logprobs: list[TokenLogprobs] | None = None   # of new_token_ids, when the request asked for logprobs

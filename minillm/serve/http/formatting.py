@@ -3,8 +3,8 @@
 Completions and chat share one stream formatter; they differ in the chunk's object name and in how a delta is
 written (`text` vs `delta.content`, list-style vs content-style logprobs).
 
-NOTE: a StepOutput carries no logprobs (only the final RequestOutput does), so a streamed choice gets all its
-logprobs in its final chunk; concatenating every chunk's logprobs still gives the full list, in order.
+A streamed chunk carries the logprobs of the tokens it adds (StepOutput.logprobs); concatenating every chunk's
+logprobs gives the whole list, in order.
 """
 from __future__ import annotations
 
@@ -114,7 +114,6 @@ class StreamFormatter:
         self.shape, self.prompts = shape, prompts
         self.bases = {rid: p * shape.n for p, rid in enumerate(prompts)}
         self.outputs: dict[str, object] = {}     # engine request id -> its final RequestOutput
-        self._held: dict[str, dict[int, str]] = {}   # logprobs: finished choices waiting for the request's output
         self._started: set[int] = set()          # return_token_ids: choices whose first chunk went out
         self._obj = "chat.completion.chunk" if shape.chat else "text_completion"
 
@@ -129,20 +128,13 @@ class StreamFormatter:
     def on_output(self, so) -> str:
         index = self.bases[so.request_id] + so.index
         finish = so.finish_reason if so.finished else None
-        parts = []
-        if self.shape.logprobs and finish is not None:
-            # this choice's logprobs come with the request's final output: hold its finish until then
-            self._held.setdefault(so.request_id, {})[so.index] = finish
-            if so.new_token_ids or so.new_text:
-                parts.append(self._delta(index, so.new_text, so.new_token_ids, None, None, so))
-        elif so.new_token_ids or so.new_text or finish is not None:
-            parts.append(self._delta(index, so.new_text, so.new_token_ids, None, finish, so))
         if so.output is not None:
             self.outputs[so.request_id] = so.output
-            for i, reason in sorted(self._held.pop(so.request_id, {}).items()):
-                lps = self.shape.logprobs_json(so.output.outputs[i].logprobs)
-                parts.append(self._delta(self.bases[so.request_id] + i, "", [], lps, reason, so))
-        return "".join(parts)
+        if not (so.new_token_ids or so.new_text or finish is not None):
+            return ""
+        # each chunk carries the logprobs of its own tokens, as OpenAI and vLLM stream them
+        lps = self.shape.logprobs_json(so.logprobs) if self.shape.logprobs and so.logprobs else None
+        return self._delta(index, so.new_text, so.new_token_ids, lps, finish, so)
 
     def end(self) -> str:
         tail = ""
