@@ -45,6 +45,8 @@ BAD = [
     ("top_k below -1", C, {"prompt": "x", "top_k": -2}, 400, "top_k"),
     ("n 0", C, {"prompt": "x", "n": 0}, 400, "n"),
     ("logprobs 21", C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("n beyond max_num_seqs", C, {"prompt": "x", "n": 100000}, 400, "n"),
+    ("stop id outside the vocabulary", C, {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("presence_penalty 3", C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("min_tokens over max_tokens", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
     ("stop of the wrong type", C, {"prompt": "x", "stop": 3}, 400, "stop"),
