@@ -9,6 +9,7 @@ row's position rather than from the list (minillm/sampling/batch.py).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from minillm.contract import NewRequestData, SchedulerOutput
@@ -56,6 +57,8 @@ class RequestStates:
         self.by_id: dict[str, CachedRequest] = {}
         self._ids: list[str] = []
         self._rows: list[CachedRequest] = []
+        self._sampled: list[CachedRequest] | None = None   # append_sampled's last row list and its token lists
+        self._lists: list[list[int]] = []
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -85,11 +88,13 @@ class RequestStates:
             self._ids = []              # the cached row list may hold a dropped or replaced request
         return dropped
 
-    @staticmethod
-    def append_sampled(sampled: list[CachedRequest], tokens: list[int]) -> None:
+    def append_sampled(self, sampled: list[CachedRequest], tokens: list[int]) -> None:
         """Record the tokens a step sampled, in launch order (see the module docstring)."""
-        for r, t in zip(sampled, tokens):
-            r.all_token_ids.append(t)
+        # NOTE: at 256 decodes this runs every ~4 ms; the token lists of the same row list as last time are reused
+        # and appended to by map() in C (a request's all_token_ids is never replaced, only appended to).
+        if sampled is not self._sampled:
+            self._sampled, self._lists = sampled, [r.all_token_ids for r in sampled]
+        deque(map(list.append, self._lists, tokens), maxlen=0)
 
     def rows(self, req_ids: list[str]) -> list[CachedRequest]:
         """The state of each row's request, in row order. Do not modify the list."""
