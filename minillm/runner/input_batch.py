@@ -47,19 +47,20 @@ class PrevTokens:
 
 
 def _fill_placeholders(input_ids: torch.Tensor, host_ids: np.ndarray, req_ids: list[str], num_decodes: int,
-                       prev: PrevTokens | None) -> None:
+                       prev: PrevTokens | None, same_batch: bool) -> None:
     """Replace placeholder (-1) input tokens by the previous step's samples, device to device, no sync.
+    same_batch: the decode rows are exactly the rows the step in flight sampled, in its order.
 
     NOTE: only decode rows can hold one: a request sampled last step has exactly that token left to compute.
     """
+    if same_batch:
+        input_ids[:num_decodes].copy_(prev.token_ids, non_blocking=True)
+        return
     rows = np.flatnonzero(host_ids < 0)
     if rows.size == 0:
         return
     if prev is None or rows[-1] >= num_decodes:
         raise RuntimeError("a placeholder token reached the model outside a decode row after a sampling step")
-    if rows.size == num_decodes and req_ids[:num_decodes] == prev.req_ids:
-        input_ids[:num_decodes].copy_(prev.token_ids, non_blocking=True)   # the same batch as the step in flight
-        return
     index = {rid: i for i, rid in enumerate(prev.req_ids)} if rows.size > 8 else None
     src = [index[req_ids[i]] if index is not None and req_ids[i] in index else prev.index_of(req_ids[i])
            for i in rows.tolist()]
@@ -183,7 +184,7 @@ class InputBuilder:
         qsl, pos, seq_lens = h["query_start_loc"][: n + 1], h["positions"][:total], h["seq_lens"][:n]
         self.rows.sync(seq_lens)
         ids = h["input_ids"][:total]
-        self._token_ids(so, reqs, qsl, ids, prev)
+        same_batch = self._token_ids(so, reqs, qsl, ids, prev)
         block_idx, offset = np.divmod(pos, self.block_size)
         slots = h["slot_mapping"][:total]
         np.multiply(self.rows.table[tok_rows, block_idx], self.block_size, out=slots, dtype=np.int64)
@@ -200,7 +201,7 @@ class InputBuilder:
         block_tables = self.rows.table[rows, : cdiv(max_seq_len, self.block_size)]
         step = self._to_device(n, total, so.num_decodes, max_query_len, max_seq_len, block_tables, num_sampled)
         if prev is not None or ids.min(initial=0) < 0:
-            _fill_placeholders(step.input_ids, ids, so.req_ids, so.num_decodes, prev)
+            _fill_placeholders(step.input_ids, ids, so.req_ids, so.num_decodes, prev, same_batch)
         return step
 
     def _layout(self, so: SchedulerOutput, rows: np.ndarray) -> tuple[int, np.ndarray, int]:
@@ -225,11 +226,14 @@ class InputBuilder:
         return total, np.repeat(rows, counts), int(counts.max(initial=0))
 
     @staticmethod
-    def _token_ids(so: SchedulerOutput, reqs: list, qsl: np.ndarray, ids: np.ndarray, prev: PrevTokens | None) -> None:
+    def _token_ids(so: SchedulerOutput, reqs: list, qsl: np.ndarray, ids: np.ndarray, prev: PrevTokens | None) -> bool:
         """Row i's tokens are all_token_ids[start:start + num_tokens]; the single-token rows go in one list. A decode
-        row one past the tokens known on the host gets a placeholder: its token is the step in flight's sample."""
+        row one past the tokens known on the host gets a placeholder: its token is the step in flight's sample.
+        Returns whether the decode rows are exactly the batch of the step in flight."""
         starts, num_decodes = so.starts, so.num_decodes
-        if prev is not None and len(prev.req_ids) == num_decodes and so.req_ids[:num_decodes] == prev.req_ids:
+        same_batch = prev is not None and num_decodes > 0 and len(prev.req_ids) == num_decodes \
+            and so.req_ids[:num_decodes] == prev.req_ids
+        if same_batch:
             # NOTE: the common async decode step: the very batch of the step in flight, every input still on the
             # device. No per-row work.
             ids[:num_decodes] = PLACEHOLDER
@@ -239,6 +243,7 @@ class InputBuilder:
         for i in range(num_decodes, len(reqs)):
             s = starts[i]
             ids[qsl[i]:qsl[i + 1]] = reqs[i].all_token_ids[s:s + so.num_tokens[i]]
+        return same_batch
 
     def _to_device(self, n, total, num_decodes, max_query_len, max_seq_len, block_tables, num_sampled):
         dev, host, views = self.device, self._host, self._views[self._turn]
