@@ -87,8 +87,10 @@ def test_serve_stdin_gives_every_hostile_line_one_final_event(llm):
 
 def minillm(*args, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # bufsize=0: a readline() must not buffer lines past the first, which communicate() (reading the descriptor
+    # itself) would then never see
     return subprocess.Popen([sys.executable, "-m", "minillm", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, **kw)
+                            stderr=subprocess.PIPE, env=env, bufsize=0, **kw)
 
 
 @pytest.mark.slow
