@@ -8,8 +8,12 @@ are timed once on their own (common to both). Per step: median over many graph r
 events. Floor = (decoder weight bytes + KV bytes of every context token) / copy bandwidth measured in the run.
 One correctness line per B: the hidden states of the two paths on the same step (context 128).
 
+With --timeline: no timing of the two paths; instead the megakernel's own timeline stamps (one eager launch per
+B and context after two warm-ups, minillm/bench/megakernel_timeline.py): the cost of every step of a layer and of
+every grid barrier, printed and appended as kind="timeline" lines.
+
 Usage: python scripts/megakernel_bench.py --out results/megakernel_bench.jsonl [--batches 1,2,4,8,16]
-       [--contexts 128,512,2048] [--replays 200]
+       [--contexts 128,512,2048] [--replays 200] [--timeline]
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minillm.attention import make_attention_backend  # noqa: E402
 from minillm.attention.metadata import AttentionMetadata  # noqa: E402
 from minillm.bench.floor import measure_copy_bandwidth  # noqa: E402
+from minillm.bench import megakernel_timeline  # noqa: E402
 from minillm.fingerprint import stamp  # noqa: E402
 from minillm.model.loader import load_model  # noqa: E402
 from minillm.ops.build import load_extension  # noqa: E402
@@ -116,6 +121,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--megakernel-only", action="store_true",
                     help="no DecodeGraphs and no timing: two eager megakernel launches per batch and context (for ncu)")
+    ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -138,6 +144,8 @@ def main() -> int:
     print(f"model {args.model} loaded, KV cache {num_blocks} blocks, copy bandwidth {bw / 1e12:.2f} TB/s "
           f"({time.time() - t0:.1f} s)", flush=True)
 
+    if args.timeline:
+        return timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len)
     if args.megakernel_only:
         return profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len)
     dg = DecodeGraphs(model, kv_caches, max(batches), max_blocks, bs, max_len, arch.hidden_size, torch.bfloat16, dev)
@@ -192,6 +200,27 @@ def profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, 
                 mk.forward(step.input_ids, step.positions, step.meta)
             torch.cuda.synchronize()
             print(f"launched B={b} ctx={ctx}", flush=True)
+    return 0
+
+
+@torch.no_grad()
+def timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len) -> int:
+    """One stamped launch per batch and context (after two warm-ups), analysed and appended to --out."""
+    mk = mkops.DecodeMegakernel(model, kv_caches, max(batches), bs, max_len)
+    buf, base = mk.profile_buffer(), stamp()
+    with args.out.open("a") as f:
+        for b in batches:
+            for ctx in contexts:
+                step = Step(b, ctx, bs, num_blocks, max_blocks, arch.vocab_size, seed=b * 7919 + ctx, dev="cuda")
+                for _ in range(3):
+                    buf.zero_()
+                    mk.forward(step.input_ids, step.positions, step.meta, profile=buf)
+                torch.cuda.synchronize()
+                s = megakernel_timeline.analyze(buf, arch.num_hidden_layers, mk.num_ctas)
+                print(megakernel_timeline.format_summary(s, f"B={b} ctx={ctx}:"), flush=True)
+                f.write(json.dumps({"kind": "timeline", "impl": "megakernel", "batch": b, "context": ctx, **s,
+                                    "phases_us": megakernel_timeline.phase_totals(s), "model": args.model,
+                                    "block_size": bs, **base}) + "\n")
     return 0
 
 

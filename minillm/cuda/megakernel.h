@@ -29,6 +29,12 @@ constexpr int kMegaGranuleRows = 8;
 constexpr int kMegaMaxGranules = 8;     // granules (gate and up count one each) a CTA may own in one phase
 constexpr int kMegaMaxHidden = 2048;    // a norm row is held in registers (8 x 16 bytes per lane)
 constexpr int kMegaMaxPartitions = 256; // attention partitions of one sequence (bounded by the grid anyway)
+// Timeline stamps (MegakernelParams::prof): per layer and CTA, thread 0 records (clock64, %globaltimer) at these
+// points, in phase order: QKV start, norm done, weights landed, GEMV done, arrive; attention start, arrive;
+// O start, weights landed, GEMV done, arrive; GU start, norm done, weights landed, GEMV done, arrive; DOWN start,
+// weights landed, GEMV done, arrive. One more pair per CTA after the last layer (final norm done).
+// minillm/bench/megakernel_timeline.py names them and turns them into per-phase costs.
+constexpr int kMegaProfPoints = 20;
 
 struct MegakernelParams {
   // ---- step inputs ----
@@ -71,7 +77,14 @@ struct MegakernelParams {
   int min_partition_chunks;  // attention partitions hold at least this many 16-token chunks
   int cooperative;           // 1: cooperative launch (co-residency guaranteed); 0: plain launch
   ScalarType dtype;          // kBFloat16 or kFloat16
+  // [(num_layers * kMegaProfPoints + 1) * num_ctas * 2] timeline stamps, or null (the default: no stamps)
+  unsigned long long* prof;
 };
+
+// 64-bit words of the timeline buffer of a launch.
+inline int64_t megakernel_prof_words(int num_layers, int num_ctas) {
+  return ((int64_t)num_layers * kMegaProfPoints + 1) * num_ctas * 2;
+}
 
 // Byte sizes of the shared-memory regions (see decode_megakernel.cu); minillm/ops/megakernel.py mirrors this.
 struct MegakernelSmemPlan {

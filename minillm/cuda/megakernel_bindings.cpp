@@ -2,7 +2,7 @@
 //
 // torch.ops.minillm.decode_megakernel runs every decoder layer of one decode step. It writes the KV caches (the
 // new token of every row whose slot is >= 0), its workspaces and `out`, all declared mutated in the schema
-// ((a!)..(e!)), so CUDA graphs and torch.compile see the writes; it returns nothing and allocates nothing, so a
+// ((a!)..(e!)), and the optional timeline buffer `profile` (f!, megakernel.h: kMegaProfPoints), so CUDA graphs and torch.compile see the writes; it returns nothing and allocates nothing, so a
 // call can be captured in a CUDA graph. Bad input raises ValueError naming the argument. The Python side
 // (minillm/ops/megakernel.py, DecodeMegakernel) packs the weights and owns the workspaces.
 #include <ATen/ATen.h>
@@ -46,7 +46,8 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
                        const std::optional<Tensor>& k_norm, const Tensor& final_norm, const Tensor& cos_sin,
                        Tensor& act_ws, Tensor& partials, Tensor& sync, Tensor& out, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
-                       int64_t num_ctas, int64_t min_partition_chunks, bool cooperative) {
+                       int64_t num_ctas, int64_t min_partition_chunks, bool cooperative,
+                       const std::optional<Tensor>& profile) {
   MINILLM_CHECK(embed.is_cuda() && embed.dim() == 2, "embed must be a CUDA tensor [vocab, hidden], got ", embed.sizes());
   const c10::Device device = embed.device();
   const at::ScalarType dt = embed.scalar_type();
@@ -146,6 +147,10 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
   p.num_ctas = int(num_ctas);
   p.min_partition_chunks = int(min_partition_chunks);
   p.cooperative = cooperative ? 1 : 0;
+  if (profile) {
+    check_buffer(*profile, "profile", device, at::kLong, minillm::megakernel_prof_words(int(layers), int(num_ctas)));
+    p.prof = reinterpret_cast<unsigned long long*>(profile->data_ptr<int64_t>());
+  }
   p.dtype = dt == at::kBFloat16 ? minillm::ScalarType::kBFloat16 : minillm::ScalarType::kFloat16;
 
   minillm::MegakernelSmemPlan plan;
@@ -164,7 +169,8 @@ void decode_megakernel_meta(const Tensor&, const Tensor&, const Tensor&, const T
                             const Tensor&, const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
                             const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                             const std::optional<Tensor>&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&,
-                            Tensor&, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, bool) {}
+                            Tensor&, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, bool,
+                            const std::optional<Tensor>&) {}
 
 }  // namespace
 
@@ -174,7 +180,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor w_gu, Tensor w_down, Tensor ln1, Tensor ln2, Tensor? q_norm, Tensor? k_norm, Tensor final_norm, "
         "Tensor cos_sin, Tensor(b!) act_ws, Tensor(c!) partials, Tensor(d!) sync, Tensor(e!) out, int num_heads, "
         "int num_kv_heads, int head_dim, int intermediate, float eps, float scale, int num_ctas, "
-        "int min_partition_chunks, bool cooperative) -> ()");
+        "int min_partition_chunks, bool cooperative, Tensor(f!)? profile=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) { m.impl("decode_megakernel", &decode_megakernel); }

@@ -36,6 +36,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 MAX_GROUP = 16
 DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
+PROF_POINTS = 20       # timeline stamps per layer (megakernel.h: kMegaProfPoints)
 ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
@@ -383,7 +384,14 @@ class DecodeMegakernel:
     def packed_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def profile_buffer(self) -> torch.Tensor:
+        """A timeline buffer for forward(profile=...): (clock64, globaltimer) pairs per (layer, point, CTA)
+        and one pair per CTA after the last layer (minillm/bench/megakernel_timeline.py reads it)."""
+        n = (self.arch.num_hidden_layers * PROF_POINTS + 1) * self.num_ctas * 2
+        return torch.zeros(n, dtype=torch.int64, device=self.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                profile: torch.Tensor | None = None) -> torch.Tensor:
         b = input_ids.shape[0]
         if self._caches is None:
             raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
@@ -395,7 +403,7 @@ class DecodeMegakernel:
             self.w_qkv, self.b_qkv, self.w_o, self.w_gu, self.w_down, self.ln1, self.ln2, self.q_norm, self.k_norm,
             self.final_norm, self.cos_sin, self.act_ws, self.partials, self.sync, self.out, a.num_attention_heads,
             a.num_key_value_heads, a.head_dim, a.intermediate_size, self.eps, self.scale, self.num_ctas,
-            self.min_partition_chunks, self.cooperative)
+            self.min_partition_chunks, self.cooperative, profile)
         return self.out[:b]
 
     __call__ = forward
