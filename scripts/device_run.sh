@@ -53,10 +53,11 @@ for s in "$@"; do
       stage mk_tests 150 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
     mkbench)
-      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
+      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" \
+        --issue-late "${ISSUE_LATE:-0}" ;;
     timeline)   # the megakernel's own per-step timeline (scripts/megakernel_bench.py --timeline)
       stage timeline 150 python3 scripts/megakernel_bench.py --timeline --batches 1,8,16 --contexts 128,512,2048 \
-        --out "$OUT/megakernel_timeline.jsonl" ;;
+        --issue-late "${ISSUE_LATE:-0}" --out "$OUT/megakernel_timeline.jsonl" ;;
     profile)   # torch.profiler over engine decode steps: kernels per step by category (scripts/profile_decode.py)
       for b in 1 8 64 256; do
         stage profile_b$b 120 python3 scripts/profile_decode.py --batch $b --context 512 --steps 20 \

@@ -122,6 +122,9 @@ def main() -> int:
     ap.add_argument("--megakernel-only", action="store_true",
                     help="no DecodeGraphs and no timing: two eager megakernel launches per batch and context (for ncu)")
     ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
+    ap.add_argument("--issue-late", default=str(mkops.ISSUE_LATE),
+                    help="weight-issue schedules (MegakernelParams.issue_late masks), comma-separated; the timeline "
+                         "runs each and checks the hidden states are bit-identical to the first; timings use the first")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -154,7 +157,8 @@ def main() -> int:
     reason = mkops.unsupported_reason(arch, torch.bfloat16, bs, max(mk_batches or [1]), **mkops.device_limits(dev))
     mg = None
     if reason is None and mk_batches:
-        mk = mkops.DecodeMegakernel(model, kv_caches, max(mk_batches), bs, max_len)
+        mk = mkops.DecodeMegakernel(model, kv_caches, max(mk_batches), bs, max_len,
+                                    issue_late=int(args.issue_late.split(",")[0]))
         mg = mkops.MegakernelGraphs(mk, max_blocks)
         mg.capture(mk_batches)
     else:
@@ -205,22 +209,32 @@ def profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, 
 
 @torch.no_grad()
 def timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len) -> int:
-    """One stamped launch per batch and context (after two warm-ups), analysed and appended to --out."""
+    """One stamped launch per batch, context and issue schedule (after two warm-ups), analysed and appended to
+    --out. The schedules change only when weights are fetched, so their hidden states must be bit-identical."""
     mk = mkops.DecodeMegakernel(model, kv_caches, max(batches), bs, max_len)
     buf, base = mk.profile_buffer(), stamp()
+    masks = [int(x) for x in args.issue_late.split(",")]
     with args.out.open("a") as f:
         for b in batches:
             for ctx in contexts:
                 step = Step(b, ctx, bs, num_blocks, max_blocks, arch.vocab_size, seed=b * 7919 + ctx, dev="cuda")
-                for _ in range(3):
-                    buf.zero_()
-                    mk.forward(step.input_ids, step.positions, step.meta, profile=buf)
-                torch.cuda.synchronize()
-                s = megakernel_timeline.analyze(buf, arch.num_hidden_layers, mk.num_ctas)
-                print(megakernel_timeline.format_summary(s, f"B={b} ctx={ctx}:"), flush=True)
-                f.write(json.dumps({"kind": "timeline", "impl": "megakernel", "batch": b, "context": ctx, **s,
-                                    "phases_us": megakernel_timeline.phase_totals(s), "model": args.model,
-                                    "block_size": bs, **base}) + "\n")
+                first = None
+                for mask in masks:
+                    mk.issue_late = mask
+                    for _ in range(3):
+                        buf.zero_()
+                        out = mk.forward(step.input_ids, step.positions, step.meta, profile=buf)
+                    torch.cuda.synchronize()
+                    first = out.clone() if first is None else first
+                    same = bool(torch.equal(out, first))
+                    s = megakernel_timeline.analyze(buf, arch.num_hidden_layers, mk.num_ctas)
+                    print(megakernel_timeline.format_summary(s, f"B={b} ctx={ctx} issue_late={mask} "
+                                                                f"(same hidden as first: {same}):"), flush=True)
+                    f.write(json.dumps({"kind": "timeline", "impl": "megakernel", "batch": b, "context": ctx,
+                                        "issue_late": mask, "identical_to_first": same, **s,
+                                        "phases_us": megakernel_timeline.phase_totals(s), "model": args.model,
+                                        "block_size": bs, **base}) + "\n")
+    mk.issue_late = masks[0]
     return 0
 
 

@@ -109,6 +109,14 @@ __device__ __forceinline__ void stamp(const MegakernelParams& p, int layer, int 
   }
 }
 
+// Pulls [base, base + bytes) into L2, one 128-byte line per thread spread over the grid (CTA c takes lines c,
+// c + grid, ...): parameters a later phase reads right after a grid barrier (norm weights, q/k-norm weights, RoPE
+// rows) are then L2 hits there instead of HBM round trips on the critical path.
+__device__ __forceinline__ void l2_prefetch(const void* base, int64_t bytes) {
+  const int64_t line = blockIdx.x + (int64_t)threadIdx.x * gridDim.x;
+  if (line * 128 < bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(base) + line * 128));
+}
+
 __device__ __noinline__ void fail(const char* what, int a, int b) {
   printf("minillm decode megakernel: %s (CTA %d, %d, %d); aborting\n", what, (int)blockIdx.x, a, b);
   __trap();
@@ -282,21 +290,28 @@ __host__ __device__ constexpr int red_offset(int H) { return (16 * act_stride(H)
 // embedding).
 template <typename T>
 __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int H = p.hidden, nvec = H / 8, AS = act_stride(H);
-  if (warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
+  const int warp = threadIdx.x / 32, H = p.hidden, nvec = H / 8, AS = act_stride(H);
+  // Past 8 rows each half-warp takes a row (while a row fits 16 lanes' registers), so 16 rows take one pass of
+  // dependent loads instead of two.
+  const int lanes = (p.batch > kWarps && nvec <= 16 * kMaxVec) ? 16 : 32, per_warp = 32 / lanes;
+  const int lane = threadIdx.x % lanes, sub = (threadIdx.x % 32) / lanes;
+  if (warp * per_warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
   // The norm weight does not depend on the row: its loads go out with (not after) the first row's.
   uint4 wv[kMaxVec];
 #pragma unroll
   for (int j = 0; j < kMaxVec; ++j) {
-    const int idx = lane + 32 * j;
+    const int idx = lane + lanes * j;
     wv[j] = idx < nvec ? reinterpret_cast<const uint4*>(weight)[idx] : make_uint4(0, 0, 0, 0);
   }
+  // The loop bound is uniform over the warp (the shuffles need every lane); a lane whose row is past the batch
+  // computes on zeros and stores nothing.
 #pragma unroll 1  // one row at a time: two rows' registers at once would spill
-  for (int m = warp; m < p.batch; m += kWarps) {
+  for (int m0 = warp * per_warp; m0 < p.batch; m0 += kWarps * per_warp) {
+    const int m = m0 + sub;
+    const bool live = m < p.batch;
     const T* row = static_cast<const T*>(p.resid) + (int64_t)m * H;
     bool id_ok = true;
-    if (from_embed) {
+    if (from_embed && live) {
       const int64_t id = p.input_ids[m];
       id_ok = id >= 0 && id < p.vocab_size;
       row = static_cast<const T*>(p.embed) + (id_ok ? id : 0) * H;
@@ -305,9 +320,9 @@ __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T*
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
-      const int idx = lane + 32 * j;
+      const int idx = lane + lanes * j;
       v[j] = make_uint4(0, 0, 0, 0);
-      if (idx < nvec) {
+      if (live && idx < nvec) {
         const uint4* src = reinterpret_cast<const uint4*>(row) + idx;
         v[j] = from_embed ? *src : __ldcg(src);
         const uint32_t w4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
@@ -318,13 +333,14 @@ __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T*
         }
       }
     }
-    ss = warp_sum_xor(ss, 1, 32);
+    ss = warp_sum_xor(ss, 1, lanes);
+    if (!live) continue;
     const float inv = id_ok ? rsqrtf(ss / H + p.eps) : CUDART_NAN_F;
     const bool store_resid = from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
     uint4* dst = reinterpret_cast<uint4*>(act + m * AS);
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
-      const int idx = lane + 32 * j;
+      const int idx = lane + lanes * j;
       if (idx >= nvec) continue;
       if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(p.resid) + (int64_t)m * H)[idx] = v[j];
       const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
@@ -909,6 +925,24 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   }
 }
 
+// During QKV: the parameters of this layer's attention (q/k-norm weights, the RoPE rows of the step's positions)
+// and of the norm before gate_up, read right after the next grid barriers.
+template <typename T>
+__device__ __forceinline__ void prefetch_layer_params(const MegakernelParams& p, const Dims& d, int layer,
+                                                      const AttnPlan& plan) {
+  l2_prefetch(static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, 2LL * d.H);
+  if (p.q_norm != nullptr) {
+    l2_prefetch(static_cast<const T*>(p.q_norm) + (int64_t)layer * d.D, 2LL * d.D);
+    l2_prefetch(static_cast<const T*>(p.k_norm) + (int64_t)layer * d.D, 2LL * d.D);
+  }
+  if (layer == 0 && threadIdx.x < p.batch) {  // the same rows in every layer: once per launch
+    const int64_t pos = plan.pos[threadIdx.x];
+    if (pos >= 0 && pos < p.max_positions)
+      for (int i = 0; i < d.D * 4; i += 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p.cos_sin + pos * d.D) + i));
+  }
+}
+
 template <typename T>
 __device__ void final_norm(const MegakernelParams& p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, H = p.hidden, nvec = H / 8;
@@ -962,6 +996,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned* counter = p.sync;
   unsigned epoch = 0;
   unsigned parity[2] = {0, 0};
+  const int late = p.issue_late;
 
   if (threadIdx.x == kIssuer) {
     *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
@@ -986,6 +1021,9 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     norm_to_act<T>(p, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp(p, layer, 1);
+    if (threadIdx.x == kIssuer && (late & kMegaLateO) && layer > 0)
+      issue<T>(p.w_o, o_layer, layer, ph.o, sm.w1, &sm.bars[1]);
+    prefetch_layer_params<T>(p, d, layer, *sm.plan);
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
     stamp(p, layer, 2);
@@ -994,7 +1032,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp(p, layer, 3);
-    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer && !(late & kMegaLateGU)) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -1008,6 +1046,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
       attention_item<T, D>(p, d, layer, sm, item, item == (int)blockIdx.x);
       __syncthreads();
     }
+    if (threadIdx.x == kIssuer && (late & kMegaLateGU)) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     grid_barrier(counter, ++epoch, p, layer, 6);
 
     // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
@@ -1021,7 +1060,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
     __syncthreads();
     stamp(p, layer, 9);
-    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    if (threadIdx.x == kIssuer && !(late & kMegaLateDown))
+      issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier(counter, ++epoch, p, layer, 10);
 
@@ -1029,6 +1069,9 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     norm_to_act<T>(p, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp(p, layer, 12);
+    if (threadIdx.x == kIssuer && (late & kMegaLateDown))
+      issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    if (more) l2_prefetch(static_cast<const T*>(p.ln1) + (int64_t)(layer + 1) * d.H, 2LL * d.H);
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
     stamp(p, layer, 13);
@@ -1037,7 +1080,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
     stamp(p, layer, 14);
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer && more && !(late & kMegaLateQKV))
+      issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier(counter, ++epoch, p, layer, 15);
 
@@ -1051,7 +1095,10 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
     __syncthreads();
     stamp(p, layer, 18);
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+    if (threadIdx.x == kIssuer && more && (late & kMegaLateQKV))
+      issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer && more && !(late & kMegaLateO))
+      issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
     grid_arrive(counter, p, layer, 19);
     grid_wait(counter, ++epoch);
