@@ -11,6 +11,7 @@
 #   sweep     the decode-step sweep (ms per step for B = 1..256 against the floor) -> $OUT/decode_steps.jsonl
 #   bench     `minillm bench` on the default config, twice -> $OUT/bench.jsonl
 #   oldbench  the same bench on the tree in .old/ (the previous commit, exported beforehand) -> $OUT/bench_old.jsonl
+#   oldmkbench  scripts/megakernel_bench.py on the tree in .old/ -> $OUT/megakernel_bench_old.jsonl
 #   oldsweep  the sweep over the .old/ engine -> $OUT/decode_steps_old.jsonl
 #   checks    `minillm check-kernels --quick` -> $OUT/kernels.jsonl
 #   http      scripts/http_latency.py: latency through the HTTP server vs in-process -> $OUT/latency_http.jsonl
@@ -83,6 +84,10 @@ for s in "$@"; do
         minillm.bench.decode_sweep --output $OUT/decode_steps_old.jsonl" ;;
     bench)
       stage bench 200 python3 -m minillm bench --no-progress --repeat 2 --output "$OUT/bench.jsonl" ;;
+    oldmkbench)   # megakernel_bench on the tree in .old/ (its own kernels), for an A/B in the same run
+      wait
+      stage oldmk_bench 150 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 \
+        scripts/megakernel_bench.py --out $OUT/megakernel_bench_old.jsonl" ;;
     oldbench)
       wait
       stage oldbench 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m minillm \
