@@ -331,6 +331,170 @@ def test_sampler_half_precision_ties_and_specials(ops, dtype):
     assert torch.equal(out, ops.sample_exponential_race(logits.float(), inv_t, 1, 2))
 
 
+def _chunk_cols(logits: torch.Tensor) -> int:
+    """Columns per load chunk of the sampler kernel for these logits: 16-byte vectors when the vocab, the row
+    stride and the start allow them, else groups of 4 scalar loads (sampling.cu, launch_race)."""
+    vec = 16 // logits.element_size()
+    aligned = logits.shape[1] % vec == 0 and logits.stride(0) % vec == 0 and logits.data_ptr() % 16 == 0
+    return vec if aligned else 4
+
+
+def _split_starts(logits: torch.Tensor, splits: int) -> list[int]:
+    """First column of each CTA's range when a row is split `splits` ways (the launcher's ranges)."""
+    cols = _chunk_cols(logits)
+    chunks = -(-logits.shape[1] // cols)
+    per = -(-chunks // splits)
+    return [s * per * cols for s in range(-(-chunks // per))]
+
+
+def _poison_bytes(nbytes: int) -> None:
+    """Free a block of 0x5A bytes, so that the op's next allocations (its workspace of partial results and
+    tickets) likely reuse it: tickets that started anywhere but zero would lose rows."""
+    block = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device="cuda")
+    del block
+
+
+def _assert_matches_reference(out, logits, inv_t, seed, offset):
+    """Greedy rows: the reference's argmax exactly. Sampled rows: the reference's token, or one whose score
+    ties it to within float rounding (numpy's logarithms against CUDA's, as in test_sampler_matches_reference)."""
+    rows, vocab = logits.shape
+    ref = sample_exponential_race_ref(logits, inv_t, seed, offset)
+    greedy = inv_t == 0
+    assert torch.equal(out[greedy], ref[greedy])
+    wide = logits.float().cpu().numpy()
+    scores = wide * inv_t.cpu().numpy()[:, None] + race_noise(range(rows), vocab, seed, offset)
+    for r in np.flatnonzero((out != ref).cpu().numpy()):
+        a, b = scores[r, out[r].item()], scores[r, ref[r].item()]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"row {r}: kernel and reference disagree beyond a tie"
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("vocab", [151936, 50257, 1001])
+@pytest.mark.parametrize("rows", [1, 3, 16, 200])
+def test_sampler_split_rows_give_the_one_cta_tokens(ops, dtype, vocab, rows):
+    """Rows split over several CTAs (forced: 2, 3, 7, 64 per row; and the op's own choice, several per row on a
+    GPU with many more SMs than rows) give bit for bit the tokens of one CTA per row (splits=1, the kernel as it
+    was), greedy and sampled rows mixed, at two offsets. 151936: 16-byte loads; 50257 and 1001: odd, the scalar
+    path. Each call first frees a poisoned block, so a workspace whose tickets did not start at zero would show.
+    The reference (numpy) agrees up to float near-ties; it is run for the small batches only (the 200-row ones
+    cost seconds of numpy and test nothing the splits=1 comparison does not)."""
+    g = torch.Generator("cuda").manual_seed(rows * 7 + vocab)
+    logits = (torch.randn(rows, vocab, generator=g, device="cuda") * 4).to(dtype)
+    for offset, greedy_from in ((5, 0), (2**40 + 9, 1)):
+        inv_t = torch.rand(rows, generator=g, device="cuda") * 2 + 0.25
+        inv_t[greedy_from::3] = 0         # rows=1: greedy at the first offset, sampled at the second
+        one = ops.sample_exponential_race(logits, inv_t, 42, offset, 1)
+        greedy = inv_t == 0
+        assert torch.equal(one[greedy], logits.float().argmax(dim=1)[greedy])
+        for splits in (0, 2, 3, 7, 64):
+            _poison_bytes(rows * (8 * 64 + 4))
+            out = ops.sample_exponential_race(logits, inv_t, 42, offset, splits)
+            assert torch.equal(out, one), f"splits={splits}: rows {torch.nonzero(out != one).flatten().tolist()}"
+        if rows <= 16:
+            _assert_matches_reference(one, logits, inv_t, 42, offset)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("vocab", [151936, 50257])
+@pytest.mark.parametrize("splits", [3, 4, 37])
+def test_sampler_split_ties_and_nan_across_ranges(ops, dtype, vocab, splits):
+    """Equal maxima in two CTAs' ranges (at the first column of a range, on both sides of a range boundary) go
+    to the lowest column, NaN in one range beats everything, two NaN go to the lowest: whatever CTA finishes
+    first. Greedy rows tie on logits; sampled rows tie on +inf logits (score +inf whatever the noise)."""
+    logits = torch.zeros(8, vocab, device="cuda", dtype=dtype)
+    starts = _split_starts(logits, splits)
+    assert len(starts) == splits
+    lo, hi = starts[1], starts[-1]           # first columns of the second and of the last range
+    nan, inf = float("nan"), float("inf")
+    logits[0, [hi, lo]] = 7.0                # greedy: ranges 1 and last -> lo
+    logits[1, [lo - 1, lo]] = 7.0            # greedy: last column of range 0, first of range 1 -> lo - 1
+    logits[2, [vocab - 1, hi + 5]] = 7.0     # greedy: two columns of the last range, lowest wins -> hi + 5
+    logits[3, [hi, lo + 2]] = inf            # sampled: +inf in two ranges -> lo + 2
+    logits[4, lo + 1] = nan                  # sampled: NaN in one range beats a huge logit elsewhere
+    logits[4, 0] = 1e4
+    logits[5, [hi, lo + 7]] = nan            # greedy: two NaN -> lo + 7
+    logits[6, 0] = inf                       # sampled: NaN over +inf
+    logits[6, hi + 1] = nan
+    logits[7, :] = -inf                      # sampled: every score -inf -> column 0
+    inv_t = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.7, 0.0, 1.3, 2.0], device="cuda")
+    expected = [lo, lo - 1, hi + 5, lo + 2, lo + 1, lo + 7, hi + 1, 0]
+    for s in (splits, 1, 0):
+        _poison_bytes(8 * (8 * splits + 4))
+        out = ops.sample_exponential_race(logits, inv_t, 3, 4, s)
+        assert out.tolist() == expected, f"splits={s}"
+    assert ops.sample_exponential_race(logits.float(), inv_t, 3, 4, splits).tolist() == expected
+    assert torch.equal(logits.float().argmax(dim=1)[inv_t == 0], torch.tensor(expected, device="cuda")[inv_t == 0])
+
+
+@pytest.mark.parametrize("splits", [0, 5])
+def test_sampler_split_rows_replay_in_a_cuda_graph(ops, splits):
+    """Captured once, replayed with new logits: each replay gives the eager tokens, so the workspace (the
+    graph's own block) starts every replay with zero tickets. splits=0: the op's own choice (several per row for
+    3 rows on any GPU of 3 SMs or more)."""
+    rows, vocab = 3, 151936
+    g = torch.Generator("cuda").manual_seed(splits)
+    static_logits = torch.randn(rows, vocab, generator=g, device="cuda").bfloat16()
+    inv_t = torch.tensor([0.0, 1.0, 0.6], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):            # warm up off the capturing stream, as torch.cuda.graphs advises
+        for _ in range(2):
+            ops.sample_exponential_race(static_logits, inv_t, 9, 17, splits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.sample_exponential_race(static_logits, inv_t, 9, 17, splits)
+    for scale in (3.0, 0.5, 3.0):
+        fresh = (torch.randn(rows, vocab, generator=g, device="cuda") * scale).bfloat16()
+        static_logits.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, ops.sample_exponential_race(fresh, inv_t, 9, 17, 1))
+        assert torch.equal(static_out, ops.sample_exponential_race(fresh, inv_t, 9, 17, splits))
+        assert static_out[0].item() == fresh[0].float().argmax().item()
+
+
+def test_sampler_split_bad_arguments_raise_value_error(ops):
+    logits, inv_t = torch.zeros(2, 64, device="cuda"), torch.ones(2, device="cuda")
+    for splits in (-1, 1025):
+        with pytest.raises(ValueError, match="splits"):
+            ops.sample_exponential_race(logits, inv_t, 0, 0, splits)
+    assert ops.sample_exponential_race(logits, inv_t, 0, 0, 1024).shape == (2,)   # capped at the 16 chunks
+
+
+def test_sampler_all_greedy_batch_runs_the_kernel_on_bf16_logits(ops, monkeypatch):
+    """With the CUDA kernels chosen, an all-greedy batch goes to the one-pass kernel (every row at inverse
+    temperature 0) with the lm_head's bf16 logits as they are: torch.argmax's tokens (ties to the lowest column,
+    NaN largest), at 1 row (split over many CTAs) and at 40."""
+    from minillm.ops import sampling_ops
+    from minillm.request import Request
+    from minillm.sampling.batch import SamplingBatch
+    from minillm.sampling.sampler import Sampler
+    from minillm.sampling_params import SamplingParams
+
+    kernel, seen = sampling_ops.sample_exponential_race, []
+
+    def recording(logits, *args, **kw):
+        seen.append(logits.dtype)
+        return kernel(logits, *args, **kw)
+
+    monkeypatch.setattr(sampling_ops, "sample_exponential_race", recording)
+    vocab = 151936
+    g = torch.Generator("cuda").manual_seed(1)
+    for n in (1, 40):
+        reqs = [Request(f"g{i}", [1, 2], SamplingParams(max_tokens=8, temperature=0.0), eos_token_ids=frozenset())
+                for i in range(n)]
+        logits = (torch.randn(n, vocab, generator=g, device="cuda") * 3).bfloat16()
+        logits[0, [150000, 20]] = 50.0                     # a tie across the row: column 20
+        if n > 1:
+            logits[1, 99999] = float("nan")
+        seen.clear()
+        got = Sampler(5, cuda=True)(logits, SamplingBatch.build(reqs, "cuda", vocab))
+        assert seen == [torch.bfloat16] and got.logprobs is None
+        assert torch.equal(got.token_ids, logits.float().argmax(dim=-1))
+        assert got.token_ids[0].item() == 20 and (n == 1 or got.token_ids[1].item() == 99999)
+
+
 def test_sampler_passes_bf16_logits_unconverted(ops, monkeypatch):
     """The engine's sampler gives the kernel the lm_head's bf16 logits as they are when nothing modifies them,
     and the tokens equal those of the same logits in fp32 (fused path both times, same sampler seed/step)."""

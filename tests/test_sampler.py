@@ -33,14 +33,31 @@ def sample(requests, logits, seed=0):
     return Sampler(seed)(logits.clone(), batch)
 
 
-def test_all_greedy_batch_is_plain_argmax_and_builds_nothing_else():
+def test_all_greedy_batch_is_plain_argmax_and_builds_nothing_else(monkeypatch):
+    """The batch holds no per-row tensors. The torch path (cuda=False) takes the argmax; with the CUDA kernels
+    chosen, the one-pass op does, once, with inverse temperature 0 on every row (here on the CPU, where the op
+    runs its numpy reference; the kernel against torch.argmax is checked in tests/test_fused_gpu.py), and the
+    step count that keys sampled rows' noise does not move."""
+    from minillm.ops import sampling_ops
+
     logits = rand_logits(5)
+    logits[1, [3, 40]] = 99.0                     # a tie: the lowest column, as torch.argmax
     batch = SamplingBatch.build([req(temperature=0.0, top_k=5, top_p=0.5) for _ in range(5)], "cpu", V)
     assert batch.all_greedy
     assert (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.penalties) == (None,) * 5
     out = Sampler()(logits.clone(), batch)
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.token_ids.dtype == torch.int64
+
+    calls, op = [], sampling_ops.sample_exponential_race
+    monkeypatch.setattr(sampling_ops, "sample_exponential_race",
+                        lambda lg, inv_t, *a, **kw: calls.append(inv_t.clone()) or op(lg, inv_t, *a, **kw))
+    sampler = Sampler(cuda=True)
+    out = sampler(logits.clone(), batch)
+    assert torch.equal(out.token_ids, logits.argmax(-1)) and out.token_ids[1].item() == 3
+    assert out.logprobs is None and out.token_ids.dtype == torch.int64
+    assert len(calls) == 1 and torch.equal(calls[0], torch.zeros(5))
+    assert sampler._fused_steps == 0
 
 
 def test_greedy_rows_exact_in_mixed_batch():
@@ -319,11 +336,11 @@ def test_half_precision_logits_give_the_fp32_tokens(dtype):
 
 
 def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(monkeypatch):
-    """With the CUDA kernels chosen (Sampler(cuda=True)), plain temperature sampling hands the one-pass kernel
-    the half-precision logits as they are, unless penalties or the min_tokens ban must first change them (then
-    fp32 logits); logprobs and truncation never reach it. Which dtype the op receives is checked here on the CPU
-    (where the op runs its numpy reference); the kernel's tokens against the torch path are checked on a GPU in
-    tests/test_fused_gpu.py."""
+    """With the CUDA kernels chosen (Sampler(cuda=True)), plain temperature sampling and all-greedy batches hand
+    the one-pass kernel the half-precision logits as they are, unless penalties or the min_tokens ban must first
+    change them (then fp32 logits); logprobs and truncation never reach it. Which dtype the op receives is
+    checked here on the CPU (where the op runs its numpy reference); the kernel's tokens against the torch path
+    are checked on a GPU in tests/test_fused_gpu.py."""
     from minillm.ops import sampling_ops
 
     seen, op = [], sampling_ops.sample_exponential_race
@@ -336,9 +353,15 @@ def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(m
     plain = [req(temperature=0.0), req(temperature=0.7), req(temperature=1.5)]
     penalised = plain[:2] + [req(temperature=1.0, repetition_penalty=1.5, output=[2, 2])]
     banned = plain[:2] + [req(temperature=0.9, min_tokens=3)]
+    greedy = [req(temperature=0.0), req(temperature=0.0)]
     for requests, kernel_dtype in ((plain, [torch.bfloat16]), (penalised, [torch.float32]), (banned, [torch.float32]),
                                    (plain[:1] + [req(temperature=0.7, top_k=3)], []),
-                                   (plain[:1] + [req(temperature=0.7, logprobs=1)], [])):
+                                   (plain[:1] + [req(temperature=0.7, logprobs=1)], []),
+                                   # all greedy: the kernel too (an argmax), unless logprobs are asked for
+                                   (greedy, [torch.bfloat16]),
+                                   (greedy[:1] + [req(temperature=0.0, presence_penalty=0.5, output=[2])],
+                                    [torch.float32]),
+                                   (greedy[:1] + [req(temperature=0.0, logprobs=1)], [])):
         seen.clear()
         Sampler(3, cuda=True)(rand_logits(len(requests), seed=5).bfloat16(), SamplingBatch.build(requests, "cpu", V))
         assert seen == kernel_dtype

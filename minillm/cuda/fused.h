@@ -71,9 +71,26 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ScalarType dtype, cu
 // inv_temperature 0 take the plain argmax. Ties go to the lowest column, NaN counts as largest (torch.argmax).
 // logits (fp32, fp16 or bf16 per logits_dtype) are widened to fp32 exactly: a value gives the same token
 // whichever of the three holds it.
+// splits: CTAs per row, in [1, kMaxRaceSplits] (sample_exponential_race_splits picks it); the launch may use
+// fewer, so that none gets an empty column range. The tokens are the same bit for bit for every splits.
+// workspace: sample_exponential_race_workspace_bytes(rows, splits) bytes of device memory, any contents (the
+// launch zeroes what it needs on `stream`), not used by another launch until this one is done; null when that
+// size is 0.
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
                                            int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, ScalarType logits_dtype, cudaStream_t stream);
+                                           uint64_t offset, int splits, void* workspace, ScalarType logits_dtype,
+                                           cudaStream_t stream);
+
+// More CTAs per row would only lengthen the merge of a row's partial results.
+constexpr int kMaxRaceSplits = 1024;
+
+// CTAs per row for the sampler: `requested` when > 0 (capped at kMaxRaceSplits), else its own choice from rows,
+// vocab and the current device's SM count (1 when the rows alone fill the GPU).
+int sample_exponential_race_splits(int64_t rows, int64_t vocab, int64_t requested);
+
+// Device bytes of the workspace of a launch with `splits` CTAs per row: 0 for 1, else a partial result per CTA
+// and a ticket per row.
+int64_t sample_exponential_race_workspace_bytes(int64_t rows, int splits);
 
 }  // namespace minillm
 

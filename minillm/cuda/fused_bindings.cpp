@@ -243,8 +243,21 @@ Tensor qk_norm_rope_cache(const Tensor& qkv_in, const Tensor& positions_in, cons
   return q;
 }
 
+// Device scratch of the sampler's split rows (partial results and tickets; none when a CTA covers each row).
+// Fresh from the caching allocator on every call rather than a persistent per-device buffer: under CUDA graph
+// capture it comes from the graph's private pool, so the captured launch and every replay own the same block,
+// and concurrent streams never share one. The launcher zeroes the tickets on the stream before its kernel (a
+// memset node when captured), so a recycled block's old contents never matter.
+Tensor race_workspace(const Tensor& logits, int64_t rows, int splits) {
+  const int64_t bytes = minillm::sample_exponential_race_workspace_bytes(rows, splits);
+  return bytes > 0 ? at::empty({bytes}, logits.options().dtype(at::kByte)) : Tensor();
+}
+
 // logits: float32, float16 or bfloat16 (the lm_head output as it is); the kernel widens each value to fp32.
-Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset) {
+// splits: CTAs per row, 0 = the launcher's choice (several per row only when rows are few); the tokens are the
+// same for every value, which the tests use to check the split rows against one CTA per row.
+Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset,
+                               int64_t splits) {
   MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
                     logits_in.sizes(), " on ", logits_in.device());
   const ScalarType dtype = act_dtype(logits_in, "logits");
@@ -259,12 +272,16 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
                     inv_temperature.sizes(), " ", inv_temperature.scalar_type());
   MINILLM_CHECK(seed >= 0, "seed must be in [0, 2**63), got ", seed);
   MINILLM_CHECK(offset >= 0, "offset must be in [0, 2**63), got ", offset);
+  MINILLM_CHECK(splits >= 0 && splits <= minillm::kMaxRaceSplits, "splits must be 0 (automatic) or in [1, ",
+                    minillm::kMaxRaceSplits, "], got ", splits);
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const int ctas = minillm::sample_exponential_race_splits(rows, vocab, splits);
+  const Tensor workspace = race_workspace(logits, rows, ctas);
   check_launch(minillm::launch_sample_exponential_race(
                    logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), out.data_ptr<int64_t>(),
-                   rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), dtype,
-                   at::cuda::getCurrentCUDAStream()),
+                   rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), ctas,
+                   workspace.defined() ? workspace.data_ptr() : nullptr, dtype, at::cuda::getCurrentCUDAStream()),
                "sample_exponential_race");
   return out;
 }
@@ -325,7 +342,7 @@ Tensor qk_norm_rope_cache_meta(const Tensor& qkv, const Tensor&, const Tensor&, 
   return at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
 }
 
-Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t) {
+Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t, int64_t) {
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
 
@@ -344,7 +361,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("qk_norm_rope_cache(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, int num_kv_heads, "
         "int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
-  m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset) -> Tensor");
+  m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
 }
 

@@ -1,4 +1,4 @@
-// One-pass sampler: temperature + exponential race (Gumbel-max) + argmax, one CTA per row of logits.
+// One-pass sampler: temperature + exponential race (Gumbel-max) + argmax over each row of logits.
 //
 // token = argmax_c(logit_c / T - log(E_c)) with E_c ~ Exp(1) is a draw from softmax(logits / T): each column
 // is read once, its noise made on the fly, and no probabilities are ever written. Rows with inverse
@@ -17,7 +17,25 @@
 // skip Philox): the same winner for a fraction of the logarithms (group_cannot_win, column_cannot_win).
 // Variants: 16-byte loads (4 fp32 or 8 half-precision columns; vocab and row stride multiples of that,
 // aligned) or scalar loads.
+//
+// Grid (rows, splits). With many rows, one CTA of up to 1024 threads per row (splits = 1) and nothing else.
+// With few rows (decode batches of 1-16 against 132 SMs) one CTA per row would leave most SMs idle, so each
+// row's load chunks are cut into `splits` contiguous ranges (the last one shorter), one CTA each; the host picks
+// splits so that rows * splits about fills the GPU once (race_splits). Each CTA reduces its range to a best
+// (score, column) and writes it to a workspace [rows, splits]; then it takes a ticket of its row (atomicAdd
+// after a __threadfence, so its partial is visible before the ticket counts it). The CTA that draws the last
+// ticket merges the row's partials, writes the token and sets the ticket back to 0.
+// Same token as one CTA per row, bit for bit, whatever the split count or the order CTAs finish in: a column's
+// score depends only on (seed, row, offset, column, logit, inv_temperature); "beats" is a total order on
+// (score, column), so the best of the bests is the best; and pruning only skips columns whose exact score is
+// below a score some column of the row reaches, which cannot be the row's best however the columns are shared.
+// Workspace: fresh per call from the caller (the torch caching allocator in fused_bindings.cpp, which under
+// CUDA graph capture hands out memory of the graph's private pool, fixed across replays); its tickets are
+// zeroed by a cudaMemsetAsync on the launch stream (a memset node when captured), so any launch or replay
+// starts from zero tickets whatever the memory held before.
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/sampling.cu
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "fused.h"
@@ -109,100 +127,218 @@ __device__ __forceinline__ bool column_cannot_win(float x, uint32_t word, const 
   return x + noise_bound + slack(noise_bound) + slack(x) < best.v;
 }
 
-// T: logit element type (float, __half or __nv_bfloat16), widened to fp32 exactly before any arithmetic.
-// VEC: 16-byte loads of 16 / sizeof(T) columns per thread and iteration (vocab and row stride multiples of
-// that, row pointers 16-byte aligned), i.e. one Philox group of 4 columns for fp32, two for 2-byte types; the
-// noise of column c stays word c % 4 of group c / 4 either way. Otherwise one group of 4 scalar loads.
+// Columns per load chunk: 16 / sizeof(T) for 16-byte loads (one Philox group of 4 for fp32, two for 2-byte
+// types), else 4 scalar loads (one group). The noise of column c is word c % 4 of group c / 4 either way.
+template <typename T, bool VEC>
+constexpr int kChunkCols = VEC ? 16 / static_cast<int>(sizeof(T)) : 4;
+
+// The logits of chunk k, widened to fp32; scalar loads read -inf past the last column.
+template <typename T, bool VEC>
+__device__ __forceinline__ void load_chunk(const T* x, int k, int vocab, float (&l)[kChunkCols<T, VEC>]) {
+  constexpr int kCols = kChunkCols<T, VEC>;
+  if constexpr (VEC) {
+    fused_detail::load_vec<T, kCols>(x + kCols * k, l);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) {
+      l[e] = kCols * k + e < vocab ? fused_detail::to_float(x[kCols * k + e]) : -INFINITY;
+    }
+  }
+}
+
+// Folds the 4 columns of Philox group g (logits l[0..3]) of a greedy row into best.
+template <bool VEC>
+__device__ __forceinline__ void argmax_group(const float* l, int g, int vocab, Best& best) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int col = 4 * g + e;
+    if (!VEC && col >= vocab) break;
+    if (beats(l[e], col, best)) best = {l[e], col};
+  }
+}
+
+// Folds the 4 columns of Philox group g (logits l[0..3]) of a sampled row into best, skipping the noise of
+// columns (or the whole group) that cannot win.
+// (Key and counter words come one by one: gathered in a struct, they led nvcc 13 to keep the 18 Philox round
+// keys live across the scan loop, 49 registers instead of 31, and one 1024-thread CTA per SM instead of two.)
+template <bool VEC>
+__device__ __forceinline__ void race_group(const float* l, int g, int vocab, float inv_t, uint32_t row, uint2 key,
+                                           uint32_t offset_lo, uint32_t offset_hi, Best& best) {
+  float xmax = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float xe = __fmul_rn(l[e], inv_t);
+    xmax = (xe > xmax || isnan(xe)) ? xe : xmax;
+  }
+  if (group_cannot_win(xmax, best)) return;
+  const uint4 w = philox4x32_10(make_uint4(static_cast<uint32_t>(g), row, offset_lo, offset_hi), key);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int col = 4 * g + e;
+    if (!VEC && col >= vocab) break;
+    if (column_cannot_win(__fmul_rn(l[e], inv_t), words[e], best)) continue;
+    const float s = race_score(l[e], inv_t, words[e]);
+    if (beats(s, col, best)) best = {s, col};
+  }
+}
+
+// This thread's best over chunks begin + threadIdx.x, + blockDim.x, ... below end of row `row` (at x).
+// Index `vocab` is past every column: any real column, even at -inf, beats that start on the tie rule.
+template <typename T, bool VEC>
+__device__ __forceinline__ Best scan_chunks(const T* x, int vocab, float inv_t, uint32_t row, uint2 key,
+                                            uint32_t offset_lo, uint32_t offset_hi, int begin, int end) {
+  constexpr int kCols = kChunkCols<T, VEC>;
+  constexpr int kGroups = kCols / 4;  // Philox calls per chunk
+  const bool greedy = inv_t == 0.f;
+  Best best{-INFINITY, vocab};
+  for (int k = begin + static_cast<int>(threadIdx.x); k < end; k += blockDim.x) {
+    float l[kCols];
+    load_chunk<T, VEC>(x, k, vocab, l);
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      if (greedy) {
+        argmax_group<VEC>(l + 4 * j, kGroups * k + j, vocab, best);
+      } else {
+        race_group<VEC>(l + 4 * j, kGroups * k + j, vocab, inv_t, row, key, offset_lo, offset_hi, best);
+      }
+    }
+  }
+  return best;
+}
+
+// Split rows, after block_argmax (thread 0 holds this CTA's best): publishes the partial and takes the row's
+// ticket. Returns true (uniformly over the CTA) in the CTA that drew the last ticket, with the row's best of all
+// partials in thread 0's `best`; that CTA also sets the ticket back to 0.
+__device__ bool merge_split(Best& best, Best* partials, unsigned int* ticket) {
+  __shared__ bool last;
+  const unsigned int splits = gridDim.y;
+  if (threadIdx.x == 0) {
+    partials[blockIdx.y] = best;
+    __threadfence();  // the partial is visible device-wide before the ticket counts it
+    last = atomicAdd(ticket, 1u) == splits - 1;
+    __threadfence();  // and the partials counted before the last ticket are read after it
+  }
+  __syncthreads();
+  if (!last) return false;
+  Best b{-INFINITY, INT32_MAX};
+  for (unsigned int s = threadIdx.x; s < splits; s += blockDim.x) {
+    // L2 loads (ld.cg): the partials were written by other SMs.
+    const float v = __ldcg(&partials[s].v);
+    const int i = __ldcg(&partials[s].i);
+    if (beats(v, i, b)) b = {v, i};
+  }
+  best = block_argmax(b);
+  // Redundant with the launcher's memset, but it leaves the workspace as a fresh launch wants it: zero tickets.
+  if (threadIdx.x == 0) *ticket = 0;
+  return true;
+}
+
+// Grid (rows, splits): CTA (row, s) scans load chunks [s * split_chunks, (s + 1) * split_chunks) of its row.
+// partials [rows, splits] and tickets [rows] (zero at launch) are used only when splits > 1.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads)
     exponential_race_kernel(const T* __restrict__ logits, int64_t row_stride,
                             const float* __restrict__ inv_temperature, int64_t* __restrict__ out, int vocab,
-                            uint2 key, uint32_t offset_lo, uint32_t offset_hi) {
-  constexpr int kCols = VEC ? 16 / static_cast<int>(sizeof(T)) : 4;  // columns per thread and iteration
-  constexpr int kGroups = kCols / 4;                                   // Philox calls per iteration
+                            int split_chunks, Best* partials, unsigned int* tickets, uint2 key, uint32_t offset_lo,
+                            uint32_t offset_hi) {
   const uint32_t row = blockIdx.x;
-  const T* x = logits + row * row_stride;
-  const float inv_t = inv_temperature[row];
-  const bool greedy = inv_t == 0.f;
-  // Index `vocab` is past every column: any real column, even at -inf, beats this start on the tie rule.
-  Best best{-INFINITY, vocab};
-  const int chunks = (vocab + kCols - 1) / kCols;
-  for (int k = threadIdx.x; k < chunks; k += blockDim.x) {
-    float l[kCols];
-    if constexpr (VEC) {
-      fused_detail::load_vec<T, kCols>(x + kCols * k, l);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kCols; ++e) {
-        l[e] = kCols * k + e < vocab ? fused_detail::to_float(x[kCols * k + e]) : -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      const int g = kGroups * k + j;
-      if (greedy) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 4 * g + e;
-          if (!VEC && col >= vocab) break;
-          if (beats(l[4 * j + e], col, best)) best = {l[4 * j + e], col};
-        }
-        continue;
-      }
-      float xmax = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float xe = __fmul_rn(l[4 * j + e], inv_t);
-        xmax = (xe > xmax || isnan(xe)) ? xe : xmax;
-      }
-      if (group_cannot_win(xmax, best)) continue;
-      const uint4 r = philox4x32_10(make_uint4(static_cast<uint32_t>(g), row, offset_lo, offset_hi), key);
-      const uint32_t words[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 4 * g + e;
-        if (!VEC && col >= vocab) break;
-        if (column_cannot_win(__fmul_rn(l[4 * j + e], inv_t), words[e], best)) continue;
-        const float s = race_score(l[4 * j + e], inv_t, words[e]);
-        if (beats(s, col, best)) best = {s, col};
-      }
-    }
-  }
-  best = block_argmax(best);
+  const int chunks = (vocab + kChunkCols<T, VEC> - 1) / kChunkCols<T, VEC>;
+  const int begin = static_cast<int>(blockIdx.y) * split_chunks;
+  const int end = min(chunks, begin + split_chunks);
+  Best best = block_argmax(scan_chunks<T, VEC>(logits + row * row_stride, vocab, inv_temperature[row], row, key,
+                                               offset_lo, offset_hi, begin, end));
+  if (gridDim.y > 1 && !merge_split(best, partials + static_cast<int64_t>(row) * gridDim.y, tickets + row)) return;
   if (threadIdx.x == 0) out[row] = best.i;
+}
+
+// Split rule. A split keeps at least kMinSplitColumns columns, so that its scan still outweighs the CTA's fixed
+// costs (block reduction, ticket, merge). The kernel fits in 32 registers (ptxas -v), so two CTAs of 1024
+// threads share an SM: rows * splits <= 2 * SMs fills the GPU once, and rows > SMs gives splits = 1.
+constexpr int64_t kMinSplitColumns = 4096;
+constexpr int64_t kCtasPerSm = 2;
+
+int race_splits(int64_t rows, int64_t vocab, int sms) {
+  const int64_t by_width = vocab / kMinSplitColumns;
+  const int64_t by_grid = kCtasPerSm * sms / rows;
+  return static_cast<int>(std::max<int64_t>(1, std::min({by_width, by_grid, int64_t{kMaxRaceSplits}})));
+}
+
+// SMs of the current device, asked once per device: the sampler runs every decode step. 0 if the query fails.
+int current_sm_count() {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices];  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device >= 0 && device < kCachedDevices) {
+    const int known = cache[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+  if (device >= 0 && device < kCachedDevices) cache[device].store(sms, std::memory_order_relaxed);
+  return sms;
 }
 
 template <typename T>
 cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_temperature, int64_t* out,
-                        int64_t rows, int64_t vocab, uint2 key, uint32_t lo, uint32_t hi, cudaStream_t stream) {
+                        int64_t rows, int64_t vocab, int splits, void* workspace, uint2 key, uint32_t lo, uint32_t hi,
+                        cudaStream_t stream) {
   constexpr int kVecCols = 16 / static_cast<int>(sizeof(T));
   const bool vec = vocab % kVecCols == 0 && row_stride % kVecCols == 0 &&
                    reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   const int64_t chunks = vec ? vocab / kVecCols : (vocab + 3) / 4;
-  const int threads = chunks >= kThreads ? kThreads : static_cast<int>((chunks + 31) / 32 * 32);
+  const int64_t split_chunks = (chunks + splits - 1) / splits;
+  const int used = static_cast<int>((chunks + split_chunks - 1) / split_chunks);  // no empty range
+  const int threads = split_chunks >= kThreads ? kThreads : static_cast<int>((split_chunks + 31) / 32 * 32);
+  Best* partials = nullptr;
+  unsigned int* tickets = nullptr;
+  if (used > 1) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    partials = static_cast<Best*>(workspace);
+    tickets = reinterpret_cast<unsigned int*>(partials + rows * splits);  // laid out for `splits` >= used
+    const cudaError_t err = cudaMemsetAsync(tickets, 0, rows * sizeof(unsigned int), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned int>(rows), static_cast<unsigned int>(used));
+  const int v = static_cast<int>(vocab), sc = static_cast<int>(split_chunks);
   if (vec) {
-    exponential_race_kernel<T, true><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
-                                                                    static_cast<int>(vocab), key, lo, hi);
+    exponential_race_kernel<T, true><<<grid, threads, 0, stream>>>(logits, row_stride, inv_temperature, out, v, sc,
+                                                                    partials, tickets, key, lo, hi);
   } else {
-    exponential_race_kernel<T, false><<<rows, threads, 0, stream>>>(logits, row_stride, inv_temperature, out,
-                                                                     static_cast<int>(vocab), key, lo, hi);
+    exponential_race_kernel<T, false><<<grid, threads, 0, stream>>>(logits, row_stride, inv_temperature, out, v, sc,
+                                                                     partials, tickets, key, lo, hi);
   }
   return cudaGetLastError();
 }
 
 }  // namespace
 
+int sample_exponential_race_splits(int64_t rows, int64_t vocab, int64_t requested) {
+  if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, kMaxRaceSplits));
+  if (rows <= 0 || vocab <= 0) return 1;
+  const int sms = current_sm_count();
+  return sms > 0 ? race_splits(rows, vocab, sms) : 1;
+}
+
+int64_t sample_exponential_race_workspace_bytes(int64_t rows, int splits) {
+  if (splits <= 1) return 0;
+  return rows * splits * static_cast<int64_t>(sizeof(Best)) + rows * static_cast<int64_t>(sizeof(unsigned int));
+}
+
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
                                            int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, ScalarType logits_dtype, cudaStream_t stream) {
+                                           uint64_t offset, int splits, void* workspace, ScalarType logits_dtype,
+                                           cudaStream_t stream) {
   if (rows < 0 || rows > INT32_MAX || vocab <= 0 || vocab > kMaxVocab - 4) return cudaErrorInvalidValue;
+  if (splits < 1 || splits > kMaxRaceSplits) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
   const uint32_t lo = static_cast<uint32_t>(offset), hi = static_cast<uint32_t>(offset >> 32);
   return fused_detail::dispatch_dtype(logits_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return launch_race(static_cast<const T*>(logits), row_stride, inv_temperature, out, rows, vocab, key, lo, hi,
-                       stream);
+    return launch_race(static_cast<const T*>(logits), row_stride, inv_temperature, out, rows, vocab, splits,
+                       workspace, key, lo, hi, stream);
   });
 }
 

@@ -8,7 +8,8 @@ itself, in place. Either way a row gets the same token as from its float32 logit
 
 Order of operations on a batch of float32 logits [N, V] (modified in place):
   1. penalties (repetition, then frequency/presence) and the min_tokens mask: greedy rows see them too;
-  2. greedy rows: argmax (an all-greedy batch stops here);
+  2. greedy rows: argmax (an all-greedy batch stops here; with the CUDA kernels and no logprobs, the one-pass
+     kernel takes it, every row at inverse temperature 0, which is the same argmax);
   3. temperature;
   4. logprobs, when asked: log-softmax of the logits *after penalties and temperature, before truncation*
      (so top-N alternatives are real numbers even when top-k/top-p would have cut them);
@@ -57,18 +58,18 @@ class Sampler:
         """Sample one token per row. ``logits`` [N, V] is float32, bfloat16 or float16; float32 logits are used
         as scratch and modified in place, half-precision ones are never modified (a float32 copy is)."""
         _check_logits(logits, batch)
-        fused = self.cuda and not batch.all_greedy and _fused_race_applies(batch)
+        fused = self.cuda and _fused_race_applies(batch)
         if logits.dtype != torch.float32 and not (fused and batch.penalties is None and batch.banned_rows is None):
             logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_cols] = -math.inf
+        if fused:
+            return SamplerResult(self._fused_race(logits, batch), None)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
             return SamplerResult(tokens, _logprobs(logits, tokens, batch.logprobs))
-        if fused:
-            return SamplerResult(self._fused_race(logits, batch), None)
         greedy_tokens = logits.argmax(dim=-1) if batch.greedy_mask is not None else None
         if batch.temperature is not None:
             logits.div_(batch.temperature)
@@ -98,6 +99,12 @@ class Sampler:
         (sampler seed, row, step, column), so unseeded rows stay reproducible run to run."""
         from minillm.ops.sampling_ops import sample_exponential_race
         n = batch.num_rows
+        if batch.all_greedy:
+            # Inverse temperature 0 on every row: the kernel's argmax (ties to the lowest column, NaN largest, as
+            # torch.argmax), read from the logits as they are (no fp32 copy of half-precision ones). No noise is
+            # drawn, so the step count stays: the sampled steps' noise does not depend on how many greedy ones ran.
+            zeros = torch.zeros(n, device=logits.device)
+            return sample_exponential_race(logits, zeros, self.seed, self._fused_steps, cuda=True)
         inv_t = (1.0 / batch.temperature.view(n) if batch.temperature is not None
                  else torch.ones(n, device=logits.device))
         if batch.greedy_mask is not None:
@@ -114,9 +121,10 @@ class Sampler:
 
 
 def _fused_race_applies(batch: SamplingBatch) -> bool:
-    """The one-pass sampling op covers plain temperature sampling: no truncation, no per-request seeds (their
-    noise is defined by seed_for_token) and no logprobs. Everything else takes the torch path. (The op runs its
-    kernel on CUDA tensors and its numpy reference elsewhere; an engine only enables it with its CUDA kernels.)"""
+    """The one-pass sampling op covers plain temperature sampling and greedy rows, all-greedy batches included:
+    no truncation, no per-request seeds (their noise is defined by seed_for_token) and no logprobs. Everything
+    else takes the torch path. (The op runs its kernel on CUDA tensors and its numpy reference elsewhere; an
+    engine only enables it with its CUDA kernels.)"""
     if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
         return False
     return not batch.seeded_rows and batch.logprobs is None
