@@ -6,6 +6,7 @@
 #
 #   timeline  the megakernel's timeline stamps: cost of every step of a layer and of every grid barrier
 #   profile   torch.profiler over engine decode steps at B = 1, 8, 64, 256 (context 512), kernels by category
+#   pytest    the GPU tests named by $PYTEST_ARGS
 #   mk        tests/test_megakernel_gpu.py, then scripts/megakernel_bench.py (megakernel vs the graph decode path)
 #   gputests  the engine's GPU tests (end to end against HF transformers, kernels, fused ops, GEMM, engine)
 #   sweep     the decode-step sweep (ms per step for B = 1..256 against the floor) -> $OUT/decode_steps.jsonl
@@ -55,15 +56,17 @@ for s in "$@"; do
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
     mkbench)
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" \
-        --issue-late "${ISSUE_LATE:-0}" ;;
+        --schedules "${SCHEDULES:-0}" ;;
     timeline)   # the megakernel's own per-step timeline (scripts/megakernel_bench.py --timeline)
       stage timeline 150 python3 scripts/megakernel_bench.py --timeline --batches 1,8,16 --contexts 128,512,2048 \
-        --issue-late "${ISSUE_LATE:-0}" --out "$OUT/megakernel_timeline.jsonl" ;;
+        --schedules "${SCHEDULES:-0}" --out "$OUT/megakernel_timeline.jsonl" ;;
     profile)   # torch.profiler over engine decode steps: kernels per step by category (scripts/profile_decode.py)
       for b in 1 8 64 256; do
         stage profile_b$b 120 python3 scripts/profile_decode.py --batch $b --context 512 --steps 20 \
           --async-scheduling --output "$OUT/profile_decode_b$b.json"
       done ;;
+    pytest)   # GPU tests named by $PYTEST_ARGS (files and -k expressions)
+      stage pytest 240 bash -c "python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider $PYTEST_ARGS" ;;
     e2e)
       stage e2e 200 python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
         tests/test_engine_gpu.py ;;

@@ -101,8 +101,10 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 
 // Timeline stamp `point` of `layer` (megakernel.h, kMegaProfPoints); nothing when no buffer was given. Thread 0
 // only, after the CTA barrier that ends the step it marks, so the stamp is the CTA's slowest warp.
+// kOn: the kernel variant built with stamps (launched when a buffer is given); the other has none of this code.
+template <bool kOn>
 __device__ __forceinline__ void stamp(const MegakernelParams& p, int layer, int point) {
-  if (p.prof != nullptr && threadIdx.x == 0) {
+  if (kOn && threadIdx.x == 0) {
     unsigned long long* s = p.prof + ((int64_t)(layer * kMegaProfPoints + point) * gridDim.x + blockIdx.x) * 2;
     s[0] = clock64();
     s[1] = globaltimer();
@@ -163,9 +165,10 @@ __device__ __forceinline__ void issue_weights(void* dst, const void* src, unsign
 // Grid-wide barrier number `epoch` (1, 2, ...), in two halves so that work can be issued between them. Arrive:
 // thread 0 adds one with release semantics (ordering every write the CTA made before the __syncthreads). Wait:
 // thread 0 spins with acquire loads until all CTAs have arrived.
+template <bool kOn>
 __device__ __forceinline__ void grid_arrive(unsigned* counter, const MegakernelParams& p, int layer, int point) {
   __syncthreads();
-  stamp(p, layer, point);
+  stamp<kOn>(p, layer, point);
   if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
@@ -188,11 +191,12 @@ __device__ __forceinline__ void grid_wait(unsigned* counter, unsigned epoch) {
 }
 
 // Stamps `point` at the arrival and `point + 1` once the barrier is passed.
+template <bool kOn>
 __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned epoch, const MegakernelParams& p, int layer,
                                              int point) {
-  grid_arrive(counter, p, layer, point);
+  grid_arrive<kOn>(counter, p, layer, point);
   grid_wait(counter, epoch);
-  stamp(p, layer, point + 1);
+  stamp<kOn>(p, layer, point + 1);
 }
 
 // ---- shared memory -----------------------------------------------------------------------------------------------
@@ -976,7 +980,7 @@ __device__ void final_norm(const MegakernelParams& p) {
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kStamps>
 __global__ void __launch_bounds__(kMegaThreads, 1)
     decode_megakernel(const __grid_constant__ MegakernelParams p, const MegakernelSmemPlan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -996,7 +1000,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned* counter = p.sync;
   unsigned epoch = 0;
   unsigned parity[2] = {0, 0};
-  const int late = p.issue_late;
+  const int late = p.schedule;
 
   if (threadIdx.x == kIssuer) {
     *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
@@ -1016,30 +1020,30 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
 
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const bool more = layer + 1 < p.num_layers;
-    if (layer == 0) stamp(p, 0, 0);  // later layers: stamped as the previous layer's last barrier is passed
+    if (layer == 0) stamp<kStamps>(p, 0, 0);  // later layers: stamped as the previous layer's last barrier is passed
     // QKV: norm -> A tile in shared memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
     norm_to_act<T>(p, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
     __syncthreads();
-    stamp(p, layer, 1);
+    stamp<kStamps>(p, layer, 1);
     if (threadIdx.x == kIssuer && (late & kMegaLateO) && layer > 0)
       issue<T>(p.w_o, o_layer, layer, ph.o, sm.w1, &sm.bars[1]);
-    prefetch_layer_params<T>(p, d, layer, *sm.plan);
+    if (!(late & kMegaNoPrefetch)) prefetch_layer_params<T>(p, d, layer, *sm.plan);
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
-    stamp(p, layer, 2);
+    stamp<kStamps>(p, layer, 2);
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32, act, AS,
                    acc);
     gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
-    stamp(p, layer, 3);
+    stamp<kStamps>(p, layer, 3);
     if (threadIdx.x == kIssuer && !(late & kMegaLateGU)) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
-    grid_arrive(counter, p, layer, 4);
+    grid_arrive<kStamps>(counter, p, layer, 4);
     if ((int)blockIdx.x < sm.plan->items) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
     grid_wait(counter, ++epoch);
-    stamp(p, layer, 5);
+    stamp<kStamps>(p, layer, 5);
 
     // Attention.
     for (int item = blockIdx.x; item < sm.plan->items; item += gridDim.x) {
@@ -1047,66 +1051,66 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
       __syncthreads();
     }
     if (threadIdx.x == kIssuer && (late & kMegaLateGU)) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
-    grid_barrier(counter, ++epoch, p, layer, 6);
+    grid_barrier<kStamps>(counter, ++epoch, p, layer, 6);
 
     // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
     uint32_t old_resid[2];
     resid_prefetch<T>(p, d, ph.o, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
-    stamp(p, layer, 8);
+    stamp<kStamps>(p, layer, 8);
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
                      static_cast<const uint4*>(p.attn_frag), p.batch, acc);
     gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
     __syncthreads();
-    stamp(p, layer, 9);
+    stamp<kStamps>(p, layer, 9);
     if (threadIdx.x == kIssuer && !(late & kMegaLateDown))
       issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
-    grid_barrier(counter, ++epoch, p, layer, 10);
+    grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
 
     // GU: norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
     norm_to_act<T>(p, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
     __syncthreads();
-    stamp(p, layer, 12);
+    stamp<kStamps>(p, layer, 12);
     if (threadIdx.x == kIssuer && (late & kMegaLateDown))
       issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
-    if (more) l2_prefetch(static_cast<const T*>(p.ln1) + (int64_t)(layer + 1) * d.H, 2LL * d.H);
+    if (more && !(late & kMegaNoPrefetch)) l2_prefetch(static_cast<const T*>(p.ln1) + (int64_t)(layer + 1) * d.H, 2LL * d.H);
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
-    stamp(p, layer, 13);
+    stamp<kStamps>(p, layer, 13);
     const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, acc);
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
-    stamp(p, layer, 14);
+    stamp<kStamps>(p, layer, 14);
     if (threadIdx.x == kIssuer && more && !(late & kMegaLateQKV))
       issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     swiglu_epilogue<T>(p, ph.gu, red);
-    grid_barrier(counter, ++epoch, p, layer, 15);
+    grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
 
     // DOWN: A from the global row fragments; then buffer 1 takes the next layer's O slice.
     resid_prefetch<T>(p, d, ph.down, old_resid);
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
-    stamp(p, layer, 17);
+    stamp<kStamps>(p, layer, 17);
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
                      static_cast<const uint4*>(p.h_frag), p.batch, acc);
     gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
     __syncthreads();
-    stamp(p, layer, 18);
+    stamp<kStamps>(p, layer, 18);
     if (threadIdx.x == kIssuer && more && (late & kMegaLateQKV))
       issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     if (threadIdx.x == kIssuer && more && !(late & kMegaLateO))
       issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
-    grid_arrive(counter, p, layer, 19);
+    grid_arrive<kStamps>(counter, p, layer, 19);
     grid_wait(counter, ++epoch);
-    if (more) stamp(p, layer + 1, 0);
+    if (more) stamp<kStamps>(p, layer + 1, 0);
   }
   final_norm<T>(p);
   __syncthreads();
-  stamp(p, p.num_layers, 0);  // the pair after the last layer's points
+  stamp<kStamps>(p, p.num_layers, 0);  // the pair after the last layer's points
 #endif
 }
 
@@ -1142,9 +1146,9 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
 }
 
 namespace {
-template <typename T, int D>
-cudaError_t launch_typed(const MegakernelParams& p, const MegakernelSmemPlan& plan, cudaStream_t stream) {
-  auto kernel = mk::decode_megakernel<T, D>;
+template <typename T, int D, bool kStamps>
+cudaError_t launch_variant(const MegakernelParams& p, const MegakernelSmemPlan& plan, cudaStream_t stream) {
+  auto kernel = mk::decode_megakernel<T, D, kStamps>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.total);
   if (err != cudaSuccess) return err;
   // Registers and shared memory must fit one CTA per SM. Asked once per variant and size, so that launches during
@@ -1170,6 +1174,12 @@ cudaError_t launch_typed(const MegakernelParams& p, const MegakernelSmemPlan& pl
   cfg.attrs = attr;
   cfg.numAttrs = p.cooperative ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, p, plan);
+}
+
+// The variant with timeline stamps only when a buffer is given: the stamps' branches are not in the fast kernel.
+template <typename T, int D>
+cudaError_t launch_typed(const MegakernelParams& p, const MegakernelSmemPlan& plan, cudaStream_t stream) {
+  return p.prof != nullptr ? launch_variant<T, D, true>(p, plan, stream) : launch_variant<T, D, false>(p, plan, stream);
 }
 }  // namespace
 
