@@ -6,6 +6,7 @@
 #
 #   timeline  the megakernel's timeline stamps: cost of every step of a layer and of every grid barrier
 #   profile   torch.profiler over engine decode steps at B = 1, 8, 64, 256 (context 512), kernels by category
+#   ncustall  Nsight Compute warp-stall reasons of one megakernel launch (B=1, context 512)
 #   pytest    the GPU tests named by $PYTEST_ARGS
 #   mk        tests/test_megakernel_gpu.py, then scripts/megakernel_bench.py (megakernel vs the graph decode path)
 #   gputests  the engine's GPU tests (end to end against HF transformers, kernels, fused ops, GEMM, engine)
@@ -55,11 +56,10 @@ for s in "$@"; do
       stage mk_tests 150 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
     mkbench)
-      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" \
-        --schedules "${SCHEDULES:-0}" ;;
+      stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
     timeline)   # the megakernel's own per-step timeline (scripts/megakernel_bench.py --timeline)
       stage timeline 150 python3 scripts/megakernel_bench.py --timeline --batches 1,8,16 --contexts 128,512,2048 \
-        --schedules "${SCHEDULES:-0}" --out "$OUT/megakernel_timeline.jsonl" ;;
+        --out "$OUT/megakernel_timeline.jsonl" ;;
     profile)   # torch.profiler over engine decode steps: kernels per step by category (scripts/profile_decode.py)
       for b in 1 8 64 256; do
         stage profile_b$b 120 python3 scripts/profile_decode.py --batch $b --context 512 --steps 20 \
@@ -103,6 +103,12 @@ for s in "$@"; do
         ncu -i "$LOG/mk_b$b.ncu-rep" --page details > "$LOG/ncu_b${b}_details.txt" 2>&1
         ncu -i "$LOG/mk_b$b.ncu-rep" --page source --csv --print-source cuda > "$LOG/ncu_b${b}_source.csv" 2>&1
       done ;;
+    ncustall)   # Nsight Compute, light: warp stall reasons and scheduler statistics of one B=1 ctx-512 launch
+      stage ncustall 150 ncu --clock-control none --section WarpStateStats --section SchedulerStats \
+        --section InstructionStats -k regex:megakernel --launch-skip 1 --launch-count 1 -f -o "$LOG/mk_stall" \
+        python3 scripts/megakernel_bench.py --out /dev/null --megakernel-only --batches 1 --contexts 512
+      ncu -i "$LOG/mk_stall.ncu-rep" --page details --print-details all > "$LOG/ncu_stall_details.txt" 2>&1
+      ncu -i "$LOG/mk_stall.ncu-rep" --page raw --csv > "$LOG/ncu_stall_raw.csv" 2>&1 ;;
     http)   # online latency through `minillm serve` against in-process, chunked-2048 at 4 and 8 req/s
       mkdir -p "$LOG/http"
       stage http 500 python3 scripts/http_latency.py --output "$LOG/http/latency_http.jsonl"

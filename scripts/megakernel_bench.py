@@ -122,9 +122,6 @@ def main() -> int:
     ap.add_argument("--megakernel-only", action="store_true",
                     help="no DecodeGraphs and no timing: two eager megakernel launches per batch and context (for ncu)")
     ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
-    ap.add_argument("--schedules", default=str(mkops.SCHEDULE),
-                    help="megakernel schedule flags (MegakernelParams.schedule), comma-separated: each is timed (or "
-                         "stamped) and its hidden states checked bit-identical to the first's")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -155,17 +152,11 @@ def main() -> int:
     dg.capture()
     mk_batches = [b for b in batches if b <= mkops.MAX_BATCH]
     reason = mkops.unsupported_reason(arch, torch.bfloat16, bs, max(mk_batches or [1]), **mkops.device_limits(dev))
-    mg, more = None, {}   # the first schedule's graphs; the others', by name
+    mg = None
     if reason is None and mk_batches:
         mk = mkops.DecodeMegakernel(model, kv_caches, max(mk_batches), bs, max_len)
-        for sched in [int(x) for x in args.schedules.split(",")]:
-            mk.schedule = sched   # read at capture: each graph set keeps its own
-            g = mkops.MegakernelGraphs(mk, max_blocks)
-            g.capture(mk_batches)
-            if mg is None:
-                mg = g
-            else:
-                more[f"megakernel_s{sched}"] = g
+        mg = mkops.MegakernelGraphs(mk, max_blocks)
+        mg.capture(mk_batches)
     else:
         print(f"megakernel not applicable: {reason}", flush=True)
     print(f"graphs captured ({time.time() - t0:.1f} s)", flush=True)
@@ -179,7 +170,6 @@ def main() -> int:
             impls = [("decode_graphs", dg, dg.bucket(b))]
             if mg is not None and b in mg.graphs:
                 impls.append(("megakernel", mg, b))
-                impls += [(name, g, b) for name, g in more.items()]
             for name, graphs, bucket in impls:
                 load_inputs(graphs, step)
                 if name == "decode_graphs" and bucket > b:
@@ -190,15 +180,6 @@ def main() -> int:
                                  floor_us=round(floor, 2), fraction_of_floor=round(floor / us, 3), **nbytes))
             if ctx == contexts[0] and mg is not None and b in mg.graphs:
                 rows.append(correctness(dg, mg, step, b))
-            for name, g in more.items():   # same step, same arithmetic: bit-identical hidden states
-                if b in g.graphs:
-                    load_inputs(mg, step)
-                    mg.graphs[b].replay()
-                    first = mg.mk.out[:b].clone()
-                    load_inputs(g, step)
-                    g.graphs[b].replay()
-                    rows.append(dict(kind="schedule_check", impl=name, batch=b, context=ctx,
-                                     identical=bool(torch.equal(first, g.mk.out[:b]))))
     rows += time_head(model, sorted({1, max(batches)}), args.replays)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
@@ -224,32 +205,26 @@ def profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, 
 
 @torch.no_grad()
 def timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len) -> int:
-    """One stamped launch per batch, context and issue schedule (after two warm-ups), analysed and appended to
-    --out. The schedules change only when weights are fetched, so their hidden states must be bit-identical."""
+    """One stamped launch per batch and context (after two warm-ups), analysed and appended to --out; the
+    stamped variant's hidden states are checked bit-identical to the plain kernel's."""
     mk = mkops.DecodeMegakernel(model, kv_caches, max(batches), bs, max_len)
     buf, base = mk.profile_buffer(), stamp()
-    masks = [int(x) for x in args.schedules.split(",")]
     with args.out.open("a") as f:
         for b in batches:
             for ctx in contexts:
                 step = Step(b, ctx, bs, num_blocks, max_blocks, arch.vocab_size, seed=b * 7919 + ctx, dev="cuda")
-                first = None
-                for mask in masks:
-                    mk.schedule = mask
-                    for _ in range(3):
-                        buf.zero_()
-                        out = mk.forward(step.input_ids, step.positions, step.meta, profile=buf)
-                    torch.cuda.synchronize()
-                    first = out.clone() if first is None else first
-                    same = bool(torch.equal(out, first))
-                    s = megakernel_timeline.analyze(buf, arch.num_hidden_layers, mk.num_ctas)
-                    print(megakernel_timeline.format_summary(s, f"B={b} ctx={ctx} schedule={mask} "
-                                                                f"(same hidden as first: {same}):"), flush=True)
-                    f.write(json.dumps({"kind": "timeline", "impl": "megakernel", "batch": b, "context": ctx,
-                                        "schedule": mask, "identical_to_first": same, **s,
-                                        "phases_us": megakernel_timeline.phase_totals(s), "model": args.model,
-                                        "block_size": bs, **base}) + "\n")
-    mk.schedule = masks[0]
+                plain = mk.forward(step.input_ids, step.positions, step.meta).clone()
+                for _ in range(3):
+                    buf.zero_()
+                    out = mk.forward(step.input_ids, step.positions, step.meta, profile=buf)
+                torch.cuda.synchronize()
+                same = bool(torch.equal(out, plain))
+                s = megakernel_timeline.analyze(buf, arch.num_hidden_layers, mk.num_ctas)
+                print(megakernel_timeline.format_summary(s, f"B={b} ctx={ctx} (hidden states as without stamps: "
+                                                            f"{same}):"), flush=True)
+                f.write(json.dumps({"kind": "timeline", "impl": "megakernel", "batch": b, "context": ctx,
+                                    "identical_to_plain": same, **s, "phases_us": megakernel_timeline.phase_totals(s),
+                                    "model": args.model, "block_size": bs, **base}) + "\n")
     return 0
 
 
@@ -278,11 +253,6 @@ def print_table(rows, batches, contexts) -> None:
             mf = f"{100 * m['fraction_of_floor']:>10.1f}%" if m else f"{'-':>11}"
             print(f"{b:>3} {ctx:>6} {g['us_per_step']:>10.1f} {mus} {sp} {g['floor_us']:>9.1f} "
                   f"{100 * g['fraction_of_floor']:>12.1f}% {mf}")
-    for name in sorted({r.get("impl", "") for r in rows if r.get("impl", "").startswith("megakernel_s")}):
-        line = " ".join(f"B{r['batch']}/{r['context']}:{r['us_per_step']:.1f}" for r in rows
-                        if r["kind"] == "step" and r["impl"] == name)
-        same = all(r["identical"] for r in rows if r["kind"] == "schedule_check" and r["impl"] == name)
-        print(f"{name} (us per step; hidden states identical to the first schedule's: {same}): {line}")
     for r in rows:
         if r["kind"] == "correctness":
             print(f"correctness B={r['batch']:>2} ctx={r['context']}: max |mega - graphs| = {r['max_abs_diff']:.4f}, "

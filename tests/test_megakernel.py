@@ -331,7 +331,7 @@ def test_wrapper_call_matches_the_op_schema(monkeypatch):
         wrapper = mk.DecodeMegakernel.__new__(mk.DecodeMegakernel)
         wrapper.arch, wrapper.max_batch, wrapper.block_size = arch, 4, 16
         wrapper.device, wrapper.dtype, wrapper.limits = torch.device("cpu"), torch.bfloat16, {"num_ctas": 132}
-        wrapper.min_partition_chunks, wrapper.cooperative, wrapper.schedule = 8, True, mk.SCHEDULE
+        wrapper.min_partition_chunks, wrapper.cooperative = 8, True
         wrapper._caches = [c for kv in caches for c in kv]
         wrapper._pack(model)
         wrapper._alloc_workspaces()
@@ -376,7 +376,7 @@ def test_wrapper_call_matches_the_op_schema(monkeypatch):
         assert seen["sync"].dtype == torch.int32 and seen["sync"].numel() >= 4 + 16 * hkv
         assert seen["out"].shape == (16, h)
         assert (seen["num_heads"], seen["num_kv_heads"], seen["head_dim"], seen["intermediate"]) == (hq, hkv, d, i)
-        assert seen["scale"] == d ** -0.5 and seen["num_ctas"] == 132 and seen["schedule"] == mk.SCHEDULE
+        assert seen["scale"] == d ** -0.5 and seen["num_ctas"] == 132
         assert seen["profile"] is None
         assert all(t.is_contiguous() for n, t in seen.items() if isinstance(t, torch.Tensor) and n not in
                    ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"))

@@ -111,14 +111,6 @@ __device__ __forceinline__ void stamp(const MegakernelParams& p, int layer, int 
   }
 }
 
-// Pulls [base, base + bytes) into L2, one 128-byte line per thread spread over the grid (CTA c takes lines c,
-// c + grid, ...): parameters a later phase reads right after a grid barrier (norm weights, q/k-norm weights, RoPE
-// rows) are then L2 hits there instead of HBM round trips on the critical path.
-__device__ __forceinline__ void l2_prefetch(const void* base, int64_t bytes) {
-  const int64_t line = blockIdx.x + (int64_t)threadIdx.x * gridDim.x;
-  if (line * 128 < bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(base) + line * 128));
-}
-
 __device__ __noinline__ void fail(const char* what, int a, int b) {
   printf("minillm decode megakernel: %s (CTA %d, %d, %d); aborting\n", what, (int)blockIdx.x, a, b);
   __trap();
@@ -929,24 +921,6 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   }
 }
 
-// During QKV: the parameters of this layer's attention (q/k-norm weights, the RoPE rows of the step's positions)
-// and of the norm before gate_up, read right after the next grid barriers.
-template <typename T>
-__device__ __forceinline__ void prefetch_layer_params(const MegakernelParams& p, const Dims& d, int layer,
-                                                      const AttnPlan& plan) {
-  l2_prefetch(static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, 2LL * d.H);
-  if (p.q_norm != nullptr) {
-    l2_prefetch(static_cast<const T*>(p.q_norm) + (int64_t)layer * d.D, 2LL * d.D);
-    l2_prefetch(static_cast<const T*>(p.k_norm) + (int64_t)layer * d.D, 2LL * d.D);
-  }
-  if (layer == 0 && threadIdx.x < p.batch) {  // the same rows in every layer: once per launch
-    const int64_t pos = plan.pos[threadIdx.x];
-    if (pos >= 0 && pos < p.max_positions)
-      for (int i = 0; i < d.D * 4; i += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p.cos_sin + pos * d.D) + i));
-  }
-}
-
 template <typename T>
 __device__ void final_norm(const MegakernelParams& p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, H = p.hidden, nvec = H / 8;
@@ -1000,7 +974,6 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned* counter = p.sync;
   unsigned epoch = 0;
   unsigned parity[2] = {0, 0};
-  const int late = p.schedule;
 
   if (threadIdx.x == kIssuer) {
     *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
@@ -1025,9 +998,6 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     norm_to_act<T>(p, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp<kStamps>(p, layer, 1);
-    if (threadIdx.x == kIssuer && (late & kMegaLateO) && layer > 0)
-      issue<T>(p.w_o, o_layer, layer, ph.o, sm.w1, &sm.bars[1]);
-    if (!(late & kMegaNoPrefetch)) prefetch_layer_params<T>(p, d, layer, *sm.plan);
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 2);
@@ -1036,7 +1006,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
-    if (threadIdx.x == kIssuer && !(late & kMegaLateGU)) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -1050,7 +1020,6 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
       attention_item<T, D>(p, d, layer, sm, item, item == (int)blockIdx.x);
       __syncthreads();
     }
-    if (threadIdx.x == kIssuer && (late & kMegaLateGU)) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 6);
 
     // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
@@ -1064,8 +1033,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 9);
-    if (threadIdx.x == kIssuer && !(late & kMegaLateDown))
-      issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
 
@@ -1073,9 +1041,6 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     norm_to_act<T>(p, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp<kStamps>(p, layer, 12);
-    if (threadIdx.x == kIssuer && (late & kMegaLateDown))
-      issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
-    if (more && !(late & kMegaNoPrefetch)) l2_prefetch(static_cast<const T*>(p.ln1) + (int64_t)(layer + 1) * d.H, 2LL * d.H);
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 13);
@@ -1084,8 +1049,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 14);
-    if (threadIdx.x == kIssuer && more && !(late & kMegaLateQKV))
-      issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
 
@@ -1099,10 +1063,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 18);
-    if (threadIdx.x == kIssuer && more && (late & kMegaLateQKV))
-      issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
-    if (threadIdx.x == kIssuer && more && !(late & kMegaLateO))
-      issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
     grid_arrive<kStamps>(counter, p, layer, 19);
     grid_wait(counter, ++epoch);

@@ -35,7 +35,6 @@ constexpr int kMegaMaxPartitions = 256; // attention partitions of one sequence 
 // weights landed, GEMV done, arrive. One more pair per CTA after the last layer (final norm done).
 // minillm/bench/megakernel_timeline.py names them and turns them into per-phase costs.
 constexpr int kMegaProfPoints = 20;
-constexpr int kMegaLateO = 1, kMegaLateGU = 2, kMegaLateDown = 4, kMegaLateQKV = 8, kMegaNoPrefetch = 16;
 
 struct MegakernelParams {
   // ---- step inputs ----
@@ -77,11 +76,6 @@ struct MegakernelParams {
   int num_ctas;              // grid size: at most one CTA per SM
   int min_partition_chunks;  // attention partitions hold at least this many 16-token chunks
   int cooperative;           // 1: cooperative launch (co-residency guaranteed); 0: plain launch
-  // Schedule flags (decode_megakernel.cu, the layer loop). Bits 0-3 (kMegaLate*): when each weight slice is
-  // issued, O, GU, DOWN, QKV. Clear: as soon as its buffer is free (after the previous slice's GEMV); set
-  // ("late"): in the next phase, once that phase's own latency-bound reads are done, so that they do not queue
-  // behind the weight stream. Bit 4 (kMegaNoPrefetch): no L2 prefetch of the norm / q-k-norm weights and RoPE rows.
-  int schedule;
   ScalarType dtype;          // kBFloat16 or kFloat16
   // [(num_layers * kMegaProfPoints + 1) * num_ctas * 2] timeline stamps, or null (the default: no stamps)
   unsigned long long* prof;

@@ -46,7 +46,7 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
                        const std::optional<Tensor>& k_norm, const Tensor& final_norm, const Tensor& cos_sin,
                        Tensor& act_ws, Tensor& partials, Tensor& sync, Tensor& out, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
-                       int64_t num_ctas, int64_t min_partition_chunks, bool cooperative, int64_t schedule,
+                       int64_t num_ctas, int64_t min_partition_chunks, bool cooperative,
                        const std::optional<Tensor>& profile) {
   MINILLM_CHECK(embed.is_cuda() && embed.dim() == 2, "embed must be a CUDA tensor [vocab, hidden], got ", embed.sizes());
   const c10::Device device = embed.device();
@@ -147,8 +147,6 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
   p.num_ctas = int(num_ctas);
   p.min_partition_chunks = int(min_partition_chunks);
   p.cooperative = cooperative ? 1 : 0;
-  MINILLM_CHECK(schedule >= 0 && schedule <= 31, "schedule must be a 5-bit mask (0..31), got ", schedule);
-  p.schedule = int(schedule);
   if (profile) {
     check_buffer(*profile, "profile", device, at::kLong, minillm::megakernel_prof_words(int(layers), int(num_ctas)));
     p.prof = reinterpret_cast<unsigned long long*>(profile->data_ptr<int64_t>());
@@ -172,7 +170,7 @@ void decode_megakernel_meta(const Tensor&, const Tensor&, const Tensor&, const T
                             const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                             const std::optional<Tensor>&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&,
                             Tensor&, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, bool,
-                            int64_t, const std::optional<Tensor>&) {}
+                            const std::optional<Tensor>&) {}
 
 }  // namespace
 
@@ -182,7 +180,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor w_gu, Tensor w_down, Tensor ln1, Tensor ln2, Tensor? q_norm, Tensor? k_norm, Tensor final_norm, "
         "Tensor cos_sin, Tensor(b!) act_ws, Tensor(c!) partials, Tensor(d!) sync, Tensor(e!) out, int num_heads, "
         "int num_kv_heads, int head_dim, int intermediate, float eps, float scale, int num_ctas, "
-        "int min_partition_chunks, bool cooperative, int schedule, Tensor(f!)? profile=None) -> ()");
+        "int min_partition_chunks, bool cooperative, Tensor(f!)? profile=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) { m.impl("decode_megakernel", &decode_megakernel); }

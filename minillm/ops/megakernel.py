@@ -37,9 +37,6 @@ MAX_GROUP = 16
 DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
 PROF_POINTS = 20       # timeline stamps per layer (megakernel.h: kMegaProfPoints)
-# Schedule flags (megakernel.h: MegakernelParams.schedule): bits 0-3 issue the O, GU, DOWN, QKV weight slices
-# "late"; bit 4 turns off the L2 prefetch of the norm / q-k-norm weights and RoPE rows.
-SCHEDULE = 0
 ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
@@ -311,8 +308,7 @@ class DecodeMegakernel:
     """
 
     def __init__(self, model, kv_caches, max_batch: int, block_size: int, max_model_len: int, *,
-                 min_partition_chunks: int = MIN_PARTITION_CHUNKS, cooperative: bool = True,
-                 schedule: int = SCHEDULE):
+                 min_partition_chunks: int = MIN_PARTITION_CHUNKS, cooperative: bool = True):
         arch = model.arch
         embed = model.model.embed_tokens.weight
         self.device, self.dtype = embed.device, embed.dtype
@@ -328,9 +324,6 @@ class DecodeMegakernel:
         self.min_partition_chunks = min_partition_chunks
         # cooperative: launched so that every CTA is resident at once, which the grid barriers need
         self.cooperative = cooperative
-        if not 0 <= schedule <= 31:
-            raise ValueError(f"schedule must be a 5-bit mask, got {schedule}")
-        self.schedule = schedule
         self._caches = None
         self._pack(model)
         self._alloc_workspaces()
@@ -410,7 +403,7 @@ class DecodeMegakernel:
             self.w_qkv, self.b_qkv, self.w_o, self.w_gu, self.w_down, self.ln1, self.ln2, self.q_norm, self.k_norm,
             self.final_norm, self.cos_sin, self.act_ws, self.partials, self.sync, self.out, a.num_attention_heads,
             a.num_key_value_heads, a.head_dim, a.intermediate_size, self.eps, self.scale, self.num_ctas,
-            self.min_partition_chunks, self.cooperative, self.schedule, profile)
+            self.min_partition_chunks, self.cooperative, profile)
         return self.out[:b]
 
     __call__ = forward
