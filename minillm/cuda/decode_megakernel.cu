@@ -284,12 +284,12 @@ __host__ __device__ constexpr int red_offset(int H) { return (16 * act_stride(H)
 // Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. With from_embed,
 // the CTA that owns row m (m % grid) stores the raw row as the residual stream (layer 0: the residual is the
 // embedding).
-template <typename T>
-__device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
+// kLanes lanes per row: 32, or 16 past 8 rows (norm_to_act), so that 16 rows take one pass of dependent loads
+// instead of two. A compile-time width keeps the B <= 8 code as lean as before the half-warp rows existed.
+template <typename T, int kLanes>
+__device__ void norm_rows(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
+  constexpr int lanes = kLanes, per_warp = 32 / kLanes;
   const int warp = threadIdx.x / 32, H = p.hidden, nvec = H / 8, AS = act_stride(H);
-  // Past 8 rows each half-warp takes a row (while a row fits 16 lanes' registers), so 16 rows take one pass of
-  // dependent loads instead of two.
-  const int lanes = (p.batch > kWarps && nvec <= 16 * kMaxVec) ? 16 : 32, per_warp = 32 / lanes;
   const int lane = threadIdx.x % lanes, sub = (threadIdx.x % 32) / lanes;
   if (warp * per_warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
   // The norm weight does not depend on the row: its loads go out with (not after) the first row's.
@@ -348,6 +348,15 @@ __device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T*
       dst[idx] = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
+  // Half-warp rows while a row fits 16 lanes' registers (kMaxVec vectors each).
+  if (p.batch > kWarps && p.hidden / 8 <= 16 * kMaxVec)
+    norm_rows<T, 16>(p, from_embed, weight, act);
+  else
+    norm_rows<T, 32>(p, from_embed, weight, act);
 }
 
 // ---- GEMV on tensor cores ---------------------------------------------------------------------------------------
