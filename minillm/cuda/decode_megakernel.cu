@@ -284,30 +284,23 @@ __host__ __device__ constexpr int red_offset(int H) { return (16 * act_stride(H)
 // Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. With from_embed,
 // the CTA that owns row m (m % grid) stores the raw row as the residual stream (layer 0: the residual is the
 // embedding).
-// kLanes lanes per row: 32, or 16 past 8 rows (norm_to_act), so that 16 rows take one pass of dependent loads
-// instead of two. A compile-time width keeps the B <= 8 code as lean as before the half-warp rows existed.
-template <typename T, int kLanes>
-__device__ void norm_rows(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
-  constexpr int lanes = kLanes, per_warp = 32 / kLanes;
-  const int warp = threadIdx.x / 32, H = p.hidden, nvec = H / 8, AS = act_stride(H);
-  const int lane = threadIdx.x % lanes, sub = (threadIdx.x % 32) / lanes;
-  if (warp * per_warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
+template <typename T>
+__device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int H = p.hidden, nvec = H / 8, AS = act_stride(H);
+  if (warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
   // The norm weight does not depend on the row: its loads go out with (not after) the first row's.
   uint4 wv[kMaxVec];
 #pragma unroll
   for (int j = 0; j < kMaxVec; ++j) {
-    const int idx = lane + lanes * j;
+    const int idx = lane + 32 * j;
     wv[j] = idx < nvec ? reinterpret_cast<const uint4*>(weight)[idx] : make_uint4(0, 0, 0, 0);
   }
-  // The loop bound is uniform over the warp (the shuffles need every lane); a lane whose row is past the batch
-  // computes on zeros and stores nothing.
 #pragma unroll 1  // one row at a time: two rows' registers at once would spill
-  for (int m0 = warp * per_warp; m0 < p.batch; m0 += kWarps * per_warp) {
-    const int m = m0 + sub;
-    const bool live = m < p.batch;
+  for (int m = warp; m < p.batch; m += kWarps) {
     const T* row = static_cast<const T*>(p.resid) + (int64_t)m * H;
     bool id_ok = true;
-    if (from_embed && live) {
+    if (from_embed) {
       const int64_t id = p.input_ids[m];
       id_ok = id >= 0 && id < p.vocab_size;
       row = static_cast<const T*>(p.embed) + (id_ok ? id : 0) * H;
@@ -316,9 +309,9 @@ __device__ void norm_rows(const MegakernelParams& p, bool from_embed, const T* w
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
-      const int idx = lane + lanes * j;
+      const int idx = lane + 32 * j;
       v[j] = make_uint4(0, 0, 0, 0);
-      if (live && idx < nvec) {
+      if (idx < nvec) {
         const uint4* src = reinterpret_cast<const uint4*>(row) + idx;
         v[j] = from_embed ? *src : __ldcg(src);
         const uint32_t w4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
@@ -329,14 +322,13 @@ __device__ void norm_rows(const MegakernelParams& p, bool from_embed, const T* w
         }
       }
     }
-    ss = warp_sum_xor(ss, 1, lanes);
-    if (!live) continue;
+    ss = warp_sum_xor(ss, 1, 32);
     const float inv = id_ok ? rsqrtf(ss / H + p.eps) : CUDART_NAN_F;
     const bool store_resid = from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
     uint4* dst = reinterpret_cast<uint4*>(act + m * AS);
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
-      const int idx = lane + lanes * j;
+      const int idx = lane + 32 * j;
       if (idx >= nvec) continue;
       if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(p.resid) + (int64_t)m * H)[idx] = v[j];
       const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
@@ -348,15 +340,6 @@ __device__ void norm_rows(const MegakernelParams& p, bool from_embed, const T* w
       dst[idx] = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
   }
-}
-
-template <typename T>
-__device__ __forceinline__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
-  // Half-warp rows while a row fits 16 lanes' registers (kMaxVec vectors each).
-  if (p.batch > kWarps && p.hidden / 8 <= 16 * kMaxVec)
-    norm_rows<T, 16>(p, from_embed, weight, act);
-  else
-    norm_rows<T, 32>(p, from_embed, weight, act);
 }
 
 // ---- GEMV on tensor cores ---------------------------------------------------------------------------------------
@@ -1074,13 +1057,14 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     stamp<kStamps>(p, layer, 18);
     if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
-    grid_arrive<kStamps>(counter, p, layer, 19);
-    grid_wait(counter, ++epoch);
-    if (more) stamp<kStamps>(p, layer + 1, 0);
+    // Its second stamp (point 20) is the next layer's point 0 (after the last layer: overwritten by the final one).
+    grid_barrier<kStamps>(counter, ++epoch, p, layer, 19);
   }
   final_norm<T>(p);
-  __syncthreads();
-  stamp<kStamps>(p, p.num_layers, 0);  // the pair after the last layer's points
+  if (kStamps) {
+    __syncthreads();
+    stamp<kStamps>(p, p.num_layers, 0);  // the pair after the last layer's points
+  }
 #endif
 }
 
