@@ -56,3 +56,17 @@ def test_step_names_cover_every_point_once():
     starts = sorted(a for _, a, _ in tl.STEPS)
     assert starts == list(range(len(tl.POINTS)))
     assert all(b == a + 1 for _, a, b in tl.STEPS)
+
+
+def test_categories_add_up_and_figure_is_drawn(tmp_path):
+    step_ns = [300 + 100 * i for i in range(len(tl.POINTS))]
+    s = tl.analyze(synthetic(5, 4, step_ns, late_cta=1, late_ns=100), 5, 4)
+    cats = tl.category_totals(s)
+    assert sum(cats.values()) == pytest.approx(s["layer_us"], abs=2e-3)
+    assert cats["grid barrier wait"] == pytest.approx(sum(step_ns[i] for i in (4, 6, 10, 15, 19)) / 1e3, abs=2e-3)
+    lines = [dict(kind="timeline", batch=b, context=128, date="2026-12-01", commit="x", **s) for b in (1, 8)]
+    out = tmp_path / "t.png"
+    tl.plot_timelines(lines, out, weight_floor_us=7.5)
+    assert out.stat().st_size > 1000
+    with pytest.raises(ValueError):
+        tl.plot_timelines([], out)

@@ -110,3 +110,53 @@ def format_summary(summary: dict, title: str = "") -> str:
 def _mean(xs) -> float:
     xs = list(xs)
     return statistics.fmean(xs) if xs else 0.0
+
+
+# Figure categories: every step falls in one (the barrier steps hold the wait for the slowest CTA).
+CATEGORIES = (("norm", "norm"), ("weights_wait", "weights wait"), ("gemv", "GEMV"), ("epilogue", "epilogue"),
+              ("items", "attention items"), ("barrier", "grid barrier wait"))
+
+
+def category_totals(summary: dict) -> dict[str, float]:
+    """Median step times summed by kind of step (CATEGORIES), in us per layer."""
+    out = {label: 0.0 for _, label in CATEGORIES}
+    for name, v in summary["steps"].items():
+        kind = name.split(".")[1]
+        out[dict(CATEGORIES)[kind]] += v["median_us"]
+    return out
+
+
+def plot_timelines(lines: list[dict], path, weight_floor_us: float | None = None) -> None:
+    """One stacked bar per (batch, context) of the newest timeline lines: us per layer by kind of step, with the
+    layer's weight-bytes floor as a vertical line when given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    newest: dict[tuple[int, int], dict] = {}
+    for line in sorted((ln for ln in lines if ln.get("kind") == "timeline"), key=lambda ln: ln.get("date", "")):
+        newest[(line["batch"], line["context"])] = line
+    if not newest:
+        raise ValueError("no timeline lines to plot")
+    keys = sorted(newest)
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(keys) + 2.2))
+    left = [0.0] * len(keys)
+    for i, (_, label) in enumerate(CATEGORIES):
+        widths = [category_totals(newest[k])[label] for k in keys]
+        ax.barh(range(len(keys)), widths, left=left, color=f"C{i}", label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    if weight_floor_us:
+        ax.axvline(weight_floor_us, color="k", linestyle="--", label="weight bytes at copy bandwidth")
+    ax.set_yticks(range(len(keys)), [f"B={b}, ctx {c}" for b, c in keys])
+    ax.invert_yaxis()
+    ax.set_xlabel("us per decoder layer (median CTA)")
+    last = newest[keys[-1]]
+    gpu = (last.get("fingerprint") or {}).get("gpu") or "?"
+    ax.set_title(f"decode megakernel, one layer by step, {gpu}, commit {last.get('commit', '?')}, "
+                 f"{last.get('date', '?')[:10]}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
