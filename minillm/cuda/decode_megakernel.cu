@@ -998,13 +998,11 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
+    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
-    // So does GU's weight slice: issued before the epilogue, the copies held up the issuing warp (qkv.epilogue at
-    // B=1: 0.6 us on the median CTA, 2.2 us on the slowest, which the whole grid then waited for).
     grid_arrive<kStamps>(counter, p, layer, 4);
-    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     if ((int)blockIdx.x < sm.plan->items) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
     grid_wait(counter, ++epoch);
     stamp<kStamps>(p, layer, 5);
@@ -1043,11 +1041,9 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_stage(acc, gu_gran, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 14);
-    swiglu_epilogue<T>(p, ph.gu, red);
-    grid_arrive<kStamps>(counter, p, layer, 15);
     if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
-    grid_wait(counter, ++epoch);
-    stamp<kStamps>(p, layer, 16);
+    swiglu_epilogue<T>(p, ph.gu, red);
+    grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
 
     // DOWN: A from the global row fragments; then buffer 1 takes the next layer's O slice.
     resid_prefetch<T>(p, d, ph.down, old_resid);
