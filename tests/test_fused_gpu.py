@@ -462,15 +462,9 @@ def test_sampler_split_bad_arguments_raise_value_error(ops):
     assert ops.sample_exponential_race(logits, inv_t, 0, 0, 1024).shape == (2,)   # capped at the 16 chunks
 
 
-def test_sampler_all_greedy_batch_runs_the_kernel_on_bf16_logits(ops, monkeypatch):
-    """With the CUDA kernels chosen, an all-greedy batch goes to the one-pass kernel (every row at inverse
-    temperature 0) with the lm_head's bf16 logits as they are: torch.argmax's tokens (ties to the lowest column,
-    NaN largest), at 1 row (split over many CTAs) and at 40."""
+def _record_kernel_dtypes(monkeypatch) -> list:
+    """Wraps the sampling op so that each call's logits dtype is appended to the returned list."""
     from minillm.ops import sampling_ops
-    from minillm.request import Request
-    from minillm.sampling.batch import SamplingBatch
-    from minillm.sampling.sampler import Sampler
-    from minillm.sampling_params import SamplingParams
 
     kernel, seen = sampling_ops.sample_exponential_race, []
 
@@ -479,6 +473,19 @@ def test_sampler_all_greedy_batch_runs_the_kernel_on_bf16_logits(ops, monkeypatc
         return kernel(logits, *args, **kw)
 
     monkeypatch.setattr(sampling_ops, "sample_exponential_race", recording)
+    return seen
+
+
+def test_sampler_all_greedy_batch_runs_the_kernel_on_bf16_logits(ops, monkeypatch):
+    """With the CUDA kernels chosen, an all-greedy batch goes to the one-pass kernel (every row at inverse
+    temperature 0) with the lm_head's bf16 logits as they are: torch.argmax's tokens (ties to the lowest column,
+    NaN largest), at 1 row (split over many CTAs) and at 40."""
+    from minillm.request import Request
+    from minillm.sampling.batch import SamplingBatch
+    from minillm.sampling.sampler import Sampler
+    from minillm.sampling_params import SamplingParams
+
+    seen = _record_kernel_dtypes(monkeypatch)
     vocab = 151936
     g = torch.Generator("cuda").manual_seed(1)
     for n in (1, 40):
@@ -498,19 +505,12 @@ def test_sampler_all_greedy_batch_runs_the_kernel_on_bf16_logits(ops, monkeypatc
 def test_sampler_passes_bf16_logits_unconverted(ops, monkeypatch):
     """The engine's sampler gives the kernel the lm_head's bf16 logits as they are when nothing modifies them,
     and the tokens equal those of the same logits in fp32 (fused path both times, same sampler seed/step)."""
-    from minillm.ops import sampling_ops
     from minillm.request import Request
     from minillm.sampling.batch import SamplingBatch
     from minillm.sampling.sampler import Sampler
     from minillm.sampling_params import SamplingParams
 
-    kernel, seen = sampling_ops.sample_exponential_race, []
-
-    def recording(logits, *args, **kw):
-        seen.append(logits.dtype)
-        return kernel(logits, *args, **kw)
-
-    monkeypatch.setattr(sampling_ops, "sample_exponential_race", recording)
+    seen = _record_kernel_dtypes(monkeypatch)
     vocab = 151936
     reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=8, temperature=t), eos_token_ids=frozenset())
             for i, t in enumerate([0.0, 0.6, 1.0, 1.7] * 8)]
