@@ -99,9 +99,9 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// Timeline stamp `point` of `layer` (megakernel.h, kMegaProfPoints); nothing when no buffer was given. Thread 0
-// only, after the CTA barrier that ends the step it marks, so the stamp is the CTA's slowest warp.
-// kOn: the kernel variant built with stamps (launched when a buffer is given); the other has none of this code.
+// Timeline stamp `point` of `layer` (megakernel.h, kMegaProfPoints). Thread 0 only, after the CTA barrier that
+// ends the step it marks, so the stamp is the CTA's slowest warp. kOn: the kernel variant built with stamps
+// (launched when a buffer is given); the plain variant has none of this code.
 template <bool kOn>
 __device__ __forceinline__ void stamp(const MegakernelParams& p, int layer, int point) {
   if (kOn && threadIdx.x == 0) {

@@ -1,9 +1,10 @@
 // Torch binding of the persistent decode kernel (launcher in megakernel.h, kernel in decode_megakernel.cu).
 //
 // torch.ops.minillm.decode_megakernel runs every decoder layer of one decode step. It writes the KV caches (the
-// new token of every row whose slot is >= 0), its workspaces and `out`, all declared mutated in the schema
-// ((a!)..(e!)), and the optional timeline buffer `profile` (f!, megakernel.h: kMegaProfPoints), so CUDA graphs and torch.compile see the writes; it returns nothing and allocates nothing, so a
-// call can be captured in a CUDA graph. Bad input raises ValueError naming the argument. The Python side
+// new token of every row whose slot is >= 0), its workspaces, `out` and the optional timeline buffer `profile`
+// (megakernel.h: kMegaProfPoints), all declared mutated in the schema ((a!)..(f!)), so CUDA graphs and
+// torch.compile see the writes; it returns nothing and allocates nothing, so a call can be captured in a CUDA
+// graph. Bad input raises ValueError naming the argument. The Python side
 // (minillm/ops/megakernel.py, DecodeMegakernel) packs the weights and owns the workspaces.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
