@@ -24,7 +24,7 @@
 // splits so that rows * splits about fills the GPU once (race_splits). Each CTA reduces its range to a best
 // (score, column) and writes it to a workspace [rows, splits]; then it takes a ticket of its row (atomicAdd
 // after a __threadfence, so its partial is visible before the ticket counts it). The CTA that draws the last
-// ticket merges the row's partials, writes the token and sets the ticket back to 0.
+// ticket merges the row's partials and writes the token.
 // Same token as one CTA per row, bit for bit, whatever the split count or the order CTAs finish in: a column's
 // score depends only on (seed, row, offset, column, logit, inv_temperature); "beats" is a total order on
 // (score, column), so the best of the bests is the best; and pruning only skips columns whose exact score is
@@ -209,7 +209,7 @@ __device__ __forceinline__ Best scan_chunks(const T* x, int vocab, float inv_t, 
 
 // Split rows, after block_argmax (thread 0 holds this CTA's best): publishes the partial and takes the row's
 // ticket. Returns true (uniformly over the CTA) in the CTA that drew the last ticket, with the row's best of all
-// partials in thread 0's `best`; that CTA also sets the ticket back to 0.
+// partials in thread 0's `best`. The ticket is left as it is: every launch zeroes the tickets first (memset).
 __device__ bool merge_split(Best& best, Best* partials, unsigned int* ticket) {
   __shared__ bool last;
   const unsigned int splits = gridDim.y;
@@ -229,8 +229,6 @@ __device__ bool merge_split(Best& best, Best* partials, unsigned int* ticket) {
     if (beats(v, i, b)) b = {v, i};
   }
   best = block_argmax(b);
-  // Redundant with the launcher's memset, but it leaves the workspace as a fresh launch wants it: zero tickets.
-  if (threadIdx.x == 0) *ticket = 0;
   return true;
 }
 
