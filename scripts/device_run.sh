@@ -15,6 +15,7 @@
 #   oldbench  the same bench on the tree in .old/ (the previous commit, exported beforehand) -> $OUT/bench_old.jsonl
 #   oldmkbench  scripts/megakernel_bench.py on the tree in .old/ -> $OUT/megakernel_bench_old.jsonl
 #   oldsweep  the sweep over the .old/ engine -> $OUT/decode_steps_old.jsonl
+#   l2probe   decode GEMMs with cold, L2-resident and prefetched weights -> $OUT/gemm_l2_probe.jsonl
 #   checks    `minillm check-kernels --quick` -> $OUT/kernels.jsonl
 #   http      scripts/http_latency.py: latency through the HTTP server vs in-process -> $OUT/latency_http.jsonl
 #
@@ -113,6 +114,8 @@ for s in "$@"; do
       mkdir -p "$LOG/http"
       stage http 500 python3 scripts/http_latency.py --output "$LOG/http/latency_http.jsonl"
       cp "$LOG"/http/*.jsonl "$LOG"/http/*.png "$OUT"/ 2>/dev/null ;;
+    l2probe)   # decode GEMMs with cold, L2-resident and prefetched weights (scripts/gemm_l2_probe.py)
+      stage l2probe 200 python3 scripts/gemm_l2_probe.py --output "$OUT/gemm_l2_probe.jsonl" ;;
     checks)
       stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;

@@ -16,6 +16,7 @@
 #include "bindings_util.h"
 #include "fused.h"
 #include "gemm.h"
+#include "prefetch.h"
 
 namespace {
 
@@ -314,6 +315,26 @@ Tensor skinny_gemm(const Tensor& x_in, const Tensor& w, int64_t splits) {
   return y;
 }
 
+// Ask L2 for the bytes of `tensors` (contiguous, on one GPU) ahead of the kernel that reads them. Issues the
+// requests and returns; the result of every later kernel is unchanged.
+void l2_prefetch(at::TensorList tensors) {
+  MINILLM_CHECK(int64_t(tensors.size()) <= minillm::kMaxPrefetchTensors, "l2_prefetch takes at most ",
+                int64_t(minillm::kMaxPrefetchTensors), " tensors, got ", int64_t(tensors.size()));
+  if (tensors.empty()) return;
+  minillm::L2PrefetchList list{};
+  for (const Tensor& t : tensors) {
+    MINILLM_CHECK(t.is_cuda() && t.device() == tensors[0].device() && t.is_contiguous(),
+                  "l2_prefetch: tensors must be contiguous and on one CUDA device, got ", t.sizes(), " on ",
+                  t.device());
+    list.ptr[list.count] = static_cast<const char*>(t.data_ptr());
+    list.bytes[list.count] = int64_t(t.numel()) * t.element_size();
+    ++list.count;
+  }
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  check_launch(minillm::launch_l2_prefetch(list, sms, at::cuda::getCurrentCUDAStream()), "l2_prefetch");
+}
+
 // Shape-only twins for torch.compile's fake tensors.
 Tensor rms_norm_meta(const Tensor& x, const Tensor&, double) { return at::empty(x.sizes(), x.options()); }
 
@@ -363,6 +384,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
+  m.def("l2_prefetch(Tensor[] tensors) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
@@ -373,6 +395,7 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("qk_norm_rope_cache", &qk_norm_rope_cache);
   m.impl("sample_exponential_race", &sample_exponential_race);
   m.impl("skinny_gemm", &skinny_gemm);
+  m.impl("l2_prefetch", &l2_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(minillm, Meta, m) {

@@ -1,0 +1,76 @@
+"""Are decode-sized GEMMs latency-bound or bytes-bound? cuBLAS on Qwen3-0.6B's four decoder shapes, per call in
+CUDA graphs, with the weights cold (28 distinct copies, several times the L2), hot (one copy, L2-resident) and
+prefetched (an l2_prefetch launch for the next product's weights ahead of each product), and a whole layer chain
+(qkv, o, gate_up, down x 28 layers) cold against prefetched one and two products ahead.
+
+    python scripts/gemm_l2_probe.py [--output results/gemm_l2_probe.jsonl]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from minillm.fingerprint import stamp
+from minillm.ops.build import load_extension
+from minillm.ops.check import _time_graph
+
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}   # (N, K)
+LAYERS = 28
+
+
+def per_shape(m: int, weights: dict) -> dict:
+    row = {}
+    pf = torch.ops.minillm.l2_prefetch
+    for name, (n, k) in SHAPES.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ws = weights[name]
+
+        def us(fns) -> float:
+            return round(_time_graph(fns) * 1000, 2)
+
+        row[f"{name}_cold_us"] = us([lambda w=w: F.linear(x, w) for w in ws])
+        row[f"{name}_hot_us"] = us([lambda: F.linear(x, ws[0]) for _ in ws])
+        row[f"{name}_pf1_us"] = us([lambda i=i: (pf([ws[(i + 1) % LAYERS]]), F.linear(x, ws[i])) for i in range(LAYERS)])
+        row[f"{name}_pf_only_us"] = us([lambda w=w: pf([w]) for w in ws])
+    return row
+
+
+def layer_chain(m: int, weights: dict) -> dict:
+    """28 layers of the four products in order; prefetch `ahead` products ahead (0: none)."""
+    pf = torch.ops.minillm.l2_prefetch
+    xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in SHAPES.items()}
+    seq = [(name, weights[name][layer]) for layer in range(LAYERS) for name in SHAPES]
+    out = {}
+    for ahead in (0, 1, 2):
+        fns = []
+        for i, (name, w) in enumerate(seq):
+            nxt = seq[(i + ahead) % len(seq)][1]
+            if ahead:
+                fns.append(lambda x=xs[name], w=w, nxt=nxt: (pf([nxt]), F.linear(x, w)))
+            else:
+                fns.append(lambda x=xs[name], w=w: F.linear(x, w))
+        out[f"chain_layer_us_ahead{ahead}"] = round(_time_graph(fns) * 1000 * len(SHAPES), 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    load_extension()
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+               for name, (n, k) in SHAPES.items()}
+    for m in (1, 8, 32, 64, 128, 256):
+        row = {"bench": "decode gemm vs L2 residency (cuBLAS)", "m": m, **per_shape(m, weights),
+               **layer_chain(m, weights)}
+        print(json.dumps(row), flush=True)
+        if args.output:
+            with open(args.output, "a") as f:
+                f.write(json.dumps({**row, **stamp()}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
