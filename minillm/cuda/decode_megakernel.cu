@@ -285,7 +285,7 @@ __host__ __device__ constexpr int red_offset(int H) { return (16 * act_stride(H)
 // the CTA that owns row m (m % grid) stores the raw row as the residual stream (layer 0: the residual is the
 // embedding).
 template <typename T>
-__device__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
+__device__ __noinline__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = p.hidden, nvec = H / 8, AS = act_stride(H);
   if (warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
@@ -364,40 +364,56 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kMaxGran][4]) {
   for (int g = 0; g < kMaxGran; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
 }
 
+// Stages every warp's accumulators in `red`, which lies after the A tile: no barrier is needed between a warp's
+// last read of the tile and its stage (the previous readers of `red`, an epilogue, are a grid barrier back).
+__device__ __forceinline__ void gemv_stage(const float (&acc)[kMaxGran][4], int n_gran, float4* red) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int g = 0; g < kMaxGran; ++g)
+    if (g < n_gran) red[(warp * n_gran + g) * 32 + lane] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+}
+
 // Each warp takes an equal share of the K dimension (in k-pairs = 32 columns) for all of the CTA's granules; the
 // warps' partial sums are added in gemv_sum. Here A is the CTA's own norm output, the shared tile of norm_to_act:
 // for ldmatrix.x4 lane l gives the address of row l % 16 at column 8 (l / 16) of the k-step, so its four 8x8
 // matrices are rows 0-7 | 8-15 at k 0-7, then rows 0-7 | 8-15 at k 8-15: the A registers a0..a3 of m16n8k16.
 template <typename T>
-__device__ __forceinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpairs, const T* act, int AS,
-                                            float (&acc)[kMaxGran][4]) {
+__device__ __noinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpairs, const T* act, int AS, float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float acc[kMaxGran][4];
   zero_acc(acc);
   const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
-  if (n_gran == 0) return;
   const T* arow = act + (lane & 15) * AS + 8 * (lane >> 4);
-  for (int kp = kp_begin; kp < kp_end; ++kp) {
+  for (int kp = kp_begin; kp < kp_end && n_gran > 0; ++kp) {
     uint32_t lo[4], hi[4];
     ldmatrix_x4(lo, arow + 32 * kp);
     ldmatrix_x4(hi, arow + 32 * kp + 16);
     mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp, lane);
   }
+  gemv_stage(acc, n_gran, red);
 }
 
 // As gemv_smem_a with A from a global row-fragment buffer another phase wrote (megakernel.h), read through L2 into
-// registers. Lane (g, q) loads row g's and row g + 8's 16 bytes of each k-pair: the A registers {a0, a2} and
-// {a1, a3} of both k-steps. Rows >= batch are never read (the first version read all 16 rows on every CTA: 64 KB for
-// o_proj, 96 KB for down at any B). At B <= 8 rows 8..15 are dead, so the registers of their words carry row g of
-// the next kRound k-pairs instead: one round of loads covers 2 kRound k-pairs (down_proj of Qwen3-0.6B: 12 per
-// warp, one L2 round trip instead of two). Their a1/a3 registers then hold other k-pairs' words: garbage that only
-// reaches C rows 8..15, which no epilogue stores at B <= 8.
+// registers, and the sums staged in `red` by the loop itself. Lane (g, q) loads row g's and row g + 8's 16 bytes of
+// each k-pair: the A registers {a0, a2} and {a1, a3} of both k-steps. Rows >= batch are never read (the first version
+// read all 16 rows on every CTA: 64 KB for o_proj, 96 KB for down at any B). At B <= 8 rows 8..15 are dead, so the
+// registers of their words carry row g of the next kRound k-pairs instead: one round of loads covers 2 kRound
+// k-pairs (down_proj of Qwen3-0.6B: 12 per warp, one L2 round trip instead of two). Their a1/a3 registers then hold
+// other k-pairs' words: garbage that only reaches C rows 8..15, which no epilogue stores at B <= 8.
+//
+// Granules are a runtime loop (one accumulator, carried in `red` from one round of loads to the next, so every sum
+// runs in k order as one register chain did): o_proj and down_proj have at most one or two granules per CTA, and
+// the version unrolled over kMaxGran granules compiled to ~1,500 instructions per call site, most of them skipped
+// and all of them fetched again every layer (the kernel's layer loop is larger than the instruction caches).
 template <typename T>
-__device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a, int batch,
-                                              float (&acc)[kMaxGran][4]) {
+__device__ __noinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a, int batch,
+                                              float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  zero_acc(acc);
   const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
-  if (n_gran == 0) return;
+  if (kp_begin >= kp_end) {  // no k-pairs for this warp (K < 256): its share of every sum is zero
+    for (int gi = 0; gi < n_gran; ++gi) red[(warp * n_gran + gi) * 32 + lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+    return;
+  }
   const bool narrow = batch <= 8;
   const bool live0 = g < batch, live8 = narrow ? live0 : g + 8 < batch;
   const uint4* row0 = a + (int64_t)g * kpairs * 4 + q;
@@ -412,34 +428,40 @@ __device__ __forceinline__ void gemv_global_a(const uint4* w, int n_gran, int kp
       if (live0 && kp0 + i < kp_end) f0[i] = __ldcg(row0 + (int64_t)(kp0 + i) * 4);
       if (live8 && kp0 + second + i < kp_end) f8[i] = __ldcg(row8 + (int64_t)(kp0 + second + i) * 4);
     }
-#pragma unroll
-    for (int i = 0; i < kRound; ++i) {
-      if (kp0 + i < kp_end) {
-        const uint32_t lo[4] = {f0[i].x, f8[i].x, f0[i].y, f8[i].y};
-        const uint32_t hi[4] = {f0[i].z, f8[i].z, f0[i].w, f8[i].w};
-        mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + i, lane);
+#pragma unroll 1
+    for (int gi = 0; gi < n_gran; ++gi) {
+      float4* slot = red + (warp * n_gran + gi) * 32 + lane;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      if (kp0 != kp_begin) {
+        const float4 c = *slot;
+        acc[0] = c.x, acc[1] = c.y, acc[2] = c.z, acc[3] = c.w;
       }
-    }
-    if (narrow) {
+      const uint4* wg = w + (int64_t)gi * kpairs * 32 + lane;
 #pragma unroll
       for (int i = 0; i < kRound; ++i) {
-        if (kp0 + kRound + i < kp_end) {
-          const uint32_t lo[4] = {f8[i].x, f0[i].x, f8[i].y, f0[i].y};
-          const uint32_t hi[4] = {f8[i].z, f0[i].z, f8[i].w, f0[i].w};
-          mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp0 + kRound + i, lane);
+        if (kp0 + i < kp_end) {
+          const uint4 b = wg[(kp0 + i) * 32];
+          const uint32_t lo[4] = {f0[i].x, f8[i].x, f0[i].y, f8[i].y};
+          const uint32_t hi[4] = {f0[i].z, f8[i].z, f0[i].w, f8[i].w};
+          mma16816<T>(acc, lo, b.x, b.y);
+          mma16816<T>(acc, hi, b.z, b.w);
         }
       }
+      if (narrow) {
+#pragma unroll
+        for (int i = 0; i < kRound; ++i) {
+          if (kp0 + kRound + i < kp_end) {
+            const uint4 b = wg[(kp0 + kRound + i) * 32];
+            const uint32_t lo[4] = {f8[i].x, f0[i].x, f8[i].y, f0[i].y};
+            const uint32_t hi[4] = {f8[i].z, f0[i].z, f8[i].w, f0[i].w};
+            mma16816<T>(acc, lo, b.x, b.y);
+            mma16816<T>(acc, hi, b.z, b.w);
+          }
+        }
+      }
+      *slot = make_float4(acc[0], acc[1], acc[2], acc[3]);
     }
   }
-}
-
-// Stages every warp's accumulators in `red`, which lies after the A tile: no barrier is needed between a warp's
-// last read of the tile and its stage (the previous readers of `red`, an epilogue, are a grid barrier back).
-__device__ __forceinline__ void gemv_stage(const float (&acc)[kMaxGran][4], int n_gran, float4* red) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int g = 0; g < kMaxGran; ++g)
-    if (g < n_gran) red[(warp * n_gran + g) * 32 + lane] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
 }
 
 // Sum of granule g's fragment `lane` over the warps, in warp order (deterministic).
@@ -723,7 +745,7 @@ __device__ __forceinline__ void store_attn(const MegakernelParams& p, int b, int
 
 // Merge the P partitions of (b, kvh) (their partial rows are items first .. first + P - 1) into the output.
 template <typename T, int D>
-__device__ void merge_partitions(const MegakernelParams& p, const Dims& d, int b, int kvh, int first, int parts,
+__device__ __noinline__ void merge_partitions(const MegakernelParams& p, const Dims& d, int b, int kvh, int first, int parts,
                                  float* sw) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = d.G, RS = D + 2;
   float* sl = sw + G * parts;  // [G] the merged sums
@@ -977,7 +999,6 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   }
   if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
-  float acc[kMaxGran][4];
   T* act = reinterpret_cast<T*>(sm.uni);
   const int AS = act_stride(d.H);
   // The GEMV sums sit after the A tile, so a warp stages its sums while others may still read the tile.
@@ -994,8 +1015,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 2);
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32, act, AS,
-                   acc);
-    gemv_stage(acc, ph.qkv.gran.end - ph.qkv.gran.begin, red);
+                   red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
     if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
@@ -1021,8 +1041,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[1] ^= 1;
     stamp<kStamps>(p, layer, 8);
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
-                     static_cast<const uint4*>(p.attn_frag), p.batch, acc);
-    gemv_stage(acc, ph.o.gran.end - ph.o.gran.begin, red);
+                     static_cast<const uint4*>(p.attn_frag), p.batch, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 9);
     if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
@@ -1037,8 +1056,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 13);
     const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
-    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, acc);
-    gemv_stage(acc, gu_gran, red);
+    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 14);
     if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
@@ -1051,8 +1069,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     parity[1] ^= 1;
     stamp<kStamps>(p, layer, 17);
     gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
-                     static_cast<const uint4*>(p.h_frag), p.batch, acc);
-    gemv_stage(acc, ph.down.gran.end - ph.down.gran.begin, red);
+                     static_cast<const uint4*>(p.h_frag), p.batch, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 18);
     if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
