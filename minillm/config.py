@@ -115,11 +115,12 @@ class KernelConfig:
     decode_ctas_per_sm: int = 8
     # Decode steps of up to megakernel_max_batch rows whose contexts total at most megakernel_max_tokens run all
     # decoder layers in one persistent kernel (minillm/ops/megakernel.py) where it covers the model and GPU
-    # (sm_90): measured faster than the graph path there, slower on longer contexts (docs/megakernel.md). Its
-    # attention partitions are at least megakernel_min_chunks x 16 tokens.
+    # (sm_90): measured faster than the graph path at every B <= 16 and context <= 2048 (e8f4571; 16 x 2048 =
+    # 32,768 tokens), longer steps are not measured (docs/megakernel.md). Its attention partitions are at least
+    # megakernel_min_chunks x 16 tokens.
     megakernel: bool = True
     megakernel_max_batch: int = 16
-    megakernel_max_tokens: int = 1024
+    megakernel_max_tokens: int = 32768
     megakernel_min_chunks: int = 8
 
     def validate(self) -> None:

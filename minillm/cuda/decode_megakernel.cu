@@ -988,14 +988,19 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned* counter = p.sync;
   unsigned epoch = 0;
   unsigned parity[2] = {0, 0};
+  // Stamped variant only: each slice issued right before its wait (kMegaProfSerialWeights), a diagnosis.
+  const bool serial = kStamps && (p.prof_flags & kMegaProfSerialWeights);
+  const bool issuer = threadIdx.x == kIssuer;
 
   if (threadIdx.x == kIssuer) {
     *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
     mbar_init(&sm.bars[0]);
     mbar_init(&sm.bars[1]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    issue<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0]);
-    issue<T>(p.w_o, o_layer, 0, sm.ph->o, sm.w1, &sm.bars[1]);
+    if (!serial) {
+      issue<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0]);
+      issue<T>(p.w_o, o_layer, 0, sm.ph->o, sm.w1, &sm.bars[1]);
+    }
   }
   if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
@@ -1011,6 +1016,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     norm_to_act<T>(p, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp<kStamps>(p, layer, 1);
+    if (serial && issuer) issue<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0]);
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 2);
@@ -1018,7 +1024,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                    red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
-    if (threadIdx.x == kIssuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    if (issuer && !serial) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -1037,6 +1043,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
     uint32_t old_resid[2];
     resid_prefetch<T>(p, d, ph.o, old_resid);
+    if (serial && issuer) issue<T>(p.w_o, o_layer, layer, ph.o, sm.w1, &sm.bars[1]);
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
     stamp<kStamps>(p, layer, 8);
@@ -1044,7 +1051,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                      static_cast<const uint4*>(p.attn_frag), p.batch, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 9);
-    if (threadIdx.x == kIssuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    if (issuer && !serial) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
 
@@ -1052,6 +1059,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     norm_to_act<T>(p, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp<kStamps>(p, layer, 12);
+    if (serial && issuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 13);
@@ -1059,12 +1067,13 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 14);
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
+    if (issuer && !serial && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
 
     // DOWN: A from the global row fragments; then buffer 1 takes the next layer's O slice.
     resid_prefetch<T>(p, d, ph.down, old_resid);
+    if (serial && issuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
     stamp<kStamps>(p, layer, 17);
@@ -1072,7 +1081,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                      static_cast<const uint4*>(p.h_frag), p.batch, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 18);
-    if (threadIdx.x == kIssuer && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+    if (issuer && !serial && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
     // Its second stamp (point 20) is the next layer's point 0 (after the last layer: overwritten by the final one).
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 19);

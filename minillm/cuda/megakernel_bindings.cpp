@@ -48,7 +48,7 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
                        Tensor& act_ws, Tensor& partials, Tensor& sync, Tensor& out, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
                        int64_t num_ctas, int64_t min_partition_chunks, bool cooperative,
-                       const std::optional<Tensor>& profile) {
+                       const std::optional<Tensor>& profile, int64_t profile_flags) {
   MINILLM_CHECK(embed.is_cuda() && embed.dim() == 2, "embed must be a CUDA tensor [vocab, hidden], got ", embed.sizes());
   const c10::Device device = embed.device();
   const at::ScalarType dt = embed.scalar_type();
@@ -152,6 +152,10 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
     check_buffer(*profile, "profile", device, at::kLong, minillm::megakernel_prof_words(int(layers), int(num_ctas)));
     p.prof = reinterpret_cast<unsigned long long*>(profile->data_ptr<int64_t>());
   }
+  MINILLM_CHECK(profile_flags == 0 || (profile && profile_flags == minillm::kMegaProfSerialWeights),
+                "profile_flags must be 0, or ", int64_t(minillm::kMegaProfSerialWeights),
+                " (serial weight copies) with a profile buffer; got ", profile_flags);
+  p.prof_flags = int(profile_flags);
   p.dtype = dt == at::kBFloat16 ? minillm::ScalarType::kBFloat16 : minillm::ScalarType::kFloat16;
 
   minillm::MegakernelSmemPlan plan;
@@ -171,7 +175,7 @@ void decode_megakernel_meta(const Tensor&, const Tensor&, const Tensor&, const T
                             const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                             const std::optional<Tensor>&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&,
                             Tensor&, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, bool,
-                            const std::optional<Tensor>&) {}
+                            const std::optional<Tensor>&, int64_t) {}
 
 }  // namespace
 
@@ -181,7 +185,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor w_gu, Tensor w_down, Tensor ln1, Tensor ln2, Tensor? q_norm, Tensor? k_norm, Tensor final_norm, "
         "Tensor cos_sin, Tensor(b!) act_ws, Tensor(c!) partials, Tensor(d!) sync, Tensor(e!) out, int num_heads, "
         "int num_kv_heads, int head_dim, int intermediate, float eps, float scale, int num_ctas, "
-        "int min_partition_chunks, bool cooperative, Tensor(f!)? profile=None) -> ()");
+        "int min_partition_chunks, bool cooperative, Tensor(f!)? profile=None, int profile_flags=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) { m.impl("decode_megakernel", &decode_megakernel); }

@@ -37,6 +37,7 @@ MAX_GROUP = 16
 DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
 PROF_POINTS = 20       # timeline stamps per layer (megakernel.h: kMegaProfPoints)
+PROF_SERIAL_WEIGHTS = 1  # forward(serial_weights=True): profile_flags of the op (megakernel.h: kMegaProfSerialWeights)
 ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
@@ -391,7 +392,10 @@ class DecodeMegakernel:
         return torch.zeros(n, dtype=torch.int64, device=self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                profile: torch.Tensor | None = None) -> torch.Tensor:
+                profile: torch.Tensor | None = None, serial_weights: bool = False) -> torch.Tensor:
+        """The step's hidden rows. `profile`: a profile_buffer() to stamp (a separate, slower variant);
+        `serial_weights` (with profile only): every weight slice copied just before its GEMV instead of a phase
+        ahead, to see what each step costs with no weight stream in flight."""
         b = input_ids.shape[0]
         if self._caches is None:
             raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
@@ -403,7 +407,7 @@ class DecodeMegakernel:
             self.w_qkv, self.b_qkv, self.w_o, self.w_gu, self.w_down, self.ln1, self.ln2, self.q_norm, self.k_norm,
             self.final_norm, self.cos_sin, self.act_ws, self.partials, self.sync, self.out, a.num_attention_heads,
             a.num_key_value_heads, a.head_dim, a.intermediate_size, self.eps, self.scale, self.num_ctas,
-            self.min_partition_chunks, self.cooperative, profile)
+            self.min_partition_chunks, self.cooperative, profile, PROF_SERIAL_WEIGHTS if serial_weights else 0)
         return self.out[:b]
 
     __call__ = forward
