@@ -61,9 +61,9 @@ for s in "$@"; do
     timeline)   # the megakernel's own per-step timeline (scripts/megakernel_bench.py --timeline)
       stage timeline 150 python3 scripts/megakernel_bench.py --timeline --batches 1,8,16 --contexts 128,512,2048 \
         --out "$OUT/megakernel_timeline.jsonl" ;;
-    serialtimeline)   # the timeline with and without the weight stream in flight (every slice copied just in time)
-      stage serialtimeline 150 python3 scripts/megakernel_bench.py --timeline --serial-weights --batches 1,8 \
-        --contexts 128,512 --out "$OUT/megakernel_timeline_serial.jsonl" ;;
+    schedtimeline)   # the timeline under each weight-issue schedule (DecodeMegakernel.forward(schedule=...))
+      stage schedtimeline 150 python3 scripts/megakernel_bench.py --timeline --schedules ahead,serial,late_qkv_gu \
+        --batches 1,8 --contexts 128,512 --out "$OUT/megakernel_timeline_sched.jsonl" ;;
     profile)   # torch.profiler over engine decode steps: kernels per step by category (scripts/profile_decode.py)
       for b in 1 8 64 256; do
         stage profile_b$b 120 python3 scripts/profile_decode.py --batch $b --context 512 --steps 20 \

@@ -122,8 +122,9 @@ def main() -> int:
     ap.add_argument("--megakernel-only", action="store_true",
                     help="no DecodeGraphs and no timing: two eager megakernel launches per batch and context (for ncu)")
     ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
-    ap.add_argument("--serial-weights", action="store_true",
-                    help="with --timeline: also a timeline with every weight slice copied just before its GEMV")
+    ap.add_argument("--schedules", default="ahead",
+                    help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial, "
+                         "late_qkv_gu; DecodeMegakernel.forward)")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -216,19 +217,19 @@ def timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, m
             for ctx in contexts:
                 step = Step(b, ctx, bs, num_blocks, max_blocks, arch.vocab_size, seed=b * 7919 + ctx, dev="cuda")
                 plain = mk.forward(step.input_ids, step.positions, step.meta).clone()
-                for serial in (False, True) if args.serial_weights else (False,):
+                for sched in args.schedules.split(","):
                     for _ in range(3):
                         buf.zero_()
                         out = mk.forward(step.input_ids, step.positions, step.meta, profile=buf,
-                                         serial_weights=serial)
+                                         schedule=sched)
                     torch.cuda.synchronize()
                     same = bool(torch.equal(out, plain))
                     s = megakernel_timeline.analyze(buf, arch.num_hidden_layers, mk.num_ctas)
-                    label = f"B={b} ctx={ctx}{' serial weights' if serial else ''}"
+                    label = f"B={b} ctx={ctx} schedule {sched}"
                     print(megakernel_timeline.format_summary(s, f"{label} (hidden states as without stamps: "
                                                                 f"{same}):"), flush=True)
                     f.write(json.dumps({"kind": "timeline", "impl": "megakernel", "batch": b, "context": ctx,
-                                        "serial_weights": serial, "identical_to_plain": same, **s,
+                                        "schedule": sched, "identical_to_plain": same, **s,
                                         "phases_us": megakernel_timeline.phase_totals(s), "model": args.model,
                                         "block_size": bs, **base}) + "\n")
     return 0

@@ -281,14 +281,26 @@ __host__ __device__ constexpr int act_stride(int H) { return H + kActPad; }
 // Byte offset of the GEMV cross-warp sums (gemv_stage) in the shared union: after the A tile, not over it.
 __host__ __device__ constexpr int red_offset(int H) { return (16 * act_stride(H) * 2 + 127) / 128 * 128; }
 
+// What the norm reads of the launch's parameters, by value: a noinline function given a reference to the
+// __grid_constant__ parameters reads them with generic loads, which miss after every grid barrier's L1
+// invalidation (two dependent L2 round trips before the first row load, ~0.5 us per norm).
+struct NormIn {
+  void* resid;
+  const void* embed;
+  const int64_t* ids;
+  int64_t vocab;
+  int H, batch;
+  float eps;
+};
+
 // Row m (< batch) of the source: the embedding of input_ids[m] (layer 0) or the residual stream. With from_embed,
 // the CTA that owns row m (m % grid) stores the raw row as the residual stream (layer 0: the residual is the
 // embedding).
 template <typename T>
-__device__ __noinline__ void norm_to_act(const MegakernelParams& p, bool from_embed, const T* weight, T* act) {
+__device__ __noinline__ void norm_to_act(const NormIn in, bool from_embed, const T* weight, T* act) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int H = p.hidden, nvec = H / 8, AS = act_stride(H);
-  if (warp >= p.batch) return;  // at B < 8 the idle warps go straight to the barrier
+  const int H = in.H, nvec = H / 8, AS = act_stride(H);
+  if (warp >= in.batch) return;  // at B < 8 the idle warps go straight to the barrier
   // The norm weight does not depend on the row: its loads go out with (not after) the first row's.
   uint4 wv[kMaxVec];
 #pragma unroll
@@ -297,13 +309,13 @@ __device__ __noinline__ void norm_to_act(const MegakernelParams& p, bool from_em
     wv[j] = idx < nvec ? reinterpret_cast<const uint4*>(weight)[idx] : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll 1  // one row at a time: two rows' registers at once would spill
-  for (int m = warp; m < p.batch; m += kWarps) {
-    const T* row = static_cast<const T*>(p.resid) + (int64_t)m * H;
+  for (int m = warp; m < in.batch; m += kWarps) {
+    const T* row = static_cast<const T*>(in.resid) + (int64_t)m * H;
     bool id_ok = true;
     if (from_embed) {
-      const int64_t id = p.input_ids[m];
-      id_ok = id >= 0 && id < p.vocab_size;
-      row = static_cast<const T*>(p.embed) + (id_ok ? id : 0) * H;
+      const int64_t id = in.ids[m];
+      id_ok = id >= 0 && id < in.vocab;
+      row = static_cast<const T*>(in.embed) + (id_ok ? id : 0) * H;
     }
     uint4 v[kMaxVec];
     float ss = 0.f;
@@ -323,14 +335,14 @@ __device__ __noinline__ void norm_to_act(const MegakernelParams& p, bool from_em
       }
     }
     ss = warp_sum_xor(ss, 1, 32);
-    const float inv = id_ok ? rsqrtf(ss / H + p.eps) : CUDART_NAN_F;
+    const float inv = id_ok ? rsqrtf(ss / H + in.eps) : CUDART_NAN_F;
     const bool store_resid = from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
     uint4* dst = reinterpret_cast<uint4*>(act + m * AS);
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
       const int idx = lane + 32 * j;
       if (idx >= nvec) continue;
-      if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(p.resid) + (int64_t)m * H)[idx] = v[j];
+      if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(in.resid) + (int64_t)m * H)[idx] = v[j];
       const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
       uint32_t o4[4];
 #pragma unroll
@@ -739,15 +751,15 @@ __device__ __forceinline__ void attn_prologue(const MegakernelParams& p, const D
 
 // Writes dims dd, dd + 1 of query head `head` of sequence b into the row fragments of o_proj's input.
 template <typename T>
-__device__ __forceinline__ void store_attn(const MegakernelParams& p, int b, int head, int D, int dd, float y0, float y1) {
-  static_cast<uint32_t*>(p.attn_frag)[rowfrag_u32(b, head * D + dd, p.num_heads * D)] = pack2<T>(y0, y1);
+__device__ __forceinline__ void store_attn(void* attn_frag, int kq, int b, int head, int D, int dd, float y0, float y1) {
+  static_cast<uint32_t*>(attn_frag)[rowfrag_u32(b, head * D + dd, kq)] = pack2<T>(y0, y1);
 }
 
 // Merge the P partitions of (b, kvh) (their partial rows are items first .. first + P - 1) into the output.
 template <typename T, int D>
-__device__ __noinline__ void merge_partitions(const MegakernelParams& p, const Dims& d, int b, int kvh, int first, int parts,
-                                 float* sw) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = d.G, RS = D + 2;
+__device__ __noinline__ void merge_partitions(const float* partials, void* attn_frag, int kq, int G, int b, int kvh,
+                                              int first, int parts, float* sw) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, RS = D + 2;
   float* sl = sw + G * parts;  // [G] the merged sums
   float* sp = sl + G;          // [G * parts] each partition's sum, kept from the one read of (max, sum)
   for (int j = warp; j < G; j += kWarps) {
@@ -755,7 +767,7 @@ __device__ __noinline__ void merge_partitions(const MegakernelParams& p, const D
     // a lane later reads back only the entries it wrote itself, so no synchronisation is needed in between.
     float mx = -CUDART_INF_F;
     for (int q = lane; q < parts; q += 32) {
-      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.partials + ((int64_t)(first + q) * G + j) * RS + D));
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(partials + ((int64_t)(first + q) * G + j) * RS + D));
       sw[j * parts + q] = ml.x;
       sp[j * parts + q] = ml.y;
       mx = fmaxf(mx, ml.x);
@@ -775,12 +787,12 @@ __device__ __noinline__ void merge_partitions(const MegakernelParams& p, const D
     const int j = t / (D / 2), dd = 2 * (t % (D / 2));
     float o0 = 0.f, o1 = 0.f;
     for (int q = 0; q < parts; ++q) {
-      const float2 v = __ldcg(reinterpret_cast<const float2*>(p.partials + ((int64_t)(first + q) * G + j) * RS + dd));
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(partials + ((int64_t)(first + q) * G + j) * RS + dd));
       const float w = sw[j * parts + q];
       o0 += v.x * w;
       o1 += v.y * w;
     }
-    store_attn<T>(p, b, kvh * G + j, D, dd, o0 / sl[j], o1 / sl[j]);
+    store_attn<T>(attn_frag, kq, b, kvh * G + j, D, dd, o0 / sl[j], o1 / sl[j]);
   }
 }
 
@@ -796,7 +808,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
     if (it.parts != 1) fail("empty attention partition", item, it.parts);
     cp_async_wait<0>();      // (a prefetch issued nothing for it)
     for (int t = threadIdx.x; t < G * D / 2; t += kMegaThreads)
-      store_attn<T>(p, it.b, it.kvh * G + t / (D / 2), D, 2 * (t % (D / 2)), 0.f, 0.f);
+      store_attn<T>(p.attn_frag, d.Kq, it.b, it.kvh * G + t / (D / 2), D, 2 * (t % (D / 2)), 0.f, 0.f);
     return;
   }
   if (!prefetched) attn_prologue<T, D>(p, d, layer, it, sm);
@@ -906,7 +918,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
       o1 += sm_acc[(w * G + g) * D + dd + 1] * f;
     }
     if (it.parts == 1) {
-      store_attn<T>(p, it.b, it.kvh * G + g, D, dd, o0 / lsum, o1 / lsum);
+      store_attn<T>(p.attn_frag, d.Kq, it.b, it.kvh * G + g, D, dd, o0 / lsum, o1 / lsum);
     } else {
       float* row = p.partials + ((int64_t)item * G + g) * RS;
       *reinterpret_cast<float2*>(row + dd) = make_float2(o0, o1);
@@ -929,7 +941,7 @@ __device__ void attention_item(const MegakernelParams& p, const Dims& d, int lay
   __syncthreads();
   if (sm.plan->last_flag) {
     __threadfence();
-    merge_partitions<T, D>(p, d, it.b, it.kvh, plan.base[it.b] + it.kvh * it.parts, it.parts,
+    merge_partitions<T, D>(p.partials, p.attn_frag, d.Kq, d.G, it.b, it.kvh, plan.base[it.b] + it.kvh * it.parts, it.parts,
                            reinterpret_cast<float*>(sm.uni));
     if (threadIdx.x == 0) *ticket = 0;  // ready for the next layer (after at least one grid barrier)
   }
@@ -990,7 +1002,10 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned parity[2] = {0, 0};
   // Stamped variant only: each slice issued right before its wait (kMegaProfSerialWeights), a diagnosis.
   const bool serial = kStamps && (p.prof_flags & kMegaProfSerialWeights);
+  // Stamped variant only: QKV and GU slices issued at their phase's start, under its norm (kMegaProfLateQkvGu).
+  const bool late = kStamps && (p.prof_flags & kMegaProfLateQkvGu);
   const bool issuer = threadIdx.x == kIssuer;
+  const NormIn nin{p.resid, p.embed, p.input_ids, p.vocab_size, p.hidden, p.batch, p.eps};
 
   if (threadIdx.x == kIssuer) {
     *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
@@ -998,7 +1013,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     mbar_init(&sm.bars[1]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     if (!serial) {
-      issue<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0]);
+      if (!late) issue<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0]);
       issue<T>(p.w_o, o_layer, 0, sm.ph->o, sm.w1, &sm.bars[1]);
     }
   }
@@ -1013,7 +1028,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     const bool more = layer + 1 < p.num_layers;
     if (layer == 0) stamp<kStamps>(p, 0, 0);  // later layers: stamped as the previous layer's last barrier is passed
     // QKV: norm -> A tile in shared memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
-    norm_to_act<T>(p, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
+    if (late && issuer) issue<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0]);
+    norm_to_act<T>(nin, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp<kStamps>(p, layer, 1);
     if (serial && issuer) issue<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0]);
@@ -1024,7 +1040,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                    red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
-    if (issuer && !serial) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    if (issuer && !serial && !late) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -1056,7 +1072,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
 
     // GU: norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
-    norm_to_act<T>(p, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
+    if (late && issuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    norm_to_act<T>(nin, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
     __syncthreads();
     stamp<kStamps>(p, layer, 12);
     if (serial && issuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
@@ -1067,7 +1084,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 14);
-    if (issuer && !serial && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
+    if (issuer && !serial && !late && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
 

@@ -79,13 +79,15 @@ struct MegakernelParams {
   ScalarType dtype;          // kBFloat16 or kFloat16
   // [(num_layers * kMegaProfPoints + 1) * num_ctas * 2] timeline stamps, or null (the default: no stamps)
   unsigned long long* prof;
-  // With prof: kMegaProfSerialWeights issues every weight slice just before its GEMV waits for it instead of a
-  // phase ahead (a diagnosis: the steps' costs with no weight stream in flight).
+  // With prof, issue schedules to compare (diagnosis): kMegaProfSerialWeights issues every weight slice just
+  // before its GEMV waits for it instead of a phase ahead (the steps' costs with no weight stream in flight);
+  // kMegaProfLateQkvGu issues the QKV and GU slices at their phase's start, under its norm.
   int prof_flags;
 };
 
 // 64-bit words of the timeline buffer of a launch.
 constexpr int kMegaProfSerialWeights = 1;
+constexpr int kMegaProfLateQkvGu = 2;
 
 inline int64_t megakernel_prof_words(int num_layers, int num_ctas) {
   return ((int64_t)num_layers * kMegaProfPoints + 1) * num_ctas * 2;

@@ -37,7 +37,8 @@ MAX_GROUP = 16
 DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
 PROF_POINTS = 20       # timeline stamps per layer (megakernel.h: kMegaProfPoints)
-PROF_SERIAL_WEIGHTS = 1  # forward(serial_weights=True): profile_flags of the op (megakernel.h: kMegaProfSerialWeights)
+# Weight-issue schedules of a stamped launch, forward(schedule=...): the op's profile_flags (megakernel.h)
+PROF_SCHEDULES = {"ahead": 0, "serial": 1, "late_qkv_gu": 2}
 ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
@@ -392,10 +393,11 @@ class DecodeMegakernel:
         return torch.zeros(n, dtype=torch.int64, device=self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                profile: torch.Tensor | None = None, serial_weights: bool = False) -> torch.Tensor:
-        """The step's hidden rows. `profile`: a profile_buffer() to stamp (a separate, slower variant);
-        `serial_weights` (with profile only): every weight slice copied just before its GEMV instead of a phase
-        ahead, to see what each step costs with no weight stream in flight."""
+                profile: torch.Tensor | None = None, schedule: str = "ahead") -> torch.Tensor:
+        """The step's hidden rows. `profile`: a profile_buffer() to stamp (a separate, slower variant).
+        `schedule` (with profile only, a diagnosis): "ahead" copies each weight slice a phase ahead (the plain
+        kernel's schedule), "serial" just before its GEMV (no weight stream in flight), "late_qkv_gu" the QKV and
+        GU slices at their phase's start, under the norm."""
         b = input_ids.shape[0]
         if self._caches is None:
             raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
@@ -407,7 +409,7 @@ class DecodeMegakernel:
             self.w_qkv, self.b_qkv, self.w_o, self.w_gu, self.w_down, self.ln1, self.ln2, self.q_norm, self.k_norm,
             self.final_norm, self.cos_sin, self.act_ws, self.partials, self.sync, self.out, a.num_attention_heads,
             a.num_key_value_heads, a.head_dim, a.intermediate_size, self.eps, self.scale, self.num_ctas,
-            self.min_partition_chunks, self.cooperative, profile, PROF_SERIAL_WEIGHTS if serial_weights else 0)
+            self.min_partition_chunks, self.cooperative, profile, PROF_SCHEDULES[schedule])
         return self.out[:b]
 
     __call__ = forward
