@@ -62,7 +62,7 @@ for s in "$@"; do
       stage timeline 150 python3 scripts/megakernel_bench.py --timeline --batches 1,8,16 --contexts 128,512,2048 \
         --out "$OUT/megakernel_timeline.jsonl" ;;
     schedtimeline)   # the timeline under each weight-issue schedule (DecodeMegakernel.forward(schedule=...))
-      stage schedtimeline 150 python3 scripts/megakernel_bench.py --timeline --schedules ahead,serial,late_qkv_gu \
+      stage schedtimeline 150 python3 scripts/megakernel_bench.py --timeline --schedules ahead,serial \
         --batches 1,8 --contexts 128,512 --out "$OUT/megakernel_timeline_sched.jsonl" ;;
     profile)   # torch.profiler over engine decode steps: kernels per step by category (scripts/profile_decode.py)
       for b in 1 8 64 256; do

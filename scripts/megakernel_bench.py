@@ -123,8 +123,8 @@ def main() -> int:
                     help="no DecodeGraphs and no timing: two eager megakernel launches per batch and context (for ncu)")
     ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
     ap.add_argument("--schedules", default="ahead",
-                    help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial, "
-                         "late_qkv_gu; DecodeMegakernel.forward)")
+                    help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial; "
+                         "DecodeMegakernel.forward)")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]

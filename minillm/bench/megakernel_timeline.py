@@ -18,18 +18,18 @@ import statistics
 
 import torch
 
-POINTS = ("qkv_start", "qkv_norm", "qkv_weights", "qkv_gemv", "qkv_arrive",
+POINTS = ("qkv_start", "qkv_weights", "qkv_norm", "qkv_gemv", "qkv_arrive",
           "attn_start", "attn_arrive",
           "o_start", "o_weights", "o_gemv", "o_arrive",
-          "gu_start", "gu_norm", "gu_weights", "gu_gemv", "gu_arrive",
+          "gu_start", "gu_weights", "gu_norm", "gu_gemv", "gu_arrive",
           "down_start", "down_weights", "down_gemv", "down_arrive")
 # The steps between consecutive points: (name, from point, to point); "barrier" steps end at the next phase's
 # start, so they hold the wait at the grid barrier (the QKV one also issues the first attention item's loads).
-STEPS = (("qkv.norm", 0, 1), ("qkv.weights_wait", 1, 2), ("qkv.gemv", 2, 3), ("qkv.epilogue", 3, 4),
+STEPS = (("qkv.weights_wait", 0, 1), ("qkv.norm", 1, 2), ("qkv.gemv", 2, 3), ("qkv.epilogue", 3, 4),
          ("qkv.barrier", 4, 5),
          ("attn.items", 5, 6), ("attn.barrier", 6, 7),
          ("o.weights_wait", 7, 8), ("o.gemv", 8, 9), ("o.epilogue", 9, 10), ("o.barrier", 10, 11),
-         ("gu.norm", 11, 12), ("gu.weights_wait", 12, 13), ("gu.gemv", 13, 14), ("gu.epilogue", 14, 15),
+         ("gu.weights_wait", 11, 12), ("gu.norm", 12, 13), ("gu.gemv", 13, 14), ("gu.epilogue", 14, 15),
          ("gu.barrier", 15, 16),
          ("down.weights_wait", 16, 17), ("down.gemv", 17, 18), ("down.epilogue", 18, 19),
          ("down.barrier", 19, 20))   # point 20 = the next layer's qkv_start

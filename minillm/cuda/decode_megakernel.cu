@@ -217,6 +217,7 @@ struct Smem {
   unsigned char* w1;   // O / DOWN weight slices
   unsigned char* uni;  // norm output (A tile) | GEMV cross-warp sums | attention ring and merges
   unsigned char* qtile;
+  unsigned char* nw;   // the layer's norm weight (ln1 with the QKV slice, ln2 with the GU slice), [hidden]
   uint64_t* bars;      // [2] mbarriers of w0 / w1
   Phases* ph;          // this CTA's weight slices (kept in shared memory, not in registers)
   AttnPlan* plan;
@@ -520,6 +521,21 @@ template <typename T>
 __device__ __forceinline__ void issue(const void* base, int64_t layer_elems, int layer, const Phase& ph,
                                       unsigned char* buf, uint64_t* bar) {
   issue_weights(buf, static_cast<const T*>(base) + layer * layer_elems + ph.offset, ph.bytes, bar);
+}
+
+// A QKV or GU slice and, on the same mbarrier, the norm weight its phase starts with (`norm` [L][hidden] into
+// sm.nw): the norm then reads shared memory after the slice's wait instead of HBM after a grid barrier.
+template <typename T>
+__device__ __forceinline__ void issue_normed(const void* base, int64_t layer_elems, int layer, const Phase& ph,
+                                             unsigned char* buf, uint64_t* bar, const void* norm, int H,
+                                             unsigned char* nw) {
+  const unsigned nbytes = unsigned(H) * sizeof(T);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  mbar_expect_tx(bar, ph.bytes + nbytes);
+  const char* src = reinterpret_cast<const char*>(static_cast<const T*>(base) + layer * layer_elems + ph.offset);
+  for (unsigned off = 0; off < ph.bytes; off += kBulkPiece)
+    bulk_g2s(buf + off, src + off, min(kBulkPiece, ph.bytes - off), bar);
+  bulk_g2s(nw, static_cast<const T*>(norm) + (int64_t)layer * H, nbytes, bar);
 }
 
 // Epilogue of QKV: bias (Qwen2), one rounding, row-major qkv buffer.
@@ -990,7 +1006,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   sm.w1 = sm.w0 + plan.w0;
   sm.uni = sm.w1 + plan.w1;
   sm.qtile = sm.uni + plan.uni;
-  sm.bars = reinterpret_cast<uint64_t*>(sm.qtile + plan.qtile);
+  sm.nw = sm.qtile + plan.qtile;
+  sm.bars = reinterpret_cast<uint64_t*>(sm.nw + plan.nw);
   sm.ph = reinterpret_cast<Phases*>(sm.bars + 2);
   sm.plan = reinterpret_cast<AttnPlan*>(sm.ph + 1);
   const Dims d(p);
@@ -1002,8 +1019,6 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   unsigned parity[2] = {0, 0};
   // Stamped variant only: each slice issued right before its wait (kMegaProfSerialWeights), a diagnosis.
   const bool serial = kStamps && (p.prof_flags & kMegaProfSerialWeights);
-  // Stamped variant only: QKV and GU slices issued at their phase's start, under its norm (kMegaProfLateQkvGu).
-  const bool late = kStamps && (p.prof_flags & kMegaProfLateQkvGu);
   const bool issuer = threadIdx.x == kIssuer;
   const NormIn nin{p.resid, p.embed, p.input_ids, p.vocab_size, p.hidden, p.batch, p.eps};
 
@@ -1013,7 +1028,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     mbar_init(&sm.bars[1]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     if (!serial) {
-      if (!late) issue<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0]);
+      issue_normed<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
       issue<T>(p.w_o, o_layer, 0, sm.ph->o, sm.w1, &sm.bars[1]);
     }
   }
@@ -1027,20 +1042,20 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const bool more = layer + 1 < p.num_layers;
     if (layer == 0) stamp<kStamps>(p, 0, 0);  // later layers: stamped as the previous layer's last barrier is passed
-    // QKV: norm -> A tile in shared memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
-    if (late && issuer) issue<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0]);
-    norm_to_act<T>(nin, layer == 0, static_cast<const T*>(p.ln1) + (int64_t)layer * d.H, act);
-    __syncthreads();
-    stamp<kStamps>(p, layer, 1);
-    if (serial && issuer) issue<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0]);
+    // QKV: wait for the slice (and ln1 with it: copied a phase ago, it has landed); norm -> A tile in shared
+    // memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
+    if (serial && issuer) issue_normed<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
+    stamp<kStamps>(p, layer, 1);
+    norm_to_act<T>(nin, layer == 0, reinterpret_cast<const T*>(sm.nw), act);
+    __syncthreads();
     stamp<kStamps>(p, layer, 2);
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32, act, AS,
                    red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
-    if (issuer && !serial && !late) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    if (issuer && !serial) issue_normed<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -1071,20 +1086,20 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
 
-    // GU: norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the next layer's QKV slice.
-    if (late && issuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
-    norm_to_act<T>(nin, false, static_cast<const T*>(p.ln2) + (int64_t)layer * d.H, act);
-    __syncthreads();
-    stamp<kStamps>(p, layer, 12);
-    if (serial && issuer) issue<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0]);
+    // GU: wait for the slice (and ln2 with it); norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the
+    // next layer's QKV slice.
+    if (serial && issuer) issue_normed<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
+    stamp<kStamps>(p, layer, 12);
+    norm_to_act<T>(nin, false, reinterpret_cast<const T*>(sm.nw), act);
+    __syncthreads();
     stamp<kStamps>(p, layer, 13);
     const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 14);
-    if (issuer && !serial && !late && more) issue<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0]);
+    if (issuer && !serial && more) issue_normed<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
 
@@ -1138,7 +1153,8 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
   plan->uni = round_up(std::max(std::max(act, red), std::max(ring, std::max(warp_merge, part_merge))), 128);
   plan->qtile = round_up(2LL * (kMegaMaxBatch * (D + 8) + 2 * D), 128);
   plan->misc = round_up(2 * 8 + (int64_t)sizeof(Phases) + (int64_t)sizeof(AttnPlan), 128);
-  plan->total = plan->w0 + plan->w1 + plan->uni + plan->qtile + plan->misc;
+  plan->nw = round_up(2LL * H, 128);
+  plan->total = plan->w0 + plan->w1 + plan->uni + plan->qtile + plan->misc + plan->nw;
   return cudaSuccess;
 }
 

@@ -30,8 +30,9 @@ constexpr int kMegaMaxGranules = 8;     // granules (gate and up count one each)
 constexpr int kMegaMaxHidden = 2048;    // a norm row is held in registers (8 x 16 bytes per lane)
 constexpr int kMegaMaxPartitions = 256; // attention partitions of one sequence (bounded by the grid anyway)
 // Timeline stamps (MegakernelParams::prof): per layer and CTA, thread 0 records (clock64, %globaltimer) at these
-// points, in phase order: QKV start, norm done, weights landed, GEMV done, arrive; attention start, arrive;
-// O start, weights landed, GEMV done, arrive; GU start, norm done, weights landed, GEMV done, arrive; DOWN start,
+// points, in phase order: QKV start, weights (and ln1) landed, norm done, GEMV done, arrive; attention start,
+// arrive; O start, weights landed, GEMV done, arrive; GU start, weights (and ln2) landed, norm done, GEMV done,
+// arrive; DOWN start,
 // weights landed, GEMV done, arrive. One more pair per CTA after the last layer (final norm done).
 // minillm/bench/megakernel_timeline.py names them and turns them into per-phase costs.
 constexpr int kMegaProfPoints = 20;
@@ -79,15 +80,13 @@ struct MegakernelParams {
   ScalarType dtype;          // kBFloat16 or kFloat16
   // [(num_layers * kMegaProfPoints + 1) * num_ctas * 2] timeline stamps, or null (the default: no stamps)
   unsigned long long* prof;
-  // With prof, issue schedules to compare (diagnosis): kMegaProfSerialWeights issues every weight slice just
-  // before its GEMV waits for it instead of a phase ahead (the steps' costs with no weight stream in flight);
-  // kMegaProfLateQkvGu issues the QKV and GU slices at their phase's start, under its norm.
+  // With prof: kMegaProfSerialWeights issues every weight slice just before it is waited for instead of a phase
+  // ahead (a diagnosis: the steps' costs with no weight stream in flight).
   int prof_flags;
 };
 
 // 64-bit words of the timeline buffer of a launch.
 constexpr int kMegaProfSerialWeights = 1;
-constexpr int kMegaProfLateQkvGu = 2;
 
 inline int64_t megakernel_prof_words(int num_layers, int num_ctas) {
   return ((int64_t)num_layers * kMegaProfPoints + 1) * num_ctas * 2;
@@ -95,7 +94,7 @@ inline int64_t megakernel_prof_words(int num_layers, int num_ctas) {
 
 // Byte sizes of the shared-memory regions (see decode_megakernel.cu); minillm/ops/megakernel.py mirrors this.
 struct MegakernelSmemPlan {
-  int w0, w1, uni, qtile, misc, total;
+  int w0, w1, uni, qtile, misc, nw, total;  // nw: the norm weight that rides with each QKV / GU slice
 };
 
 // Words of the sync buffer: barrier counter, then one merge ticket per (row, KV head).

@@ -152,11 +152,9 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
     check_buffer(*profile, "profile", device, at::kLong, minillm::megakernel_prof_words(int(layers), int(num_ctas)));
     p.prof = reinterpret_cast<unsigned long long*>(profile->data_ptr<int64_t>());
   }
-  MINILLM_CHECK(profile_flags == 0 || (profile && (profile_flags == minillm::kMegaProfSerialWeights ||
-                                                  profile_flags == minillm::kMegaProfLateQkvGu)),
-                "profile_flags must be 0, or with a profile buffer ", int64_t(minillm::kMegaProfSerialWeights),
-                " (serial weight copies) or ", int64_t(minillm::kMegaProfLateQkvGu), " (late QKV/GU copies); got ",
-                profile_flags);
+  MINILLM_CHECK(profile_flags == 0 || (profile && profile_flags == minillm::kMegaProfSerialWeights),
+                "profile_flags must be 0, or ", int64_t(minillm::kMegaProfSerialWeights),
+                " (serial weight copies) with a profile buffer; got ", profile_flags);
   p.prof_flags = int(profile_flags);
   p.dtype = dt == at::kBFloat16 ? minillm::ScalarType::kBFloat16 : minillm::ScalarType::kFloat16;
 

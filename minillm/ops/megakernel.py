@@ -38,7 +38,7 @@ DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
 PROF_POINTS = 20       # timeline stamps per layer (megakernel.h: kMegaProfPoints)
 # Weight-issue schedules of a stamped launch, forward(schedule=...): the op's profile_flags (megakernel.h)
-PROF_SCHEDULES = {"ahead": 0, "serial": 1, "late_qkv_gu": 2}
+PROF_SCHEDULES = {"ahead": 0, "serial": 1}
 ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
@@ -232,7 +232,7 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     """Shared-memory regions (bytes) of one CTA, as megakernel_smem_plan computes them: w0 (QKV / gate_up slices),
     w1 (o_proj / down slices), uni (norm output, GEMV partial sums, attention ring and merges), qtile, misc
     (2 mbarriers, the CTA's 4 slices of 24 bytes, the attention plan of 3 + 4 x 16 + 1 ints and the 2 x 16
-    int64 positions and slots it copies)."""
+    int64 positions and slots it copies), nw (the norm weight copied with each QKV / gate_up slice)."""
     def up(x: int) -> int:
         return -(-x // 128) * 128
     n, d, group = num_ctas, head_dim, num_heads // num_kv_heads
@@ -244,7 +244,7 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     uni = max(red_offset + WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
               WARPS * group * d * 4 + 2 * WARPS * group * 4, 2 * group * MAX_PARTITIONS * 4 + group * 4)
     misc = 16 + 96 + 4 * (3 + 4 * MAX_BATCH + 1) + 8 * 2 * MAX_BATCH
-    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(misc))
+    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(misc), nw=up(2 * hidden))
     plan["total"] = sum(plan.values())
     plan["max_granules"] = max_gran
     return plan
@@ -396,8 +396,7 @@ class DecodeMegakernel:
                 profile: torch.Tensor | None = None, schedule: str = "ahead") -> torch.Tensor:
         """The step's hidden rows. `profile`: a profile_buffer() to stamp (a separate, slower variant).
         `schedule` (with profile only, a diagnosis): "ahead" copies each weight slice a phase ahead (the plain
-        kernel's schedule), "serial" just before its GEMV (no weight stream in flight), "late_qkv_gu" the QKV and
-        GU slices at their phase's start, under the norm."""
+        kernel's schedule), "serial" just before it is waited for (no weight stream in flight)."""
         b = input_ids.shape[0]
         if self._caches is None:
             raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
