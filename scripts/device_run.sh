@@ -58,6 +58,11 @@ for s in "$@"; do
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
     mkbench)
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
+    mkchunks)   # the megakernel's smallest attention partition (kernels.megakernel_min_chunks) at 2 and 4 chunks
+      for c in 2 4; do
+        stage mk_chunks$c 150 python3 scripts/megakernel_bench.py --batches 1,4,16 --min-chunks $c \
+          --out "$OUT/megakernel_bench_chunks.jsonl"
+      done ;;
     timeline)   # the megakernel's own per-step timeline (scripts/megakernel_bench.py --timeline)
       stage timeline 150 python3 scripts/megakernel_bench.py --timeline --batches 1,8,16 --contexts 128,512,2048 \
         --out "$OUT/megakernel_timeline.jsonl" ;;

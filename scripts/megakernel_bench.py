@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--megakernel-only", action="store_true",
                     help="no DecodeGraphs and no timing: two eager megakernel launches per batch and context (for ncu)")
+    ap.add_argument("--min-chunks", type=int, default=mkops.MIN_PARTITION_CHUNKS,
+                    help="smallest attention partition in 16-token chunks (kernels.megakernel_min_chunks)")
     ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
     ap.add_argument("--schedules", default="ahead",
                     help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial; "
@@ -157,7 +159,8 @@ def main() -> int:
     reason = mkops.unsupported_reason(arch, torch.bfloat16, bs, max(mk_batches or [1]), **mkops.device_limits(dev))
     mg = None
     if reason is None and mk_batches:
-        mk = mkops.DecodeMegakernel(model, kv_caches, max(mk_batches), bs, max_len)
+        mk = mkops.DecodeMegakernel(model, kv_caches, max(mk_batches), bs, max_len,
+                                    min_partition_chunks=args.min_chunks)
         mg = mkops.MegakernelGraphs(mk, max_blocks)
         mg.capture(mk_batches)
     else:
@@ -179,7 +182,8 @@ def main() -> int:
                     graphs.slot_mapping[b:bucket].fill_(-1)
                     graphs.seq_lens[b:bucket].fill_(1)
                 us = median_replay_us(graphs.graphs[bucket].replay, args.replays)
-                rows.append(dict(kind="step", impl=name, batch=b, context=ctx, us_per_step=round(us, 2),
+                extra = {"min_chunks": args.min_chunks} if name == "megakernel" else {}
+                rows.append(dict(kind="step", impl=name, batch=b, context=ctx, us_per_step=round(us, 2), **extra,
                                  floor_us=round(floor, 2), fraction_of_floor=round(floor / us, 3), **nbytes))
             if ctx == contexts[0] and mg is not None and b in mg.graphs:
                 rows.append(correctness(dg, mg, step, b))
@@ -210,7 +214,7 @@ def profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, 
 def timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len) -> int:
     """One stamped launch per batch and context (after two warm-ups), analysed and appended to --out; the
     stamped variant's hidden states are checked bit-identical to the plain kernel's."""
-    mk = mkops.DecodeMegakernel(model, kv_caches, max(batches), bs, max_len)
+    mk = mkops.DecodeMegakernel(model, kv_caches, max(batches), bs, max_len, min_partition_chunks=args.min_chunks)
     buf, base = mk.profile_buffer(), stamp()
     with args.out.open("a") as f:
         for b in batches:
