@@ -1055,6 +1055,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                    red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
+    if (issuer && !serial) issue_normed<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -1070,9 +1071,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     }
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 6);
 
-    // O: A from the global row fragments; then buffer 1 takes DOWN's slice. Buffer 0 takes GU's slice only now, not
-    // after the QKV GEMV: its 12 MB in flight slowed the QKV barrier and the attention items behind it.
-    if (issuer && !serial) issue_normed<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
+    // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
     uint32_t old_resid[2];
     resid_prefetch<T>(p, d, ph.o, old_resid);
     if (serial && issuer) issue<T>(p.w_o, o_layer, layer, ph.o, sm.w1, &sm.bars[1]);
