@@ -154,6 +154,35 @@ __device__ __forceinline__ void issue_weights(void* dst, const void* src, unsign
     bulk_g2s(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, min(kBulkPiece, bytes - off), bar);
 }
 
+// A weight slice copied in pieces over several sync points instead of in one burst (thread kIssuer only; the state
+// lives in shared memory). A burst of every CTA's slice puts 4-12 MB in front of every other load in the memory
+// system for 1-3 us, and each grid barrier or L2 read that overlaps it waited that long (docs/megakernel.md,
+// round 4): paced, at most kPacePieces x 16 KB per CTA and stream are in flight at a time.
+struct Pending {
+  const char* src;
+  unsigned char* dst;
+  uint64_t* bar;
+  unsigned bytes, off;
+};
+constexpr unsigned kPacePieces = 2;  // 16 KB pieces per stream and sync point
+
+// Starts a paced copy: the mbarrier expects all of it (plus `extra` bytes the caller copies itself) now.
+__device__ __forceinline__ void pace_start(Pending& s, const void* src, unsigned char* dst, unsigned bytes,
+                                           uint64_t* bar, unsigned extra) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  mbar_expect_tx(bar, bytes + extra);
+  s.src = static_cast<const char*>(src), s.dst = dst, s.bar = bar, s.bytes = bytes, s.off = 0;
+}
+
+// The next `pieces` pieces of a paced copy (all of them: before its buffer is waited for).
+__device__ __noinline__ void pace_pump(Pending* s, unsigned pieces) {
+  for (; s->off < s->bytes && pieces > 0; --pieces) {
+    const unsigned n = min(kBulkPiece, s->bytes - s->off);
+    bulk_g2s(s->dst + s->off, s->src + s->off, n, s->bar);
+    s->off += n;
+  }
+}
+
 // Grid-wide barrier number `epoch` (1, 2, ...), in two halves so that work can be issued between them. Arrive:
 // thread 0 adds one with release semantics (ordering every write the CTA made before the __syncthreads). Wait:
 // thread 0 spins with acquire loads until all CTAs have arrived.
@@ -219,6 +248,7 @@ struct Smem {
   unsigned char* qtile;
   unsigned char* nw;   // the layer's norm weight (ln1 with the QKV slice, ln2 with the GU slice), [hidden]
   uint64_t* bars;      // [2] mbarriers of w0 / w1
+  Pending* pend;       // [2] the paced copies into w0 / w1
   Phases* ph;          // this CTA's weight slices (kept in shared memory, not in registers)
   AttnPlan* plan;
 };
@@ -535,6 +565,22 @@ __device__ __forceinline__ void issue_normed(const void* base, int64_t layer_ele
   const char* src = reinterpret_cast<const char*>(static_cast<const T*>(base) + layer * layer_elems + ph.offset);
   for (unsigned off = 0; off < ph.bytes; off += kBulkPiece)
     bulk_g2s(buf + off, src + off, min(kBulkPiece, ph.bytes - off), bar);
+  bulk_g2s(nw, static_cast<const T*>(norm) + (int64_t)layer * H, nbytes, bar);
+}
+
+// Paced versions of issue / issue_normed: the slice's pieces follow at pace_pump calls; the norm weight (2-4 KB)
+// goes at once.
+template <typename T>
+__device__ __forceinline__ void pace(Pending& s, const void* base, int64_t layer_elems, int layer, const Phase& ph,
+                                     unsigned char* buf, uint64_t* bar) {
+  pace_start(s, static_cast<const T*>(base) + layer * layer_elems + ph.offset, buf, ph.bytes, bar, 0);
+}
+template <typename T>
+__device__ __forceinline__ void pace_normed(Pending& s, const void* base, int64_t layer_elems, int layer,
+                                            const Phase& ph, unsigned char* buf, uint64_t* bar, const void* norm,
+                                            int H, unsigned char* nw) {
+  const unsigned nbytes = unsigned(H) * sizeof(T);
+  pace_start(s, static_cast<const T*>(base) + layer * layer_elems + ph.offset, buf, ph.bytes, bar, nbytes);
   bulk_g2s(nw, static_cast<const T*>(norm) + (int64_t)layer * H, nbytes, bar);
 }
 
@@ -1008,7 +1054,8 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   sm.qtile = sm.uni + plan.uni;
   sm.nw = sm.qtile + plan.qtile;
   sm.bars = reinterpret_cast<uint64_t*>(sm.nw + plan.nw);
-  sm.ph = reinterpret_cast<Phases*>(sm.bars + 2);
+  sm.pend = reinterpret_cast<Pending*>(sm.bars + 2);
+  sm.ph = reinterpret_cast<Phases*>(sm.pend + 2);
   sm.plan = reinterpret_cast<AttnPlan*>(sm.ph + 1);
   const Dims d(p);
   const Phases& ph = *sm.ph;
@@ -1026,6 +1073,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
     mbar_init(&sm.bars[0]);
     mbar_init(&sm.bars[1]);
+    sm.pend[0] = sm.pend[1] = Pending{nullptr, nullptr, nullptr, 0, 0};
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     if (!serial) {
       issue_normed<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
@@ -1045,6 +1093,10 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     // QKV: wait for the slice (and ln1 with it: copied a phase ago, it has landed); norm -> A tile in shared
     // memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
     if (serial && issuer) issue_normed<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
+    if (issuer) {
+      pace_pump(&sm.pend[0], ~0u);  // whatever is left of the QKV slice (none at the default pace)
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
     mbar_wait(&sm.bars[0], parity[0], 0);
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 1);
@@ -1055,7 +1107,11 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                    red);
     __syncthreads();  // every warp is done with buffer 0 and has staged its sums
     stamp<kStamps>(p, layer, 3);
-    if (issuer && !serial) issue_normed<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
+    if (issuer && !serial) {
+      pace_normed<T>(sm.pend[0], p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
+      pace_pump(&sm.pend[0], kPacePieces);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
     qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
@@ -1063,6 +1119,10 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     if ((int)blockIdx.x < sm.plan->items) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
     grid_wait(counter, ++epoch);
     stamp<kStamps>(p, layer, 5);
+    if (issuer) {
+      pace_pump(&sm.pend[0], kPacePieces);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
 
     // Attention.
     for (int item = blockIdx.x; item < sm.plan->items; item += gridDim.x) {
@@ -1075,6 +1135,10 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     uint32_t old_resid[2];
     resid_prefetch<T>(p, d, ph.o, old_resid);
     if (serial && issuer) issue<T>(p.w_o, o_layer, layer, ph.o, sm.w1, &sm.bars[1]);
+    if (issuer) {
+      pace_pump(&sm.pend[1], ~0u);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
     mbar_wait(&sm.bars[1], parity[1], 1);
     parity[1] ^= 1;
     stamp<kStamps>(p, layer, 8);
@@ -1082,13 +1146,21 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                      static_cast<const uint4*>(p.attn_frag), p.batch, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 9);
-    if (issuer && !serial) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    if (issuer && !serial) {
+      pace<T>(sm.pend[1], p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+      pace_pump(&sm.pend[1], kPacePieces);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
     residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
 
     // GU: wait for the slice (and ln2 with it); norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the
     // next layer's QKV slice.
     if (serial && issuer) issue_normed<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
+    if (issuer) {
+      pace_pump(&sm.pend[0], ~0u);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
     mbar_wait(&sm.bars[0], parity[0], 2);
     parity[0] ^= 1;
     stamp<kStamps>(p, layer, 12);
@@ -1099,13 +1171,21 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 14);
-    if (issuer && !serial && more) issue_normed<T>(p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
+    if (issuer && !serial) {
+      if (more) pace_normed<T>(sm.pend[0], p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
+      pace_pump(&sm.pend[0], kPacePieces);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
     swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
 
     // DOWN: A from the global row fragments; then buffer 1 takes the next layer's O slice.
     resid_prefetch<T>(p, d, ph.down, old_resid);
     if (serial && issuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    if (issuer) {
+      pace_pump(&sm.pend[1], ~0u);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
     mbar_wait(&sm.bars[1], parity[1], 3);
     parity[1] ^= 1;
     stamp<kStamps>(p, layer, 17);
@@ -1113,7 +1193,11 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
                      static_cast<const uint4*>(p.h_frag), p.batch, red);
     __syncthreads();
     stamp<kStamps>(p, layer, 18);
-    if (issuer && !serial && more) issue<T>(p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+    if (issuer && !serial) {
+      if (more) pace<T>(sm.pend[1], p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+      pace_pump(&sm.pend[1], kPacePieces);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
     residual_epilogue<T>(p, d, ph.down, red, old_resid);
     // Its second stamp (point 20) is the next layer's point 0 (after the last layer: overwritten by the final one).
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 19);
@@ -1152,7 +1236,8 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* 
   const int64_t part_merge = 2LL * G * kMegaMaxPartitions * 4 + G * 4;
   plan->uni = round_up(std::max(std::max(act, red), std::max(ring, std::max(warp_merge, part_merge))), 128);
   plan->qtile = round_up(2LL * (kMegaMaxBatch * (D + 8) + 2 * D), 128);
-  plan->misc = round_up(2 * 8 + (int64_t)sizeof(Phases) + (int64_t)sizeof(AttnPlan), 128);
+  plan->misc = round_up(2 * 8 + 2 * (int64_t)sizeof(Pending) + (int64_t)sizeof(Phases) + (int64_t)sizeof(AttnPlan),
+                        128);
   plan->nw = round_up(2LL * H, 128);
   plan->total = plan->w0 + plan->w1 + plan->uni + plan->qtile + plan->misc + plan->nw;
   return cudaSuccess;

@@ -231,7 +231,7 @@ def partition_plan(seq_lens: list[int], num_kv_heads: int, num_ctas: int,
 def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int, num_ctas: int) -> dict:
     """Shared-memory regions (bytes) of one CTA, as megakernel_smem_plan computes them: w0 (QKV / gate_up slices),
     w1 (o_proj / down slices), uni (norm output, GEMV partial sums, attention ring and merges), qtile, misc
-    (2 mbarriers, the CTA's 4 slices of 24 bytes, the attention plan of 3 + 4 x 16 + 1 ints and the 2 x 16
+    (2 mbarriers, 2 paced-copy states of 32 bytes, the CTA's 4 slices of 24 bytes, the attention plan of 3 + 4 x 16 + 1 ints and the 2 x 16
     int64 positions and slots it copies), nw (the norm weight copied with each QKV / gate_up slice)."""
     def up(x: int) -> int:
         return -(-x // 128) * 128
@@ -243,7 +243,7 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     red_offset = up(16 * act_tile_stride(hidden) * 2)   # the GEMV sums follow the A tile (not over it)
     uni = max(red_offset + WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
               WARPS * group * d * 4 + 2 * WARPS * group * 4, 2 * group * MAX_PARTITIONS * 4 + group * 4)
-    misc = 16 + 96 + 4 * (3 + 4 * MAX_BATCH + 1) + 8 * 2 * MAX_BATCH
+    misc = 16 + 2 * 32 + 96 + 4 * (3 + 4 * MAX_BATCH + 1) + 8 * 2 * MAX_BATCH
     plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(misc), nw=up(2 * hidden))
     plan["total"] = sum(plan.values())
     plan["max_granules"] = max_gran
