@@ -51,6 +51,7 @@ constexpr int kChunk = 16;                     // tokens per attention step of a
 constexpr int kMaxGran = kMegaMaxGranules;
 constexpr int kRound = 8;                      // k-pairs of A fragments a warp holds in registers (O, DOWN)
 constexpr int kMaxVec = kMegaMaxHidden / 8 / 32;  // 16-byte vectors per lane of a norm row
+constexpr int kNormRows = kMegaMaxBatch / kWarps;  // rows of the residual stream one warp normalises
 constexpr unsigned kBulkPiece = 16384;         // bytes per bulk-copy instruction
 constexpr unsigned long long kTimeoutNs = 4000000000ull;  // a wait this long is a bug: trap loudly
 constexpr int kTicketBase = 4;                 // sync words: [0] barrier counter, [4..] merge tickets
@@ -339,42 +340,57 @@ __device__ __noinline__ void norm_to_act(const NormIn in, bool from_embed, const
     const int idx = lane + 32 * j;
     wv[j] = idx < nvec ? reinterpret_cast<const uint4*>(weight)[idx] : make_uint4(0, 0, 0, 0);
   }
-#pragma unroll 1  // one row at a time: two rows' registers at once would spill
-  for (int m = warp; m < in.batch; m += kWarps) {
+  // A warp's rows (two at B > 8) are loaded together: one L2 round trip, not one per row. Out of line, the function
+  // has the registers for both (inlined, two rows' registers spilled).
+  uint4 v[kNormRows][kMaxVec];
+  bool id_ok[kNormRows];
+#pragma unroll
+  for (int r = 0; r < kNormRows; ++r) {
+    const int m = warp + r * kWarps;
+    id_ok[r] = true;
+    if (m >= in.batch) break;
     const T* row = static_cast<const T*>(in.resid) + (int64_t)m * H;
-    bool id_ok = true;
     if (from_embed) {
       const int64_t id = in.ids[m];
-      id_ok = id >= 0 && id < in.vocab;
-      row = static_cast<const T*>(in.embed) + (id_ok ? id : 0) * H;
+      id_ok[r] = id >= 0 && id < in.vocab;
+      row = static_cast<const T*>(in.embed) + (id_ok[r] ? id : 0) * H;
     }
-    uint4 v[kMaxVec];
-    float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
       const int idx = lane + 32 * j;
-      v[j] = make_uint4(0, 0, 0, 0);
+      v[r][j] = make_uint4(0, 0, 0, 0);
       if (idx < nvec) {
         const uint4* src = reinterpret_cast<const uint4*>(row) + idx;
-        v[j] = from_embed ? *src : __ldcg(src);
-        const uint32_t w4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+        v[r][j] = from_embed ? *src : __ldcg(src);
+      }
+    }
+  }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float a = lo_f<T>(w4[e]), b = hi_f<T>(w4[e]);
-          ss += a * a + b * b;
-        }
+  for (int r = 0; r < kNormRows; ++r) {
+    const int m = warp + r * kWarps;
+    if (m >= in.batch) break;
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxVec; ++j) {
+      if (lane + 32 * j >= nvec) continue;
+      const uint32_t w4[4] = {v[r][j].x, v[r][j].y, v[r][j].z, v[r][j].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float a = lo_f<T>(w4[e]), b = hi_f<T>(w4[e]);
+        ss += a * a + b * b;
       }
     }
     ss = warp_sum_xor(ss, 1, 32);
-    const float inv = id_ok ? rsqrtf(ss / H + in.eps) : CUDART_NAN_F;
+    const float inv = id_ok[r] ? rsqrtf(ss / H + in.eps) : CUDART_NAN_F;
     const bool store_resid = from_embed && (m % (int)gridDim.x) == (int)blockIdx.x;
     uint4* dst = reinterpret_cast<uint4*>(act + m * AS);
 #pragma unroll
     for (int j = 0; j < kMaxVec; ++j) {
       const int idx = lane + 32 * j;
       if (idx >= nvec) continue;
-      if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(in.resid) + (int64_t)m * H)[idx] = v[j];
-      const uint32_t x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w}, g4[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+      if (store_resid) reinterpret_cast<uint4*>(static_cast<T*>(in.resid) + (int64_t)m * H)[idx] = v[r][j];
+      const uint32_t x4[4] = {v[r][j].x, v[r][j].y, v[r][j].z, v[r][j].w},
+                     g4[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
       uint32_t o4[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e)  // as rms_norm_ref: x * rsqrt(mean + eps), times the weight, one rounding
