@@ -66,3 +66,22 @@ def test_bad_shapes_raise(ops, n, k, splits, match):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=match):
         ops.skinny_gemm(x, w, splits)
+
+
+def test_l2_prefetch_changes_nothing(ops):
+    """l2_prefetch (scripts/gemm_l2_probe.py) only asks L2 for bytes: tensors and a product read after it are
+    unchanged, and a list it cannot take is refused with a message."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for n, k in SHAPES]
+    before = [w.clone() for w in ws]
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = x @ ws[0].T
+    ops.l2_prefetch(ws)
+    ops.l2_prefetch([])
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(ws, before))
+    assert torch.equal(x @ ws[0].T, ref)
+    with pytest.raises((ValueError, RuntimeError), match="at most 8"):
+        ops.l2_prefetch([ws[0]] * 9)
+    with pytest.raises((ValueError, RuntimeError), match="contiguous"):
+        ops.l2_prefetch([ws[0].T])
