@@ -8,17 +8,18 @@ prefetched (an l2_prefetch launch for the next product's weights ahead of each p
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
+from gemm_sweep import (  # scripts/ is on the path when run as a script
+    LAYERS,
+    SHAPES,
+    decode_weights,
+    emit,
+)
 
-from minillm.fingerprint import stamp
 from minillm.ops.build import load_extension
 from minillm.ops.check import _time_graph
-
-SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}   # (N, K)
-LAYERS = 28
 
 
 def per_shape(m: int, weights: dict) -> dict:
@@ -31,9 +32,12 @@ def per_shape(m: int, weights: dict) -> dict:
         def us(fns) -> float:
             return round(_time_graph(fns) * 1000, 2)
 
-        row[f"{name}_cold_us"] = us([lambda w=w: F.linear(x, w) for w in ws])
-        row[f"{name}_hot_us"] = us([lambda: F.linear(x, ws[0]) for _ in ws])
-        row[f"{name}_pf1_us"] = us([lambda i=i: (pf([ws[(i + 1) % LAYERS]]), F.linear(x, ws[i])) for i in range(LAYERS)])
+        def prefetched(i, x=x, ws=ws):   # the next product's weights asked for, then this product
+            return lambda: (pf([ws[(i + 1) % LAYERS]]), F.linear(x, ws[i]))
+
+        row[f"{name}_cold_us"] = us([lambda w=w, x=x: F.linear(x, w) for w in ws])
+        row[f"{name}_hot_us"] = us([lambda w=ws[0], x=x: F.linear(x, w) for _ in ws])
+        row[f"{name}_pf1_us"] = us([prefetched(i) for i in range(LAYERS)])
         row[f"{name}_pf_only_us"] = us([lambda w=w: pf([w]) for w in ws])
     return row
 
@@ -61,15 +65,10 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     load_extension()
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-               for name, (n, k) in SHAPES.items()}
+    weights = decode_weights()
     for m in (1, 8, 32, 64, 128, 256):
-        row = {"bench": "decode gemm vs L2 residency (cuBLAS)", "m": m, **per_shape(m, weights),
-               **layer_chain(m, weights)}
-        print(json.dumps(row), flush=True)
-        if args.output:
-            with open(args.output, "a") as f:
-                f.write(json.dumps({**row, **stamp()}) + "\n")
+        emit({"bench": "decode gemm vs L2 residency (cuBLAS)", "m": m, **per_shape(m, weights),
+              **layer_chain(m, weights)}, args.output)
 
 
 if __name__ == "__main__":

@@ -46,20 +46,29 @@ def sweep_row(m: int, weights: dict, sms: int) -> dict:
     return row
 
 
+def decode_weights() -> dict:
+    """LAYERS distinct bf16 weights per shape (several times the L2 together)."""
+    return {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+            for name, (n, k) in SHAPES.items()}
+
+
+def emit(row: dict, output: str | None) -> None:
+    """Print a result line; append it with the GPU fingerprint and commit to `output` when given."""
+    print(json.dumps(row), flush=True)
+    if output:
+        with open(output, "a") as f:
+            f.write(json.dumps({**row, **stamp()}) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     load_extension()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-               for name, (n, k) in SHAPES.items()}
+    weights = decode_weights()
     for m in (1, 8, 16, 32, 64, 128, 192, 256):
-        row = {"bench": "decode gemm, 28 weights per shape", **sweep_row(m, weights, sms)}
-        print(json.dumps(row), flush=True)
-        if args.output:
-            with open(args.output, "a") as f:
-                f.write(json.dumps({**row, **stamp()}) + "\n")
+        emit({"bench": "decode gemm, 28 weights per shape", **sweep_row(m, weights, sms)}, args.output)
 
 
 if __name__ == "__main__":
