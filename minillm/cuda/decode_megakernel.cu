@@ -436,6 +436,7 @@ __device__ __forceinline__ void gemv_stage(const float (&acc)[kMaxGran][4], int 
 // warps' partial sums are added in gemv_sum. Here A is the CTA's own norm output, the shared tile of norm_to_act:
 // for ldmatrix.x4 lane l gives the address of row l % 16 at column 8 (l / 16) of the k-step, so its four 8x8
 // matrices are rows 0-7 | 8-15 at k 0-7, then rows 0-7 | 8-15 at k 8-15: the A registers a0..a3 of m16n8k16.
+// Out of line, one copy for QKV and gate_up (the kernel's loop must fit the instruction caches), staging its sums.
 template <typename T>
 __device__ __noinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpairs, const T* act, int AS, float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -463,10 +464,10 @@ __device__ __noinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpairs,
 // Granules are a runtime loop (one accumulator, carried in `red` from one round of loads to the next, so every sum
 // runs in k order as one register chain did): o_proj and down_proj have at most one or two granules per CTA, and
 // the version unrolled over kMaxGran granules compiled to ~1,500 instructions per call site, most of them skipped
-// and all of them fetched again every layer (the kernel's layer loop is larger than the instruction caches).
+// and all of them fetched again every layer (the layer loop was larger than the instruction caches; round 4).
 template <typename T>
 __device__ __noinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a, int batch,
-                                              float4* red) {
+                                           float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
   if (kp_begin >= kp_end) {  // no k-pairs for this warp (K < 256): its share of every sum is zero
