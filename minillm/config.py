@@ -122,6 +122,9 @@ class KernelConfig:
     megakernel_max_batch: int = 16
     megakernel_max_tokens: int = 32768
     megakernel_min_chunks: int = 8
+    # minillm's kernels launched with programmatic dependent launch (sm_90+, minillm/ops/launch.py): each may be
+    # scheduled while the kernel before it finishes. Results are the same either way.
+    pdl: bool = True
 
     def validate(self) -> None:
         _check(self.backend in ("auto", "cuda", "torch"), "kernels.backend", self.backend,
@@ -178,7 +181,7 @@ class EngineConfig:
         "decode_ctas_per_sm": ("kernels", "decode_ctas_per_sm"), "megakernel": ("kernels", "megakernel"),
         "megakernel_max_batch": ("kernels", "megakernel_max_batch"),
         "megakernel_max_tokens": ("kernels", "megakernel_max_tokens"),
-        "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"),
+        "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"), "pdl": ("kernels", "pdl"),
     }
 
     @classmethod

@@ -56,6 +56,15 @@ def test_cuda_graphs_match_eager(tiny):
     assert_equal_up_to_near_ties(greedy(engine(tiny, attention="cuda")), ref_llm, greedy(ref_llm))
 
 
+def test_pdl_launches_change_no_token(tiny):
+    """kernels.pdl (programmatic dependent launch, sm_90+) only lets launches overlap: graph and eager steps give
+    exactly the tokens of plain launches."""
+    on, off = engine(tiny, pdl=True), engine(tiny, pdl=False)
+    assert on.engine.runner.kernels.pdl == (torch.cuda.get_device_capability()[0] >= 9)
+    assert not off.engine.runner.kernels.pdl
+    assert greedy(on) == greedy(off)
+
+
 def test_unified_mode_matches_split(tiny):
     ref_llm = engine(tiny, attention="cuda", enforce_eager=True)
     assert_equal_up_to_near_ties(greedy(engine(tiny, attention="cuda", attention_mode="unified",

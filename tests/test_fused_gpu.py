@@ -547,3 +547,41 @@ def test_bad_arguments_raise_value_error(ops):
         ops.sample_exponential_race(x.float(), torch.ones(4, device="cuda"), -1, 0)
     with pytest.raises(ValueError, match="logits"):
         ops.sample_exponential_race(x.double(), torch.ones(4, device="cuda"), 0, 0)
+
+
+def _norm_chain(ops, x, resid, w, steps):
+    """`steps` fused add + RMSNorm kernels back to back, each reading what the one before it has just written."""
+    for _ in range(steps):
+        x, resid = ops.fused_add_rms_norm(x, resid, w, 1e-6)
+    return ops.silu_and_mul(torch.cat([x, resid], dim=1)), resid
+
+
+def test_pdl_launches_give_the_plain_results_eagerly_and_in_a_graph(ops):
+    """With programmatic dependent launch (minillm/ops/launch.py) a kernel may be scheduled before the one it reads
+    from has finished; its pdl_wait makes it wait for that grid's writes. A chain of 64 dependent kernels,
+    eagerly and captured in a CUDA graph, gives bit for bit the results of plain launches; and the setting is
+    per block (the previous one comes back)."""
+    from minillm.ops.launch import pdl_launches
+
+    g = torch.Generator("cuda").manual_seed(5)
+    x, resid = (torch.randn(37, 1024, generator=g, device="cuda").bfloat16() for _ in range(2))
+    w = torch.rand(1024, generator=g, device="cuda").bfloat16() + 0.5
+    ref = _norm_chain(ops, x, resid, w, 64)
+    with pdl_launches(True):
+        assert ops.set_pdl_launches(True) is True   # inside: on
+        eager = _norm_chain(ops, x, resid, w, 64)
+        static_x, static_r = x.clone(), resid.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _norm_chain(ops, static_x, static_r, w, 64)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = _norm_chain(ops, static_x, static_r, w, 64)
+    assert ops.set_pdl_launches(False) is False     # outside: off again
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for got in (eager, static_out):
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -27,9 +27,13 @@ def test_cpu_resolves_to_torch_and_cuda_is_a_config_error():
 
 def test_gpu_with_kernels(monkeypatch):
     monkeypatch.setattr(build, "load_extension", lambda: object())
+    monkeypatch.setattr(choice, "_pdl_supported", lambda device: True)
     k = resolve_kernels(cfg(skinny_gemm=False, decode_ctas_per_sm=4), GPU)
-    assert (k.cuda, k.attention, k.skinny_gemm, k.decode_ctas_per_sm, k.megakernel_max_batch) == \
-        (True, "cuda", False, 4, 16)
+    assert (k.cuda, k.attention, k.skinny_gemm, k.decode_ctas_per_sm, k.megakernel_max_batch, k.pdl) == \
+        (True, "cuda", False, 4, 16, True)
+    assert not resolve_kernels(cfg(pdl=False), GPU).pdl
+    monkeypatch.setattr(choice, "_pdl_supported", lambda device: False)   # before sm_90
+    assert not resolve_kernels(cfg(), GPU).pdl
     # --attention torch alone means the torch path; with kernels=cuda, only attention leaves the kernels
     assert resolve_kernels(cfg(attention="torch"), GPU) == KernelChoice.torch_only()
     k = resolve_kernels(cfg(attention="torch", kernels="cuda"), GPU)
@@ -58,7 +62,7 @@ def test_record_names_every_choice():
     rec = KernelChoice.torch_only().record()
     assert set(rec) == {"cuda_ops", "attention", "attention_mode", "skinny_gemm", "decode_min_partitions",
                         "decode_ctas_per_sm", "megakernel_max_batch", "megakernel_max_tokens", "megakernel_min_chunks",
-                        "unavailable"}
+                        "pdl", "unavailable"}
 
 
 def test_environment_aliases_are_config(monkeypatch):

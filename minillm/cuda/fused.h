@@ -21,6 +21,10 @@ constexpr int kMaxHeadDim = 256;
 // The sampler indexes columns with 32-bit ints.
 constexpr int64_t kMaxVocab = 2147483647;
 
+// Whether this thread's later launches of minillm's kernels ask for programmatic dependent launch (launch.h);
+// returns the previous setting. launch.cu.
+bool set_pdl_launches(bool on);
+
 // y[t] = x[t] / rms(x[t]) * weight. x rows start x_row_stride elements apart; y is contiguous [rows, hidden].
 cudaError_t launch_rms_norm(const void* x, int64_t x_row_stride, const void* weight, void* y, int64_t rows,
                             int64_t hidden, float eps, ScalarType dtype, cudaStream_t stream);

@@ -6,6 +6,7 @@
 // activation dtype: silu is computed in fp32 and rounded, then the product is rounded.
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/fused_act.cu
 #include "fused.h"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -16,6 +17,7 @@ constexpr int kMaxThreads = 512;
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads)
     silu_and_mul_kernel(const T* __restrict__ gate_up, int64_t in_stride, T* __restrict__ out, int inter) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   const int64_t row = blockIdx.x;
   const T* gate = gate_up + row * in_stride;
   const T* up = gate + inter;
@@ -38,8 +40,8 @@ cudaError_t launch(const T* gate_up, int64_t in_stride, T* out, int64_t rows, in
   const int nvec = inter / VEC;
   int threads = (nvec + 31) / 32 * 32;
   threads = threads > kMaxThreads ? kMaxThreads : threads;
-  silu_and_mul_kernel<T, VEC><<<rows, threads, 0, stream>>>(gate_up, in_stride, out, inter);
-  return cudaGetLastError();
+  return launch_kernel(silu_and_mul_kernel<T, VEC>, dim3(rows), dim3(threads), 0, stream, gate_up, in_stride, out,
+                       inter);
 }
 
 }  // namespace

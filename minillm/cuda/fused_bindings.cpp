@@ -335,6 +335,10 @@ void l2_prefetch(at::TensorList tensors) {
   check_launch(minillm::launch_l2_prefetch(list, sms, at::cuda::getCurrentCUDAStream()), "l2_prefetch");
 }
 
+// Whether this thread's later launches of minillm's kernels use programmatic dependent launch (launch.h);
+// returns the previous setting. minillm/ops/launch.py wraps it.
+bool set_pdl_launches(bool on) { return minillm::set_pdl_launches(on); }
+
 // Shape-only twins for torch.compile's fake tensors.
 Tensor rms_norm_meta(const Tensor& x, const Tensor&, double) { return at::empty(x.sizes(), x.options()); }
 
@@ -385,6 +389,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
   m.def("l2_prefetch(Tensor[] tensors) -> ()");
+  m.def("set_pdl_launches(bool on) -> bool", &set_pdl_launches);  // no tensor: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {

@@ -8,6 +8,7 @@
 // the norm, y = round((x * inv_rms) * w).
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/fused_norm.cu
 #include "fused.h"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -46,6 +47,7 @@ __device__ __forceinline__ float row_sum(float v, float* red) {
 
 template <typename T, int VEC, int VPT, bool ADD>
 __global__ void __launch_bounds__(kMaxRowThreads) rms_norm_kernel(const NormArgs<T> a) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   __shared__ float red[kMaxRowThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   // Rows past the end still join the reduction (it synchronises the CTA) but touch no memory.
@@ -92,8 +94,7 @@ cudaError_t launch_with_vpt(const NormArgs<T>& a, cudaStream_t stream) {
   const int tpr = next_pow2((nvec + VPT - 1) / VPT);
   const int rows_per_cta = tpr >= kCtaThreads ? 1 : kCtaThreads / tpr;
   const int64_t grid = (a.rows + rows_per_cta - 1) / rows_per_cta;
-  rms_norm_kernel<T, VEC, VPT, ADD><<<grid, dim3(tpr, rows_per_cta), 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_kernel(rms_norm_kernel<T, VEC, VPT, ADD>, dim3(grid), dim3(tpr, rows_per_cta), 0, stream, a);
 }
 
 template <bool ADD>

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "fused.h"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -78,6 +79,7 @@ __device__ __forceinline__ T* head_dst(const QkNormRopeArgs& a, int64_t token, i
 // tph: threads per head (a power of two, chosen by launch_k).
 template <typename T, int VEC, int K, bool NORM>
 __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const QkNormRopeArgs a, int tph) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   const int heads = a.num_heads + 2 * a.num_kv_heads;
   const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / tph;
   const int lane = threadIdx.x % tph;
@@ -142,12 +144,8 @@ cudaError_t launch_k(const QkNormRopeArgs& a, bool norm, cudaStream_t stream) {
   const int tph = next_pow2((pairs + K - 1) / K);
   const int64_t groups = a.num_tokens * (a.num_heads + 2 * a.num_kv_heads);
   const int64_t grid = (groups * tph + kCtaThreads - 1) / kCtaThreads;
-  if (norm) {
-    qk_norm_rope_kernel<T, VEC, K, true><<<grid, kCtaThreads, 0, stream>>>(a, tph);
-  } else {
-    qk_norm_rope_kernel<T, VEC, K, false><<<grid, kCtaThreads, 0, stream>>>(a, tph);
-  }
-  return cudaGetLastError();
+  return launch_kernel(norm ? qk_norm_rope_kernel<T, VEC, K, true> : qk_norm_rope_kernel<T, VEC, K, false>,
+                       dim3(grid), dim3(kCtaThreads), 0, stream, a, tph);
 }
 
 }  // namespace

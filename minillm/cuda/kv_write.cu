@@ -4,6 +4,7 @@
 // Slots of -1 (padding rows of a CUDA-graph batch) are skipped. Pure copy: the result is bit-exact.
 #include "attention.h"
 #include "common.cuh"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -13,6 +14,7 @@ __global__ void kv_write_kernel(const uint4* __restrict__ k, const uint4* __rest
                                 uint4* __restrict__ k_cache, uint4* __restrict__ v_cache,
                                 const int64_t* __restrict__ slot_mapping, int num_tokens, int num_heads,
                                 int chunks_per_row) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   // Strides arrive in 16-byte chunks (the launcher checked divisibility).
   const int64_t chunks_per_token = (int64_t)num_heads * chunks_per_row;
   const int64_t total = (int64_t)num_tokens * chunks_per_token;
@@ -48,12 +50,11 @@ cudaError_t launch_kv_write(const void* k, const void* v, int64_t k_stride_t, in
   constexpr int kThreads = 256;
   // Cap the grid; the grid-stride loop covers the rest (a few waves of CTAs per SM is plenty for a copy).
   const int blocks = (int)((total + kThreads - 1) / kThreads < 4096 ? (total + kThreads - 1) / kThreads : 4096);
-  kv_write_kernel<<<blocks, kThreads, 0, stream>>>(
-      static_cast<const uint4*>(k), static_cast<const uint4*>(v), k_stride_t / kElemsPerChunk,
-      k_stride_h / kElemsPerChunk, v_stride_t / kElemsPerChunk, v_stride_h / kElemsPerChunk,
-      static_cast<uint4*>(k_cache), static_cast<uint4*>(v_cache), slot_mapping, num_tokens, num_heads,
+  return launch_kernel(
+      kv_write_kernel, dim3(blocks), dim3(kThreads), 0, stream, static_cast<const uint4*>(k),
+      static_cast<const uint4*>(v), k_stride_t / kElemsPerChunk, k_stride_h / kElemsPerChunk,
+      v_stride_t / kElemsPerChunk, v_stride_h / kElemsPerChunk, static_cast<uint4*>(k_cache), static_cast<uint4*>(v_cache), slot_mapping, num_tokens, num_heads,
       chunks_per_row);
-  return cudaGetLastError();
 }
 
 }  // namespace minillm

@@ -28,6 +28,7 @@
 
 #include "attention.h"
 #include "common.cuh"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -84,6 +85,7 @@ template <typename T, int D, int BS>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
                         float* __restrict__ ws_max, float* __restrict__ ws_sum) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   constexpr int CH = D / 8, KS = D / 16, DT = D / 8, SLOT = stage_elems<D>();
   static_assert(BS % kChunk == 0, "block size must be a multiple of the chunk");
   extern __shared__ uint4 ring_smem[];
@@ -251,6 +253,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kReduceWarps * 32)
     decode_reduce_kernel(PagedAttnArgs a, int partition_size, int num_partitions, const float* __restrict__ ws_out,
                          const float* __restrict__ ws_max, const float* __restrict__ ws_sum) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   constexpr int DPL = D / 32;  // output dims per lane
   const int s = blockIdx.y, h = blockIdx.x * kReduceWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (h >= a.num_q_heads) return;
@@ -293,13 +296,13 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
   const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  paged_decode_kernel<T, D, BS><<<grid, kWarps * 32, smem, stream>>>(a, partition_size, ws_out, ws_max, ws_sum);
-  if (partition_size != 0) {
-    const dim3 reduce_grid((a.num_q_heads + kReduceWarps - 1) / kReduceWarps, a.num_seqs);
-    decode_reduce_kernel<T, D><<<reduce_grid, kReduceWarps * 32, 0, stream>>>(a, partition_size, num_partitions,
-                                                                               ws_out, ws_max, ws_sum);
-  }
-  return cudaGetLastError();
+  const cudaError_t err = launch_kernel(paged_decode_kernel<T, D, BS>, grid, dim3(kWarps * 32), smem, stream, a,
+                                        partition_size, ws_out, ws_max, ws_sum);
+  if (err != cudaSuccess || partition_size == 0) return err;
+  const dim3 reduce_grid((a.num_q_heads + kReduceWarps - 1) / kReduceWarps, a.num_seqs);
+  return launch_kernel(decode_reduce_kernel<T, D>, reduce_grid, dim3(kReduceWarps * 32), 0, stream, a,
+                       partition_size, num_partitions, static_cast<const float*>(ws_out),
+                       static_cast<const float*>(ws_max), static_cast<const float*>(ws_sum));
 }
 
 template <typename T>

@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "common.cuh"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -60,6 +61,7 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int (
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
     paged_prefill_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   constexpr int CH = D / 8, KS = D / 16, NT = kBN / 8, DT = D / 8;
   extern __shared__ uint4 smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -197,8 +199,7 @@ cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, 
       paged_prefill_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>());
   if (attr != cudaSuccess) return attr;
   const dim3 grid((max_query_len + kBM - 1) / kBM, a.num_q_heads, a.num_seqs);
-  paged_prefill_kernel<T, D><<<grid, kThreads, smem_bytes<D>(), stream>>>(a, qsl, seq_begin);
-  return cudaGetLastError();
+  return launch_kernel(paged_prefill_kernel<T, D>, grid, dim3(kThreads), smem_bytes<D>(), stream, a, qsl, seq_begin);
 }
 
 }  // namespace

@@ -39,6 +39,7 @@
 #include <cmath>
 
 #include "fused.h"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -240,6 +241,7 @@ __global__ void __launch_bounds__(kThreads)
                             const float* __restrict__ inv_temperature, int64_t* __restrict__ out, int vocab,
                             int split_chunks, Best* partials, unsigned int* tickets, uint2 key, uint32_t offset_lo,
                             uint32_t offset_hi) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   const uint32_t row = blockIdx.x;
   const int chunks = (vocab + kChunkCols<T, VEC> - 1) / kChunkCols<T, VEC>;
   const int begin = static_cast<int>(blockIdx.y) * split_chunks;
@@ -300,14 +302,9 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
   }
   const dim3 grid(static_cast<unsigned int>(rows), static_cast<unsigned int>(used));
   const int v = static_cast<int>(vocab), sc = static_cast<int>(split_chunks);
-  if (vec) {
-    exponential_race_kernel<T, true><<<grid, threads, 0, stream>>>(logits, row_stride, inv_temperature, out, v, sc,
-                                                                    partials, tickets, key, lo, hi);
-  } else {
-    exponential_race_kernel<T, false><<<grid, threads, 0, stream>>>(logits, row_stride, inv_temperature, out, v, sc,
-                                                                     partials, tickets, key, lo, hi);
-  }
-  return cudaGetLastError();
+  return launch_kernel(vec ? exponential_race_kernel<T, true> : exponential_race_kernel<T, false>, grid,
+                       dim3(threads), 0, stream, logits, row_stride, inv_temperature, out, v, sc, partials, tickets,
+                       key, lo, hi);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 
 #include "common.cuh"
 #include "gemm.h"
+#include "launch.h"
 
 namespace minillm {
 namespace {
@@ -67,6 +68,7 @@ template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads)
     skinny_gemm_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, int64_t ldw, T* __restrict__ y,
                        int64_t ldy, int M, int K) {
+  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Tl = Tiling<MT>;
   extern __shared__ uint4 smem_raw[];
@@ -171,19 +173,13 @@ cudaError_t launch_tiled(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y,
   const cudaError_t opt_in =
       cudaFuncSetAttribute(skinny_gemm_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(N / kGemmTileN, (M + MT - 1) / MT, splits);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = splits;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, skinny_gemm_kernel<T, MT>, x, ldx, w, ldw, y, ldy, M, K);
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = splits;
+  return launch_kernel_with(&cluster, 1, skinny_gemm_kernel<T, MT>, dim3(N / kGemmTileN, (M + MT - 1) / MT, splits),
+                            dim3(kThreads), smem, stream, x, ldx, w, ldw, y, ldy, M, K);
 }
 
 template <typename T>

@@ -29,6 +29,7 @@ class KernelChoice:
     megakernel_max_batch: int = 0    # decode steps up to this many rows run the persistent kernel (0 = never) ...
     megakernel_max_tokens: int = 0   # ... when their contexts total at most this many tokens
     megakernel_min_chunks: int = 8
+    pdl: bool = False                # kernels launched with programmatic dependent launch (minillm/ops/launch.py)
     unavailable: str | None = None   # why the CUDA kernels do not run although kernels.backend allowed them
 
     @classmethod
@@ -70,7 +71,14 @@ def resolve_kernels(cfg: EngineConfig, device) -> KernelChoice:
     return KernelChoice(cuda=True, attention=attention, attention_mode=rt.attention_mode, skinny_gemm=k.skinny_gemm,
                         decode_min_partitions=k.decode_min_partitions, decode_ctas_per_sm=k.decode_ctas_per_sm,
                         megakernel_max_batch=k.megakernel_max_batch if k.megakernel and attention == "cuda" else 0,
-                        megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks)
+                        megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks,
+                        pdl=k.pdl and _pdl_supported(device))
+
+
+def _pdl_supported(device) -> bool:
+    from minillm.ops.launch import pdl_supported
+
+    return pdl_supported(device)
 
 
 _warned: set[str] = set()

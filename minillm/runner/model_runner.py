@@ -19,6 +19,7 @@ from minillm.device import resolve_device, resolve_dtype
 from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model
 from minillm.ops.choice import resolve_kernels
+from minillm.ops.launch import pdl_launches
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import choose_num_blocks
 from minillm.runner.request_state import CachedRequest, RequestStates
@@ -71,10 +72,11 @@ class ModelRunner:
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
         self.states = RequestStates()
-        self.graphs = self._capture_graphs()
-        self.mega_graphs = self._capture_megakernel()
-        if self.device.type == "cuda":
-            warm_up_shapes(self)
+        with self._launches():   # graphs keep the launch mode they were captured with
+            self.graphs = self._capture_graphs()
+            self.mega_graphs = self._capture_megakernel()
+            if self.device.type == "cuda":
+                warm_up_shapes(self)
         # Two pinned buffers for sampled ids, used in turn: the copy of step N's tokens may still be pending
         # while step N-1's are read (async scheduling).
         pin = self.device.type == "cuda"
@@ -144,12 +146,20 @@ class ModelRunner:
         """One synchronous step: launch it and wait for its tokens."""
         return self.resolve(self.launch(so, None, prof), prof)
 
+    def _launches(self):
+        """The launch mode of this engine's kernels (programmatic dependent launch where the KernelChoice says)."""
+        return pdl_launches(self.kernels.pdl)
+
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: InFlight | None, prof=None) -> InFlight:
         """Queue the step's GPU work (inputs, forward, sampling) and return without waiting for it.
 
         `prev`: the step still in flight, whose sampled tokens feed this step's placeholder inputs.
         """
+        with self._launches():
+            return self._launch(so, prev, prof)
+
+    def _launch(self, so: SchedulerOutput, prev: InFlight | None, prof) -> InFlight:
         self.update_states(so)
         reqs = self.states.rows(so.req_ids)
         step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
