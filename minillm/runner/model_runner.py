@@ -146,9 +146,12 @@ class ModelRunner:
         """One synchronous step: launch it and wait for its tokens."""
         return self.resolve(self.launch(so, None, prof), prof)
 
-    def _launches(self):
-        """The launch mode of this engine's kernels (programmatic dependent launch where the KernelChoice says)."""
-        return pdl_launches(self.kernels.pdl)
+    def _launches(self, megakernel_step: bool = False):
+        """The launch mode of this engine's kernels: programmatic dependent launch where the KernelChoice says,
+        except around a megakernel step. There the only kernel it would reach is the sampler after the LM head,
+        and in interleaved A/B runs such steps took 1-3% longer with it (B = 1-8, H200, 7d4936f), while graph-path
+        steps took 1-2% less (B = 32-256)."""
+        return pdl_launches(self.kernels.pdl and not megakernel_step)
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: InFlight | None, prof=None) -> InFlight:
@@ -156,10 +159,6 @@ class ModelRunner:
 
         `prev`: the step still in flight, whose sampled tokens feed this step's placeholder inputs.
         """
-        with self._launches():
-            return self._launch(so, prev, prof)
-
-    def _launch(self, so: SchedulerOutput, prev: InFlight | None, prof) -> InFlight:
         self.update_states(so)
         reqs = self.states.rows(so.req_ids)
         step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
@@ -167,13 +166,19 @@ class ModelRunner:
         if prof is not None:
             prof.mark("build")
         decode_only = meta.num_decodes == meta.num_seqs
-        if decode_only and self.mega_graphs is not None and self.mega_graphs.bucket(meta.num_seqs) \
-                and sum(meta.seq_lens_cpu) <= self.kernels.megakernel_max_tokens:
-            hidden = self.mega_graphs.replay(step.input_ids, step.positions, meta)
-        elif decode_only and self.graphs is not None and self.graphs.bucket(meta.num_seqs):
-            hidden = self.graphs.replay(step.input_ids, step.positions, meta)
-        else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+        mega = decode_only and self.mega_graphs is not None and self.mega_graphs.bucket(meta.num_seqs) \
+            and sum(meta.seq_lens_cpu) <= self.kernels.megakernel_max_tokens
+        with self._launches(mega):
+            if mega:
+                hidden = self.mega_graphs.replay(step.input_ids, step.positions, meta)
+            elif decode_only and self.graphs is not None and self.graphs.bucket(meta.num_seqs):
+                hidden = self.graphs.replay(step.input_ids, step.positions, meta)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+            return self._sample(so, reqs, step, hidden, prof)
+
+    def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof) -> InFlight:
+        """The LM head and the sampler over the step's sampled rows, and the copy of their tokens to the host."""
         sampled = reqs if all(so.sample) else list(compress(reqs, so.sample))
         if not sampled:
             # Nothing to sample (a prompt chunk in mid-prompt), but resolve() must still wait for this step: the
@@ -182,7 +187,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices], keep_dtype=True)
         if prof is not None:
             prof.mark("forward")
-        seq_lens = meta.seq_lens_cpu if len(sampled) == len(reqs) else list(compress(meta.seq_lens_cpu, so.sample))
+        seq_lens = step.meta.seq_lens_cpu
+        if len(sampled) != len(reqs):
+            seq_lens = list(compress(seq_lens, so.sample))
         result = self.sampler(logits, self.sampling.get(sampled, seq_lens))
         return InFlight(so.sampled_req_ids(), result.token_ids, result.logprobs,
                         *self._copy_to_host(result.token_ids), sampled=sampled)
