@@ -32,6 +32,7 @@ from minillm.attention import make_attention_backend  # noqa: E402
 from minillm.attention.metadata import AttentionMetadata  # noqa: E402
 from minillm.bench.floor import measure_copy_bandwidth  # noqa: E402
 from minillm.bench import megakernel_timeline  # noqa: E402
+from minillm.config import KernelConfig  # noqa: E402
 from minillm.fingerprint import stamp  # noqa: E402
 from minillm.model.loader import load_model  # noqa: E402
 from minillm.ops.build import load_extension  # noqa: E402
@@ -133,8 +134,10 @@ def main() -> int:
     dev, bs = torch.device("cuda"), args.block_size
     torch.manual_seed(0)
     t0 = time.time()
+    defaults = KernelConfig()   # the graph path as the engine runs it
     kernels = KernelChoice(cuda=True, attention="cuda", attention_mode="split", skinny_gemm=True,
-                           decode_min_partitions=1, decode_ctas_per_sm=8)   # the engine's defaults
+                           decode_min_partitions=defaults.decode_min_partitions,
+                           decode_ctas_per_sm=defaults.decode_ctas_per_sm)
     load_extension()
     backend = make_attention_backend(kernels)
     model, arch, _ = load_model(args.model, "dummy", torch.bfloat16, dev, backend, seed=0, kernels=kernels)

@@ -69,9 +69,10 @@ def test_dispatcher_equal_split_k_policy():
     assert decode_partition_size(8, 8, 200, num_sms=132) == 0         # too short to split
     # large batches fill the GPU unsplit (v1); smaller ones get just enough partitions for the CTA target
     assert decode_partition_size(512, 8, 1024, num_sms=132) == (0 if MIN_PARTITIONS <= 1 else -MIN_PARTITIONS)
-    for batch in (128, 64, 32):
-        fill = math.ceil(CTAS_PER_SM_TARGET * 132 / (batch * 8))
-        assert decode_partition_size(batch, 8, 2048, num_sms=132) == -max(MIN_PARTITIONS, fill)
+    for batch in (128, 64, 32, 8):
+        parts = max(MIN_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / (batch * 8)))
+        assert decode_partition_size(batch, 8, 2048, num_sms=132) == (0 if parts <= 1 else -parts)
+    assert decode_partition_size(8, 8, 2048, num_sms=132, ctas_per_sm=8) == -17   # ceil(8 * 132 / 64)
     # tiny batches: enough partitions to give every SM its CTAs, up to the cap
     assert decode_partition_size(1, 8, 8192, num_sms=132) == -MAX_EQUAL_PARTITIONS
     parts = -decode_partition_size(4, 8, 4096, num_sms=132)

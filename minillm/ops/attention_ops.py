@@ -17,13 +17,15 @@ from minillm.ops.build import load_extension
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into just enough partitions (each >= 256 tokens, the kernel's rule, so a
 # short context uses fewer) for the grid to give every SM CTAS_PER_SM_TARGET CTAs, and at least MIN_PARTITIONS.
-# The tensor-core kernel fits two CTAs per SM, so 8 is about four waves, which the ragged sweep of 317eff9 favours:
-# 256 sequences of 100-2048 tokens run best unsplit (4.16 TB/s, five partitions 3.98), 128 with two (3.95 vs
-# 3.88), 64 with three (3.54) and 32 with five (3.12; results/decode_sweep.jsonl). Tiny batches of long contexts
-# want many more (B=1, 8k tokens: 32 partitions). Both numbers are config keys (kernels.decode_min_partitions,
-# kernels.decode_ctas_per_sm) with these defaults, so an A/B timing needs no rebuild.
+# The kernel alone favoured ~4 waves (8 CTAs per SM; the ragged sweep of 317eff9 in results/decode_sweep.jsonl:
+# 64 sequences best with three partitions, 3.54 TB/s). In whole decode steps, where every split also costs the
+# reduce kernel, 2 CTAs per SM (one wave at the kernel's two resident CTAs) is faster: interleaved engine runs at
+# 88c3857 (H200, 128-token prompts, 512 steps) gave B=64 2.04 against 2.20 ms per step (one partition against
+# three), B=128 2.81-2.84 against 2.99-3.00 (one against two), B=32 1.76-1.77 against 1.78-1.79. Tiny batches of
+# long contexts still get many (B=1, 8k tokens: 32 partitions). Both numbers are config keys
+# (kernels.decode_min_partitions, kernels.decode_ctas_per_sm) with these defaults, so an A/B needs no rebuild.
 MIN_PARTITIONS = 1
-CTAS_PER_SM_TARGET = 8
+CTAS_PER_SM_TARGET = 2
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
