@@ -112,7 +112,7 @@ class KernelConfig:
     # Split-K of the decode attention kernel: cut every sequence into enough partitions that the grid gives each
     # SM decode_ctas_per_sm CTAs, and at least decode_min_partitions (minillm/ops/attention_ops.py).
     decode_min_partitions: int = 1
-    decode_ctas_per_sm: int = 2
+    decode_ctas_per_sm: int = 1
     # Decode steps of up to megakernel_max_batch rows whose contexts total at most megakernel_max_tokens run all
     # decoder layers in one persistent kernel (minillm/ops/megakernel.py) where it covers the model and GPU
     # (sm_90): measured faster than the graph path at every B <= 16 and context <= 2048 (e8f4571; 16 x 2048 =

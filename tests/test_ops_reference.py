@@ -74,7 +74,9 @@ def test_dispatcher_equal_split_k_policy():
         assert decode_partition_size(batch, 8, 2048, num_sms=132) == (0 if parts <= 1 else -parts)
     assert decode_partition_size(8, 8, 2048, num_sms=132, ctas_per_sm=8) == -17   # ceil(8 * 132 / 64)
     # tiny batches: enough partitions to give every SM its CTAs, up to the cap
-    assert decode_partition_size(1, 8, 8192, num_sms=132) == -MAX_EQUAL_PARTITIONS
+    fill = math.ceil(CTAS_PER_SM_TARGET * 132 / 8)
+    assert decode_partition_size(1, 8, 8192, num_sms=132) == -min(MAX_EQUAL_PARTITIONS, fill)
+    assert decode_partition_size(1, 8, 8192, num_sms=132, ctas_per_sm=8) == -MAX_EQUAL_PARTITIONS
     parts = -decode_partition_size(4, 8, 4096, num_sms=132)
     assert parts == min(MAX_EQUAL_PARTITIONS, max(MIN_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / 32))) > 2
     # the grid depends on the batch size only, never on the context bound (CUDA graphs capture it)

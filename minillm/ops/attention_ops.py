@@ -19,13 +19,15 @@ PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a wh
 # short context uses fewer) for the grid to give every SM CTAS_PER_SM_TARGET CTAs, and at least MIN_PARTITIONS.
 # The kernel alone favoured ~4 waves (8 CTAs per SM; the ragged sweep of 317eff9 in results/decode_sweep.jsonl:
 # 64 sequences best with three partitions, 3.54 TB/s). In whole decode steps, where every split also costs the
-# reduce kernel, 2 CTAs per SM (one wave at the kernel's two resident CTAs) is faster: interleaved engine runs at
-# 88c3857 (H200, 128-token prompts, 512 steps) gave B=64 2.04 against 2.20 ms per step (one partition against
-# three), B=128 2.81-2.84 against 2.99-3.00 (one against two), B=32 1.76-1.77 against 1.78-1.79. Tiny batches of
-# long contexts still get many (B=1, 8k tokens: 32 partitions). Both numbers are config keys
-# (kernels.decode_min_partitions, kernels.decode_ctas_per_sm) with these defaults, so an A/B needs no rebuild.
+# reduce kernel and each CTA's fixed costs, one CTA per SM is faster: with it no batch of 17 or more rows is split
+# (Qwen3's 8 KV heads), and interleaved engine runs (H200, 128-token prompts, 512 steps; 88c3857, 9769c5f) gave
+# ms per step for 8 / 2 / 1 CTAs per SM: B=20 1.64 / 1.65 / 1.53, B=32 1.78 / 1.78 / 1.61, B=48 2.01 / 1.92 /
+# 1.92, B=64 2.20 / 2.04 / -, B=128 2.99 / 2.83 / -. The offline reference lost ~0.9% against 8 (its tail: a
+# few long sequences, which splitting balanced). Tiny batches of long contexts still get many partitions (B=1,
+# 8k tokens: 17). Both numbers are config keys (kernels.decode_min_partitions, kernels.decode_ctas_per_sm) with
+# these defaults, so an A/B needs no rebuild.
 MIN_PARTITIONS = 1
-CTAS_PER_SM_TARGET = 2
+CTAS_PER_SM_TARGET = 1
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
