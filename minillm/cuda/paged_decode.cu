@@ -85,7 +85,8 @@ template <typename T, int D, int BS>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
                         float* __restrict__ ws_max, float* __restrict__ ws_sum) {
-  pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
+  // Launched with PDL (launch.h), this kernel reads only what is older than the kernel before it (the step's
+  // inputs, the block tables, the cached tokens) until its pdl_wait below; everything else comes after it.
   constexpr int CH = D / 8, KS = D / 16, DT = D / 8, SLOT = stage_elems<D>();
   static_assert(BS % kChunk == 0, "block size must be a multiple of the chunk");
   extern __shared__ uint4 ring_smem[];
@@ -100,28 +101,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (start >= end) {
     // A partition past the context is never read by the reduce kernel. An empty context (a padding row of a
     // CUDA-graph batch, say) gets a defined all-zero output instead of 0/0.
+    pdl_enter();
     if (psz == 0)
       for (int i = threadIdx.x; i < group * D; i += kWarps * 32)
         static_cast<T*>(a.out)[s * a.out_stride_t + (kvh * group + i / D) * a.out_stride_h + i % D] = DType<T>::from_float(0.f);
     return;
   }
 
-  // The group's query heads are the rows of the A operand (rows past the group are zero), read straight from
-  // global memory in the fragment layout: this thread holds rows lane/4 and lane/4 + 8.
-  const int r0 = lane / 4;
-  uint32_t qa[KS][4];
-  {
-    const T* qb = static_cast<const T*>(a.q) + s * a.q_stride_t + (int64_t)kvh * group * a.q_stride_h + (lane % 4) * 2;
-    const T* q_lo = qb + r0 * a.q_stride_h;
-    const T* q_hi = qb + (r0 + 8) * a.q_stride_h;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      qa[ks][0] = q_pair(q_lo + ks * 16, r0 < group);
-      qa[ks][1] = q_pair(q_hi + ks * 16, r0 + 8 < group);
-      qa[ks][2] = q_pair(q_lo + ks * 16 + 8, r0 < group);
-      qa[ks][3] = q_pair(q_hi + ks * 16 + 8, r0 + 8 < group);
-    }
-  }
   const bool hi_rows = group > 8;  // rows 8..15 carry heads: only then is their softmax worth computing
 
   float o[DT][4];
@@ -140,11 +126,37 @@ __global__ void __launch_bounds__(kWarps * 32)
   T* ring = reinterpret_cast<T*>(ring_smem) + warp * kStages * SLOT;
   const int ch0 = first + warp;
   const int mine = ch0 < last ? (last - ch0 + kWarps - 1) / kWarps : 0;  // chunks of this warp
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  // The ring's first chunks are in flight before pdl_wait (they overlap the end of the kernel before this one),
+  // except from the chunk holding the step's newest token (ctx - 1) on: that kernel writes it.
+  const int fresh = (ctx - 1) / kChunk;
+  int pre = 0;
+  for (; pre < kStages - 1 && pre < mine && ch0 + pre * kWarps < fresh; ++pre) {
+    const int tok = (ch0 + pre * kWarps) * kChunk;
+    issue_chunk<T, D, BS>(ring + pre * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
+    cp_async_commit();
+  }
+  pdl_enter();
+  for (int i = pre; i < kStages - 1; ++i) {
     const int tok = (ch0 + i * kWarps) * kChunk;
     if (i < mine) issue_chunk<T, D, BS>(ring + i * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     cp_async_commit();  // empty groups too: the wait count below stays uniform
+  }
+
+  // The group's query heads are the rows of the A operand (rows past the group are zero), read straight from
+  // global memory in the fragment layout: this thread holds rows lane/4 and lane/4 + 8.
+  const int r0 = lane / 4;
+  uint32_t qa[KS][4];
+  {
+    const T* qb = static_cast<const T*>(a.q) + s * a.q_stride_t + (int64_t)kvh * group * a.q_stride_h + (lane % 4) * 2;
+    const T* q_lo = qb + r0 * a.q_stride_h;
+    const T* q_hi = qb + (r0 + 8) * a.q_stride_h;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      qa[ks][0] = q_pair(q_lo + ks * 16, r0 < group);
+      qa[ks][1] = q_pair(q_hi + ks * 16, r0 + 8 < group);
+      qa[ks][2] = q_pair(q_lo + ks * 16 + 8, r0 < group);
+      qa[ks][3] = q_pair(q_hi + ks * 16 + 8, r0 + 8 < group);
+    }
   }
   for (int i = 0; i < mine; ++i) {
     const int j = i + kStages - 1;
