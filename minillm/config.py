@@ -109,10 +109,10 @@ class KernelConfig:
     (minillm/ops/choice.py) that the model, the attention backend and the sampler receive."""
     backend: str = "auto"             # auto (minillm's CUDA kernels on a GPU when they build) | cuda | torch
     skinny_gemm: bool = True          # decode-sized linear layers on the skinny GEMM where it beats cuBLAS
-    # Split-K of the decode attention kernel: cut every sequence into enough partitions that the grid gives each
-    # SM decode_ctas_per_sm CTAs, and at least decode_min_partitions (minillm/ops/attention_ops.py).
+    # Split-K of the decode attention kernel: cut every sequence into as many partitions as keep the grid within
+    # decode_ctas_per_sm CTAs per SM, and at least decode_min_partitions (minillm/ops/attention_ops.py).
     decode_min_partitions: int = 1
-    decode_ctas_per_sm: int = 1
+    decode_ctas_per_sm: int = 2
     # Decode steps of up to megakernel_max_batch rows whose contexts total at most megakernel_max_tokens run all
     # decoder layers in one persistent kernel (minillm/ops/megakernel.py) where it covers the model and GPU
     # (sm_90): measured faster than the graph path at every B <= 16 and context <= 2048 (e8f4571; 16 x 2048 =

@@ -67,18 +67,17 @@ def test_decode_reference_equals_last_prefill_row():
 
 def test_dispatcher_equal_split_k_policy():
     assert decode_partition_size(8, 8, 200, num_sms=132) == 0         # too short to split
-    # large batches fill the GPU unsplit (v1); smaller ones get just enough partitions for the CTA target
+    # batches that fill the target unsplit run v1; smaller ones get as many partitions as fit the target
     assert decode_partition_size(512, 8, 1024, num_sms=132) == (0 if MIN_PARTITIONS <= 1 else -MIN_PARTITIONS)
-    for batch in (128, 64, 32, 8):
-        parts = max(MIN_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / (batch * 8)))
+    for batch in (128, 64, 32, 20, 16, 8):
+        parts = max(MIN_PARTITIONS, CTAS_PER_SM_TARGET * 132 // (batch * 8))
         assert decode_partition_size(batch, 8, 2048, num_sms=132) == (0 if parts <= 1 else -parts)
-    assert decode_partition_size(8, 8, 2048, num_sms=132, ctas_per_sm=8) == -17   # ceil(8 * 132 / 64)
-    # tiny batches: enough partitions to give every SM its CTAs, up to the cap
-    fill = math.ceil(CTAS_PER_SM_TARGET * 132 / 8)
-    assert decode_partition_size(1, 8, 8192, num_sms=132) == -min(MAX_EQUAL_PARTITIONS, fill)
-    assert decode_partition_size(1, 8, 8192, num_sms=132, ctas_per_sm=8) == -MAX_EQUAL_PARTITIONS
-    parts = -decode_partition_size(4, 8, 4096, num_sms=132)
-    assert parts == min(MAX_EQUAL_PARTITIONS, max(MIN_PARTITIONS, math.ceil(CTAS_PER_SM_TARGET * 132 / 32))) > 2
+    assert decode_partition_size(32, 8, 2048, num_sms=132) == 0        # 256 CTAs: one wave of 2 per SM, unsplit
+    assert decode_partition_size(8, 8, 4096, num_sms=132) == -4        # 256 CTAs
+    assert decode_partition_size(8, 8, 2048, num_sms=132, ctas_per_sm=8) == -16   # 1056 // 64
+    # tiny batches: up to the cap
+    assert decode_partition_size(1, 8, 8192, num_sms=132) == -MAX_EQUAL_PARTITIONS
+    assert decode_partition_size(1, 8, 8192, num_sms=132, ctas_per_sm=1) == -16
     # the grid depends on the batch size only, never on the context bound (CUDA graphs capture it)
     assert decode_partition_size(4, 8, 4096, num_sms=132) == decode_partition_size(4, 8, 8192, num_sms=132)
     assert -decode_partition_size(64, 8, 2048, num_sms=132) <= parts   # bigger batches never split more

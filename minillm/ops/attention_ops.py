@@ -15,19 +15,20 @@ import torch
 from minillm.ops.build import load_extension
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
-# Equal split-K policy: cut every sequence into just enough partitions (each >= 256 tokens, the kernel's rule, so a
-# short context uses fewer) for the grid to give every SM CTAS_PER_SM_TARGET CTAs, and at least MIN_PARTITIONS.
-# The kernel alone favoured ~4 waves (8 CTAs per SM; the ragged sweep of 317eff9 in results/decode_sweep.jsonl:
-# 64 sequences best with three partitions, 3.54 TB/s). In whole decode steps, where every split also costs the
-# reduce kernel and each CTA's fixed costs, one CTA per SM is faster: with it no batch of 17 or more rows is split
-# (Qwen3's 8 KV heads), and interleaved engine runs (H200, 128-token prompts, 512 steps; 88c3857, 9769c5f) gave
-# ms per step for 8 / 2 / 1 CTAs per SM: B=20 1.64 / 1.65 / 1.53, B=32 1.78 / 1.78 / 1.61, B=48 2.01 / 1.92 /
-# 1.92, B=64 2.20 / 2.04 / -, B=128 2.99 / 2.83 / -. The offline reference lost ~0.9% against 8 (its tail: a
-# few long sequences, which splitting balanced). Tiny batches of long contexts still get many partitions (B=1,
-# 8k tokens: 17). Both numbers are config keys (kernels.decode_min_partitions, kernels.decode_ctas_per_sm) with
-# these defaults, so an A/B needs no rebuild.
+# Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per
+# SM (rounded down, each >= 256 tokens, the kernel's rule, so a short context uses fewer), and at least
+# MIN_PARTITIONS. 2 is what the kernel keeps resident per SM (96 KB of shared memory each), so the default is one
+# wave. The kernel alone once favoured ~4 waves (8 per SM, rounded up: the ragged sweep of 317eff9 in
+# results/decode_sweep.jsonl). In whole decode steps, where every split also costs the reduce kernel and each
+# CTA's fixed costs, fewer won: interleaved engine runs (H200, 128-token prompts, 512 steps; 88c3857, 9769c5f) gave
+# ms per step for 8 / 2 / 1 CTAs per SM rounded up (3-5, 2, 1 partitions at B=20-48): B=20 1.64 / 1.65 / 1.53,
+# B=32 1.78 / 1.78 / 1.61, B=48 2.01 / 1.92 / 1.92, B=64 2.20 / 2.04 / -, B=128 2.99 / 2.83 / -; one wave rounded
+# down gives one partition at all of these. At B=8, 4k tokens (check-kernels, a6f9cda) 4 partitions (this rule)
+# reach 3.43 TB/s, 3 2.99, 8 3.13. The offline reference lost ~0.9% against 8 rounded up (its tail: a few long
+# sequences, which splitting balanced). Both numbers are config keys (kernels.decode_min_partitions,
+# kernels.decode_ctas_per_sm) with these defaults, so an A/B needs no rebuild.
 MIN_PARTITIONS = 1
-CTAS_PER_SM_TARGET = 1
+CTAS_PER_SM_TARGET = 2
 MAX_EQUAL_PARTITIONS = 32  # 8,192 tokens in 256-token pieces for a single sequence
 MIN_SPLIT_LEN = 256        # contexts this short are never split
 
@@ -53,7 +54,7 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     """
     if max_seq_len <= MIN_SPLIT_LEN:
         return 0
-    fill = math.ceil(ctas_per_sm * num_sms / max(num_seqs * num_kv_heads, 1))
+    fill = ctas_per_sm * num_sms // max(num_seqs * num_kv_heads, 1)
     parts = min(MAX_EQUAL_PARTITIONS, max(min_partitions, fill))
     return 0 if parts <= 1 else -parts
 
