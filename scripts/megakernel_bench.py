@@ -37,6 +37,7 @@ from minillm.fingerprint import stamp  # noqa: E402
 from minillm.model.loader import load_model  # noqa: E402
 from minillm.ops.build import load_extension  # noqa: E402
 from minillm.ops.choice import KernelChoice  # noqa: E402
+from minillm.ops.launch import pdl_launches, pdl_supported  # noqa: E402
 from minillm.ops import megakernel as mkops  # noqa: E402
 from minillm.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from minillm.cache.spec import KVCacheSpec  # noqa: E402
@@ -157,7 +158,8 @@ def main() -> int:
     if args.megakernel_only:
         return profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len)
     dg = DecodeGraphs(model, kv_caches, max(batches), max_blocks, bs, max_len, arch.hidden_size, torch.bfloat16, dev)
-    dg.capture()
+    with pdl_launches(defaults.pdl and pdl_supported(dev)):   # the graph path's launch mode in the engine
+        dg.capture()
     mk_batches = [b for b in batches if b <= mkops.MAX_BATCH]
     reason = mkops.unsupported_reason(arch, torch.bfloat16, bs, max(mk_batches or [1]), **mkops.device_limits(dev))
     mg = None
