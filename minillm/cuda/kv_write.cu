@@ -53,7 +53,8 @@ cudaError_t launch_kv_write(const void* k, const void* v, int64_t k_stride_t, in
   return launch_kernel(
       kv_write_kernel, dim3(blocks), dim3(kThreads), 0, stream, static_cast<const uint4*>(k),
       static_cast<const uint4*>(v), k_stride_t / kElemsPerChunk, k_stride_h / kElemsPerChunk,
-      v_stride_t / kElemsPerChunk, v_stride_h / kElemsPerChunk, static_cast<uint4*>(k_cache), static_cast<uint4*>(v_cache), slot_mapping, num_tokens, num_heads,
+      v_stride_t / kElemsPerChunk, v_stride_h / kElemsPerChunk, static_cast<uint4*>(k_cache),
+      static_cast<uint4*>(v_cache), slot_mapping, num_tokens, num_heads,
       chunks_per_row);
 }
 

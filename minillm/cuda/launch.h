@@ -1,7 +1,7 @@
 // Kernel launches with programmatic dependent launch (PDL, sm_90+).
 //
 // A kernel launched with PDL may be scheduled while the kernel before it in the stream is still running, once
-// every CTA of that kernel has called pdl_trigger() (or exited). It must call pdl_wait() (common.cuh) before it
+// every CTA of that kernel has called pdl_trigger() (or exited). It must call pdl_wait() (below) before it
 // touches memory the kernel before it reads or writes: pdl_wait() returns when that grid has finished and its
 // writes are visible. Every kernel launched through launch_kernel() does so first thing, so turning PDL on or
 // off changes no result, only how much of a kernel's launch overlaps its predecessor's tail.

@@ -23,8 +23,8 @@ PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a wh
 # CTA's fixed costs, fewer won: interleaved engine runs (H200, 128-token prompts, 512 steps; 88c3857, 9769c5f) gave
 # ms per step for 8 / 2 / 1 CTAs per SM rounded up (3-5, 2, 1 partitions at B=20-48): B=20 1.64 / 1.65 / 1.53,
 # B=32 1.78 / 1.78 / 1.61, B=48 2.01 / 1.92 / 1.92, B=64 2.20 / 2.04 / -, B=128 2.99 / 2.83 / -; one wave rounded
-# down gives one partition at all of these. At B=8, 4k tokens (check-kernels, a6f9cda) 4 partitions (this rule)
-# reach 3.43 TB/s, 3 2.99, 8 3.13. The offline reference lost ~0.9% against 8 rounded up (its tail: a few long
+# down gives one partition at all of these. At B=8, 4k tokens (check-kernels) 4 partitions (this rule) read
+# 3.43 and 3.11 TB/s in two runs (a6f9cda, d106639), 3 partitions 2.99, 8 3.13. The offline reference lost ~0.9% against 8 rounded up (its tail: a few long
 # sequences, which splitting balanced). Both numbers are config keys (kernels.decode_min_partitions,
 # kernels.decode_ctas_per_sm) with these defaults, so an A/B needs no rebuild.
 MIN_PARTITIONS = 1
