@@ -58,6 +58,46 @@ def test_decode_v1_and_split_k(ops, part, d, hq, hkv, bs):
     assert (out.float() - ref).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("part", [None, 0, -3])
+def test_decode_under_pdl_waits_for_the_new_token(ops, part):
+    """Launched with programmatic dependent launch, the decode kernel issues its first cached chunks before it
+    waits for the kernel before it; the chunk holding the step's new token must wait. Here that kernel (kv_write)
+    writes the new token into a slot that holds NaN until then, so a read before the write makes the output NaN.
+    Contexts put the new token in a warp's first or second chunk (17, 40), in a later one and in a later
+    partition (300, 1500, 2049). Eagerly and as a CUDA graph, every replay from the NaN cache."""
+    from minillm.ops.launch import pdl_launches
+
+    ctx = [1, 17, 40, 300, 1500, 2049]
+    b, (kc0, vc0), ref = _batch(ctx, [1] * len(ctx))
+    kc, vc = kc0.clone(), vc0.clone()
+    out = torch.empty_like(b.q)
+
+    def step():
+        ops.kv_write(b.k, b.v, kc, vc, b.slot_mapping)
+        ops.paged_decode(out, b.q, kc, vc, b.block_tables, b.seq_lens, 128 ** -0.5, max(ctx), part)
+
+    def check(run):
+        for _ in range(4):
+            kc.copy_(kc0)
+            vc.copy_(vc0)
+            out.fill_(float("nan"))
+            run()
+            torch.cuda.synchronize()
+            assert not out.isnan().any() and (out.float() - ref).abs().max() < 2e-2
+
+    with pdl_launches(True):
+        check(step)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    check(graph.replay)
+
+
 @pytest.mark.parametrize("part", [0, 256, -2])
 def test_decode_empty_context_gives_zeros(ops, part):
     b, _, _ = _batch([40, 600], [1, 1])
