@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
-from minillm.config import ConfigError, EngineConfig
+from minillm.config import ConfigError, EngineConfig, KernelConfig
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,11 @@ class KernelChoice:
 
     @classmethod
     def torch_only(cls) -> "KernelChoice":
-        """Everything in plain torch (the CPU path, and tests' references)."""
+        """Everything in plain torch (the CPU path, and tests' references). The decode split values are the
+        config's defaults (unused by the torch path, but recorded on results lines)."""
+        k = KernelConfig()
         return cls(cuda=False, attention="torch", attention_mode="split", skinny_gemm=False,
-                   decode_min_partitions=1, decode_ctas_per_sm=8)
+                   decode_min_partitions=k.decode_min_partitions, decode_ctas_per_sm=k.decode_ctas_per_sm)
 
     def record(self) -> dict:
         """The fields every results line carries."""
