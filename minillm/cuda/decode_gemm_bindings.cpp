@@ -31,14 +31,15 @@ Tensor decode_gemm(const Tensor& x_in, const Tensor& w, int64_t splits) {
   // Bulk copies move 16-byte rows: x rows must start 16-byte aligned, else a contiguous copy is made.
   const bool x_ok = x_in.stride(1) == 1 && x_in.stride(0) % 8 == 0 && aligned16(x_in);
   const Tensor x = x_ok ? x_in : x_in.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const int64_t m = x.size(0), k = x.size(1);
   MINILLM_CHECK(w.dim() == 2 && w.size(1) == k && w.is_contiguous() && aligned16(w),
                 "w must be contiguous, 16-byte aligned [N, ", k, "], got ", w.sizes());
+  const int64_t n = w.size(0);
   MINILLM_CHECK(m <= minillm::kDecodeGemmMaxRows, "x: M must be at most ", int64_t(minillm::kDecodeGemmMaxRows),
                 ", got ", m);
-  MINILLM_CHECK(n % minillm::kDecodeGemmAlignN == 0, "w: N must be a positive multiple of ",
+  MINILLM_CHECK(n > 0 && n % minillm::kDecodeGemmAlignN == 0, "w: N must be a positive multiple of ",
                 int64_t(minillm::kDecodeGemmAlignN), ", got ", n);
-  MINILLM_CHECK(k % minillm::kDecodeGemmTileK == 0, "K must be a positive multiple of ",
+  MINILLM_CHECK(k > 0 && k % minillm::kDecodeGemmTileK == 0, "K must be a positive multiple of ",
                 int64_t(minillm::kDecodeGemmTileK), ", got ", k);
   MINILLM_CHECK(splits >= 1 && splits <= minillm::kDecodeGemmMaxSplits && splits <= k / minillm::kDecodeGemmTileK,
                 "splits must be in [1, min(", int64_t(minillm::kDecodeGemmMaxSplits), ", K / ",
