@@ -1,9 +1,13 @@
 """CPU checks of the decode GEMM's wrapper logic (minillm/ops/decode_gemm.py): where covers() says it applies,
 the tile and shared-memory mirror of the kernel's Tiling<MT>, and the K split chosen per shape and GPU size.
 DECODE_SHAPES (every linear layer of the dense Qwen3 / Qwen2.5 models) is shared with the GPU test."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from minillm.model.arch import ModelArchConfig
 from minillm.ops import decode_gemm as dg
 
 # (hidden, heads, kv heads, head_dim, intermediate) of each model.
@@ -21,10 +25,19 @@ MODELS = {
 
 def layer_shapes(hidden: int, heads: int, kv: int, hd: int, inter: int) -> dict[str, tuple[int, int]]:
     """(N, K) of the four decode GEMMs of a layer: qkv, o_proj, gate_up, down."""
-    return {"qkv": ((heads + 2 * kv) * hd, hidden), "o": (hidden, heads * hd), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    return {"qkv": ((heads + 2 * kv) * hd, hidden), "o": (hidden, heads * hd), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter)}
 
 
 DECODE_SHAPES = sorted({nk for m in MODELS.values() for nk in layer_shapes(*m).values()})
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen2.5-0.5b"])
+def test_shape_table_matches_the_shipped_presets(preset):
+    path = Path(__file__).resolve().parents[1] / "minillm" / "presets" / f"{preset}.json"
+    a = ModelArchConfig.from_hf_dict(json.loads(path.read_text()))
+    assert MODELS[preset] == (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                              a.intermediate_size)
 
 
 def test_shape_table_matches_known_layers():
@@ -77,17 +90,16 @@ def test_choose_splits(m, n, k, want):
 
 
 @pytest.mark.parametrize("n,k", DECODE_SHAPES)
-@pytest.mark.parametrize("m", [1, 8, 16, 32, 64, 128, 256])
-def test_splits_are_legal_and_fill_the_gpu(n, k, m):
-    s = dg.choose_splits(m, n, k, 132)
-    assert 1 <= s <= min(dg.MAX_SPLITS, k // dg.TILE_K)
-    mt = dg.tile_m(m)
-    ctas = (n // dg.tile_n(mt)) * -(-m // mt) * s
-    slots = 132 * dg.ctas_per_sm(mt)
-    # Either the grid fills at least half a wave, or its longest k range is already as short as the largest legal
-    # split would make it.
+def test_splits_are_legal_and_fill_the_gpu(n, k):
     k_tiles = k // dg.TILE_K
-    assert ctas * 2 >= slots or -(-k_tiles // s) == -(-k_tiles // min(dg.MAX_SPLITS, k_tiles))
+    for m in (1, 8, 16, 32, 64, 128, 256):
+        s = dg.choose_splits(m, n, k, 132)
+        assert 1 <= s <= min(dg.MAX_SPLITS, k_tiles)
+        mt = dg.tile_m(m)
+        ctas = (n // dg.tile_n(mt)) * -(-m // mt) * s
+        # Either the grid fills at least half a wave, or its longest k range is already as short as the largest
+        # legal split would make it.
+        assert ctas * 2 >= 132 * dg.ctas_per_sm(mt) or -(-k_tiles // s) == -(-k_tiles // min(dg.MAX_SPLITS, k_tiles))
 
 
 def test_decode_gemm_refuses_cpu_tensors_by_name():
