@@ -2,6 +2,7 @@
 the tile and shared-memory mirror of the kernel's Tiling<MT>, and the K split chosen per shape and GPU size.
 DECODE_SHAPES (every linear layer of the dense Qwen3 / Qwen2.5 models) is shared with the GPU test."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,14 @@ def test_splits_are_legal_and_fill_the_gpu(n, k):
         # Either the grid fills at least half a wave, or its longest k range is already as short as the largest
         # legal split would make it.
         assert ctas * 2 >= 132 * dg.ctas_per_sm(mt) or -(-k_tiles // s) == -(-k_tiles // min(dg.MAX_SPLITS, k_tiles))
+
+
+def test_limits_match_the_cuda_header():
+    header = (Path(__file__).resolve().parents[1] / "minillm" / "cuda" / "decode_gemm.h").read_text()
+    consts = dict(re.findall(r"constexpr int (kDecodeGemm\w+) = (\d+);", header))
+    assert {k: int(v) for k, v in consts.items()} == {"kDecodeGemmTileK": dg.TILE_K, "kDecodeGemmAlignN": dg.ALIGN_N,
+                                                      "kDecodeGemmMaxRows": dg.MAX_ROWS,
+                                                      "kDecodeGemmMaxSplits": dg.MAX_SPLITS}
 
 
 def test_decode_gemm_refuses_cpu_tensors_by_name():

@@ -126,6 +126,20 @@ def test_binding_refuses_what_covers_refuses(ops, bad, words):
         ops.decode_gemm(*bad(x, w))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 128, 64), (256, 1152, 896), (257, 1024, 1024), (4, 1088, 1024),
+                                   (4, 1024, 992), (4, 1024, 32), (16, 64, 1024)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_binding_agrees_with_covers(ops, m, n, k, dtype):
+    x, w = _inputs(m, n, k, dtype, seed=2)
+    reason = dg.covers(m, n, k, dtype, torch.cuda.get_device_capability()[0])
+    if reason is None:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        _check(ops.decode_gemm(x, w, dg.choose_splits(m, n, k, sms)), x, w)
+    else:
+        with pytest.raises(ValueError):
+            ops.decode_gemm(x, w, 1)
+
+
 def test_wrapper_raises_the_covers_reason(ops):
     x, w = _inputs(300, 1024, 1024, torch.bfloat16, seed=1)
     with pytest.raises(ValueError, match=r"does not apply: rows must be in \[1, 256\]"):
