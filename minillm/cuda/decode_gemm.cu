@@ -181,6 +181,7 @@ __global__ void __launch_bounds__(Tiling<MT>::THREADS)
   if (warp == 0)
     for (int t = 0; t < pro; ++t) {
       if (lane == 0) mbar_arrive_expect_tx(bars + t, stage_bytes<T, MT>(s));
+      __syncwarp();  // armed before any of its bytes can land (a transient negative count is legal, but unneeded)
       issue_w<T, MT>(s, ring + t * Tl::STAGE, t, bars + t, lane);
     }
   pdl_wait();     // x is the previous kernel's output; y may be memory it still reads
@@ -205,6 +206,7 @@ __global__ void __launch_bounds__(Tiling<MT>::THREADS)
       // The stage was last read through the generic proxy (ldmatrix); order that before the async-proxy writes.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       if (lane == 0) mbar_arrive_expect_tx(bars + rs, stage_bytes<T, MT>(s));
+      __syncwarp();
       issue_w<T, MT>(s, stage, refill, bars + rs, lane);
       issue_x<T, MT>(s, stage, refill, bars + rs, lane);
     }
