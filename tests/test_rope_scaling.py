@@ -11,7 +11,7 @@ from minillm import LLM, SamplingParams
 from minillm.config import ConfigError
 from minillm.model.arch import ModelArchConfig
 from minillm.model.rope import cos_sin_table
-from tiny_models import make_tiny_checkpoint
+from tiny_models import hf_greedy, make_tiny_checkpoint
 
 BASE = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -128,16 +128,6 @@ def linear_dir(tmp_path_factory):
                                 rope={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
 
 
-def _hf_greedy(path, prompt, n):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def _prompts(seed, lens):
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(n)] for n in lens]
@@ -151,7 +141,7 @@ def test_yarn_engine_equals_hf_far_past_original_length(yarn_dir, budget):
     assert llm.model_arch.rope.rope_type == "yarn" and llm.model_arch.max_position_embeddings == ORIG * FACTOR
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(yarn_dir, p, NEW)
+        assert o.token_ids == hf_greedy(yarn_dir, p, NEW)
 
 
 def test_yarn_prefix_hit_equals_hf(yarn_dir):
@@ -162,8 +152,8 @@ def test_yarn_prefix_hit_equals_hf(yarn_dir):
     first = llm.generate([prompts[0]], sp, use_tqdm=False)[0]
     second = llm.generate([prompts[1]], sp, use_tqdm=False)[0]
     assert second.num_cached_tokens == 192
-    assert first.token_ids == _hf_greedy(yarn_dir, prompts[0], 6)
-    assert second.token_ids == _hf_greedy(yarn_dir, prompts[1], 6)
+    assert first.token_ids == hf_greedy(yarn_dir, prompts[0], 6)
+    assert second.token_ids == hf_greedy(yarn_dir, prompts[1], 6)
 
 
 def test_linear_engine_equals_hf_past_config_length(linear_dir):
@@ -171,4 +161,19 @@ def test_linear_engine_equals_hf_past_config_length(linear_dir):
     llm = LLM(str(linear_dir), device="cpu", dtype="float32", max_model_len=256, check_integrity=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(linear_dir, p, NEW)
+        assert o.token_ids == hf_greedy(linear_dir, p, NEW)
+
+
+def test_engine_accepts_max_model_len_131072_with_yarn(tmp_path):
+    """Qwen3's documented YaRN setting (factor 4 over 32,768) lifts the engine's limit to 131,072 positions; one
+    past it is refused by name."""
+    path = make_tiny_checkpoint(tmp_path / "m", vocab=256, layers=1, max_positions=40960,
+                                rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                      "rope_theta": 1e6})
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=131072, num_kv_blocks=8192 + 1,
+              max_num_batched_tokens=256)
+    assert llm.engine.runner.model.cos_sin_cache.shape == (131072, 16)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 2
+    with pytest.raises(ConfigError, match="max_model_len=131073"):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=131073, num_kv_blocks=8192 + 2)
