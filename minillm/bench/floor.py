@@ -7,17 +7,19 @@ floor seconds = (KV bytes + weight bytes) / measured copy bandwidth + prefill FL
   sum_k (P + k) = M*P + M*(M-1)/2 token-KVs, each 2 x layers x kv_heads x head_dim x dtype bytes.
 - Weight bytes: every forward step reads all weights once (the LM head included; the embedding table is only
   gathered, a few rows per step, so it is not counted unless it is tied and doubles as the LM head).
-  Mixture-of-experts layers read only the experts the step's tokens are routed to. Under uniform routing, each
-  of B tokens picks k of E experts, so an expert is missed by all of them with probability (1 - k/E)^B and a
-  step touches E * (1 - (1 - k/E)^B) distinct experts per layer in expectation (Qwen3-30B-A3B: 8 of 128 at
-  B = 1, about 6 GB a step in bf16; 127.5 at B = 64, nearly all 61 GB). A workload's B is its mean decode batch,
-  sum(max_tokens) / steps: an expected value, not a bound (real routing is not uniform).
   The number of steps is the fewest any schedule can use: at least max(max_tokens) (a request gains at most
   one token per step) and at least ceil(sum(max_tokens) / max_num_seqs) (a step holds at most max_num_seqs
   requests).
-- Prefill FLOPs: 2 x (layer matmul params a token passes through: its k experts, not all E) per prompt token, the LM head once per request (only the last
-  prompt position needs logits), plus causal attention (QK^T and PV: 4 x q_heads x head_dim FLOPs per
-  query-key pair, P*(P+1)/2 pairs per layer). Decode FLOPs are left out: decode is bound by the bytes above.
+  Mixture-of-experts layers read only the experts the step's tokens are routed to. Under uniform routing, each
+  of B tokens picks k of E experts, so an expert is missed by all of them with probability (1 - k/E)^B and a
+  step touches E * (1 - (1 - k/E)^B) distinct experts per layer in expectation (Qwen3-30B-A3B: 8 of 128 at
+  B = 1, about 6 GB a step in bf16; 125.9 at B = 64, 59.5 of the 60.4 GB that reading every expert takes). A
+  workload's B is its mean decode batch, sum(max_tokens) / steps: an expected value, not a bound (real routing
+  is not uniform).
+- Prefill FLOPs: 2 x (layer matmul params a token passes through: its k experts, not all E) per prompt token,
+  the LM head once per request (only the last prompt position needs logits), plus causal attention (QK^T and
+  PV: 4 x q_heads x head_dim FLOPs per query-key pair, P*(P+1)/2 pairs per layer). Decode FLOPs are left out:
+  decode is bound by the bytes above.
 
 The bandwidth and GEMM rate are measured on the device at the start of a run; without a GPU they are None and
 so is the floor (a CPU floor would say nothing about the engine).
