@@ -174,3 +174,10 @@ def test_30b_a3b_preset_builds_on_meta_device():
     assert model.graph_unsupported_reason() is None   # bf16, 2048 / 768 rows: the graph-safe grouped_mm path
     fp16 = Qwen3MoeForCausalLM(arch, TorchAttentionBackend(), dtype=torch.float16, device="meta")
     assert "float16" in fp16.graph_unsupported_reason()
+
+
+def test_megakernel_refuses_moe():
+    from minillm.model.loader import resolve_arch
+    from minillm.ops.megakernel import unsupported_reason
+    assert "mixture-of-experts" in unsupported_reason(resolve_arch("qwen3-30b-a3b"), torch.bfloat16, 16, 1)
+    assert unsupported_reason(resolve_arch("qwen3-0.6b"), torch.bfloat16, 16, 1) is None
