@@ -52,8 +52,9 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """x [T, H] -> sum over the top-k experts of routing weight * expert(x)."""
 
-    def __init__(self, arch: ModelArchConfig, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, kernels, *, dtype, device):
         super().__init__()
+        self.cuda_ops = kernels.cuda
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.norm_topk_prob
         self.gate = Router(arch, dtype=dtype, device=device)
@@ -61,13 +62,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = moe_ops.route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        return moe_ops.grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing)
+        return moe_ops.grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing,
+                                       cuda=self.cuda_ops)
 
 
 class Qwen3MoeForCausalLM(QwenForCausalLM):
     def make_mlp(self, layer_idx: int, kernels, dtype, device) -> nn.Module | None:
         if layer_idx in self.arch.moe_layers:
-            return SparseMoeBlock(self.arch, dtype=dtype, device=device)
+            return SparseMoeBlock(self.arch, kernels, dtype=dtype, device=device)
         return None   # the dense Qwen3 MLP (mlp_only_layers, decoder_sparse_step)
 
     def graph_unsupported_reason(self) -> str | None:

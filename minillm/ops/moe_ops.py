@@ -73,10 +73,11 @@ def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, hidd
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing, *,
-                    graph_safe: bool | None = None) -> torch.Tensor:
+                    graph_safe: bool | None = None, cuda: bool = False) -> torch.Tensor:
     """sum over k of weight * down_e(silu(gate_e(x)) * up_e(x)) for each token's experts e: [T, H].
 
-    graph_safe None: grouped_mm wherever it can run; True/False force that path (tests compare the two)."""
+    graph_safe None: grouped_mm wherever it can run; True/False force that path (tests compare the two).
+    cuda: the SwiGLU between the two GEMMs may take minillm's fused kernel (the engine's KernelChoice)."""
     t, k = routing.experts.shape
     if graph_safe is None:
         graph_safe = grouped_mm_unsupported_reason(x.device, x.dtype, x.shape[-1], w2.shape[-1]) is None
@@ -84,22 +85,23 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routin
     if graph_safe:
         ends = routing.offsets[1:]
         h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
-        y = torch._grouped_mm(silu_and_mul(h), w2.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(silu_and_mul(h, cuda=cuda), w2.transpose(1, 2), offs=ends)
     else:
-        y = _expert_loop(rows, w13, w2, routing.offsets)
+        y = _expert_loop(rows, w13, w2, routing.offsets, cuda)
     pairs = torch.empty_like(y)
     pairs[routing.order] = y                           # back to (token, slot) order
     return (pairs.view(t, k, -1) * routing.weights.unsqueeze(-1)).sum(dim=1)
 
 
-def _expert_loop(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _expert_loop(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
+                 cuda: bool = False) -> torch.Tensor:
     """The reference: each expert with rows runs its own SwiGLU MLP (reads the offsets on the host)."""
     y = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device)
     bounds = offsets.tolist()
     for e in range(w13.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            y[lo:hi] = F.linear(silu_and_mul(F.linear(rows[lo:hi], w13[e])), w2[e])
+            y[lo:hi] = F.linear(silu_and_mul(F.linear(rows[lo:hi], w13[e]), cuda=cuda), w2[e])
     return y
 
 
