@@ -30,6 +30,10 @@ TABLE_CASES = {
     "yarn-attention-factor": dict(rope_parameters={**YARN_64x4, "attention_factor": 1.3, "rope_theta": 1e4}),
     "yarn-zero-betas-mean-defaults": dict(rope_parameters={**YARN_64x4, "beta_fast": 0, "beta_slow": 0}),
     "yarn-no-original": dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+    "yarn-top-level-original-wins": dict(rope_parameters={**YARN_64x4, "rope_theta": 1e4},
+                                         original_max_position_embeddings=128),
+    "yarn-null-factor-is-length-ratio": dict(rope_parameters={"rope_type": "yarn", "factor": None,
+                                                              "original_max_position_embeddings": 128}),
     "linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.5}, rope_theta=1e4),
     "linear-rope_parameters": dict(rope_parameters={"rope_type": "linear", "factor": 3, "rope_theta": 1e6}),
 }
