@@ -1,6 +1,6 @@
 """Qwen3-MoE end to end: the engine's greedy tokens equal HF transformers' Qwen3MoeForCausalLM (fp32, CPU) on tiny
 random checkpoints (expert counts 4-16, top-1 to top-4, norm_topk_prob on and off, dense layers by mlp_only_layers
-and decoder_sparse_step, both checkpoint layouts), across chunked prefill, prefix hits and preemption."""
+and decoder_sparse_step, both checkpoint layouts, both expert paths), across chunked prefill, prefix hits and preemption."""
 import random
 
 import pytest
@@ -11,13 +11,14 @@ from minillm.config import ConfigError
 from minillm.model.layers import MLP
 from minillm.model.loader import load_model
 from minillm.model.qwen3_moe import SparseMoeBlock
-from tiny_models import hf_greedy, make_tiny_moe_checkpoint
+from tiny_models import make_tiny_moe_checkpoint
 
 MAX_LEN = 128
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SHAPES = {   # name: keyword arguments of make_tiny_moe_checkpoint
     "e8-top2-norm-dense1": dict(experts=8, top_k=2, norm_topk_prob=True, mlp_only_layers=[1], seed=1),
-    "e4-top1": dict(experts=4, top_k=1, norm_topk_prob=False, seed=2),
+    # moe_intermediate 30: 120-byte rows, so these experts take the loop path instead of grouped_mm
+    "e4-top1-loop": dict(experts=4, top_k=1, norm_topk_prob=False, moe_intermediate=30, seed=2),
     "e16-top4-step2-fused": dict(experts=16, top_k=4, norm_topk_prob=False, decoder_sparse_step=2, layers=4,
                                  fused=True, tie=True, seed=3),
 }
@@ -34,9 +35,18 @@ def hf_cache():
 
 
 def reference(path, prompt, n, cache):
+    """HF greedy with its eager experts (the per-expert loop of modeling_qwen3_moe, not its grouped_mm kernel
+    path, which also refuses rows that are not multiples of 16 bytes)."""
+    from transformers import AutoModelForCausalLM
     key = (str(path), tuple(prompt), n)
     if key not in cache:
-        cache[key] = hf_greedy(path, prompt, n)
+        model = cache.get(str(path)) or cache.setdefault(str(path), AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, experts_implementation="eager").eval())
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+        cache[key] = out[0, len(prompt):].tolist()
     return cache[key]
 
 
@@ -55,6 +65,8 @@ def run(path, ps, max_tokens=8, **kw):
 def test_greedy_equals_hf(shape, ckpts, hf_cache):
     ps = prompts(len(shape))
     llm, got = run(ckpts[shape], ps)
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all((m.host_sync_reason is None) == ("loop" not in shape) for m in blocks)
     for p, g in zip(ps, got):
         assert g == reference(ckpts[shape], p, 8, hf_cache)
 
@@ -108,7 +120,7 @@ def test_prefix_hits_equal_hf(ckpts, hf_cache):
 
 
 def test_preemption_equals_hf(ckpts, hf_cache):
-    path = ckpts["e4-top1"]
+    path = ckpts["e4-top1-loop"]
     ps = prompts(22)
     llm, got = run(path, ps, max_tokens=16, num_kv_blocks=8, max_num_batched_tokens=32)
     assert llm.num_preemptions > 0
@@ -120,7 +132,7 @@ def test_missing_expert_tensor_is_named(ckpts, tmp_path):
     import shutil
 
     from safetensors.torch import load_file, save_file
-    src = ckpts["e4-top1"]
+    src = ckpts["e4-top1-loop"]
     shutil.copy(src / "config.json", tmp_path / "config.json")
     state = load_file(str(src / "model.safetensors"))
     del state["model.layers.1.mlp.experts.3.up_proj.weight"]

@@ -132,10 +132,6 @@ class ModelArchConfig:
         return self.rope_scaling or RopeScaling(theta=self.rope_theta)
 
     @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
     def expert_params(self) -> int:
         """Parameters of one expert (gate, up, down)."""
         return 3 * self.hidden_size * self.moe_intermediate_size

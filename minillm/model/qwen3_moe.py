@@ -59,11 +59,20 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = arch.norm_topk_prob
         self.gate = Router(arch, dtype=dtype, device=device)
         self.experts = Experts(arch, dtype=dtype, device=device)
+        # Decided once here, for the model's device and dtype; Qwen3MoeForCausalLM.graph_unsupported_reason
+        # reports the same verdict to the runner.
+        self.host_sync_reason = expert_path_reason(arch, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = moe_ops.route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
         return moe_ops.grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing,
-                                       cuda=self.cuda_ops)
+                                       graph_safe=self.host_sync_reason is None, cuda=self.cuda_ops)
+
+
+def expert_path_reason(arch: ModelArchConfig, device, dtype) -> str | None:
+    """Why the experts must take the host-synced loop on this device and dtype (None: graph-safe grouped_mm)."""
+    return moe_ops.grouped_mm_unsupported_reason(torch.device(device), dtype, arch.hidden_size,
+                                                 arch.moe_intermediate_size)
 
 
 class Qwen3MoeForCausalLM(QwenForCausalLM):
@@ -73,8 +82,7 @@ class Qwen3MoeForCausalLM(QwenForCausalLM):
         return None   # the dense Qwen3 MLP (mlp_only_layers, decoder_sparse_step)
 
     def graph_unsupported_reason(self) -> str | None:
-        """Why decode must not be captured in a CUDA graph: the experts' torch path that reads per-expert counts
-        on the host runs wherever grouped_mm cannot."""
-        a, p = self.arch, self.lm_head_weight
-        reason = moe_ops.grouped_mm_unsupported_reason(p.device, p.dtype, a.hidden_size, a.moe_intermediate_size)
-        return None if reason is None else f"the mixture-of-experts layers sync with the host ({reason})"
+        """Why decode must not be captured in a CUDA graph: the experts' loop, which reads per-expert counts on
+        the host, runs wherever grouped_mm cannot."""
+        reasons = {m.host_sync_reason for m in self.modules() if isinstance(m, SparseMoeBlock)} - {None}
+        return None if not reasons else f"the mixture-of-experts layers sync with the host ({reasons.pop()})"
