@@ -16,3 +16,15 @@ def test_long_prompt_workload_shape_and_seed():
     assert again.prompts == w.prompts and again.max_tokens == w.max_tokens   # the seed names one draw
     assert (w.input_tokens, w.output_tokens) == (923_644, 10_000)            # drift would break comparisons
     assert w.summary()["seed"] == 27
+
+
+def test_ttft_workloads_and_yarn_presets():
+    from minillm.model.loader import resolve_arch
+    for k, n in (("8k", 8192), ("32k", 32768), ("128k", 131072)):
+        w = load_workload(FILE.with_name(f"ttft-{k}.yaml"))
+        assert (w.num_requests, len(w.prompts[0]), w.max_tokens, w.max_model_len) == (1, n - 1, [1], n)
+    assert resolve_arch("qwen3-8b").max_position_embeddings == 40960
+    assert 8.1e9 < resolve_arch("qwen3-8b").num_params < 8.3e9          # Qwen3-8B: 8.2 B parameters
+    for name in ("qwen3-0.6b-yarn", "qwen3-8b-yarn"):
+        arch = resolve_arch(name)
+        assert arch.max_position_embeddings == 131072 and arch.rope.rope_type == "yarn"
