@@ -121,7 +121,7 @@ def test_config_from_transformers4_style_dict():
 
 @pytest.mark.parametrize("change,match", [
     ({"architectures": ["LlamaForCausalLM"]}, "Qwen3ForCausalLM, Qwen2ForCausalLM"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope type 'dynamic' is not supported"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
     ({"hidden_size": 0}, "hidden_size=0"),
     ({"use_sliding_window": True}, "use_sliding_window"),

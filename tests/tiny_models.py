@@ -17,14 +17,17 @@ from minillm.attention.metadata import AttentionMetadata
 def make_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, hidden: int = 64, layers: int = 2,
                          heads: int = 4, kv_heads: int = 2, head_dim: int = 16, intermediate: int = 128,
                          vocab: int = 256, tie: bool = True, sharded: bool = False,
-                         dtype: torch.dtype = torch.float32, seed: int = 0, max_positions: int = 512) -> Path:
-    """Write a random tiny Qwen3 or Qwen2 checkpoint to `path`; returns the path."""
+                         dtype: torch.dtype = torch.float32, seed: int = 0, max_positions: int = 512,
+                         rope: dict | None = None) -> Path:
+    """Write a random tiny Qwen3 or Qwen2 checkpoint to `path`; returns the path. `rope`: the config's
+    rope_parameters (default: plain RoPE at theta 10000)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
                   max_position_embeddings=max_positions, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                  pad_token_id=None,
+                  rope_parameters=dict(rope or {"rope_type": "default", "rope_theta": 10000.0}))
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
     elif arch == "qwen2":
@@ -141,3 +144,42 @@ def with_demo_tokenizer(path: Path, files=("tokenizer.json", "tokenizer_config.j
         shutil.copy(DEMO_MODEL / name, Path(path) / name)
     return Path(path)
 
+
+
+def make_tiny_moe_checkpoint(path: str | Path, *, experts: int = 8, top_k: int = 2, norm_topk_prob: bool = True,
+                             mlp_only_layers: list[int] | None = None, decoder_sparse_step: int = 1,
+                             hidden: int = 64, layers: int = 3, heads: int = 4, kv_heads: int = 2,
+                             head_dim: int = 16, intermediate: int = 96, moe_intermediate: int = 32,
+                             vocab: int = 256, tie: bool = False, fused: bool = False, seed: int = 0,
+                             max_positions: int = 512, router_std: float = 0.5) -> Path:
+    """Write a random tiny Qwen3-MoE checkpoint. transformers' save_pretrained writes the hub layout (one tensor
+    per expert and projection); fused=True writes its in-memory layout instead (3-D gate_up_proj / down_proj per
+    layer), the other layout the loader accepts. The router weights are drawn with std `router_std` (5x the other
+    weights), so routing is decisive (few near-ties between experts) and different tokens pick different experts."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         moe_intermediate_size=moe_intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=experts,
+                         num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+                         mlp_only_layers=list(mlp_only_layers or []), decoder_sparse_step=decoder_sparse_step,
+                         tie_word_embeddings=tie, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = Qwen3MoeForCausalLM(cfg)
+    _randomize(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(router_std / 0.1)   # _randomize drew std 0.1
+    path = Path(path)
+    if not fused:
+        model.save_pretrained(path, safe_serialization=True)
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

@@ -40,7 +40,7 @@ def step_floor_ms(shape: ModelShape, dtype: str, batch: int, prompt_len: int, ou
     steps = out_tokens - 1
     # steps 1..steps produce outputs 1..steps, reading prompt_len + k token-KVs of each row
     kv_tokens = batch * sum(prompt_len + k for k in range(1, steps + 1)) / steps
-    return (shape.step_weight_bytes(b) + kv_tokens * shape.kv_bytes_per_token(b)) / copy_bytes_per_s * 1e3
+    return (shape.step_weight_bytes(b, batch) + kv_tokens * shape.kv_bytes_per_token(b)) / copy_bytes_per_s * 1e3
 
 
 def _timed_generate(llm, batch: int, max_tokens: int, seed: int, prompt_len: int) -> float:

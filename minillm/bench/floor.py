@@ -10,9 +10,16 @@ floor seconds = (KV bytes + weight bytes) / measured copy bandwidth + prefill FL
   The number of steps is the fewest any schedule can use: at least max(max_tokens) (a request gains at most
   one token per step) and at least ceil(sum(max_tokens) / max_num_seqs) (a step holds at most max_num_seqs
   requests).
-- Prefill FLOPs: 2 x (layer matmul params) per prompt token, the LM head once per request (only the last
-  prompt position needs logits), plus causal attention (QK^T and PV: 4 x q_heads x head_dim FLOPs per
-  query-key pair, P*(P+1)/2 pairs per layer). Decode FLOPs are left out: decode is bound by the bytes above.
+  Mixture-of-experts layers read only the experts the step's tokens are routed to. Under uniform routing, each
+  of B tokens picks k of E experts, so an expert is missed by all of them with probability (1 - k/E)^B and a
+  step touches E * (1 - (1 - k/E)^B) distinct experts per layer in expectation (Qwen3-30B-A3B: 8 of 128 at
+  B = 1, about 6 GB a step in bf16; 125.9 at B = 64, 59.5 of the 60.4 GB that reading every expert takes). A
+  workload's B is its mean decode batch, sum(max_tokens) / steps: an expected value, not a bound (real routing
+  is not uniform).
+- Prefill FLOPs: 2 x (layer matmul params a token passes through: its k experts, not all E) per prompt token,
+  the LM head once per request (only the last prompt position needs logits), plus causal attention (QK^T and
+  PV: 4 x q_heads x head_dim FLOPs per query-key pair, P*(P+1)/2 pairs per layer). Decode FLOPs are left out:
+  decode is bound by the bytes above.
 
 The bandwidth and GEMM rate are measured on the device at the start of a run; without a GPU they are None and
 so is the floor (a CPU floor would say nothing about the engine).
@@ -34,22 +41,48 @@ class ModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    # Mixture of experts: 0 experts = dense. num_moe_layers of the layers route to experts, the rest are dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int = 0
 
     @classmethod
     def from_arch(cls, arch) -> "ModelShape":
         """From any object with these attribute names (minillm's model_arch or a transformers config).
-        Configs without head_dim (Qwen2) imply hidden_size / num_attention_heads."""
+        Configs without head_dim (Qwen2) imply hidden_size / num_attention_heads; MoE layers come from
+        minillm's `moe_layers` or transformers' mlp_only_layers / decoder_sparse_step."""
         values = {name: getattr(arch, name, None) for name in cls.__dataclass_fields__}
         if values["head_dim"] is None:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        values["num_moe_layers"] = _num_moe_layers(arch)
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            values[name] = (values[name] or 0) if values["num_moe_layers"] else 0
         return cls(**{name: int(v) for name, v in values.items()})
 
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights a token passes through in all decoder layers (q, k, v, o, gate, up, down)."""
+    def attention_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
-        return per_layer * self.num_hidden_layers
+        return (h * (q + 2 * kv) + q * h) * self.num_hidden_layers
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size * (self.num_hidden_layers - self.num_moe_layers)
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def router_params(self) -> int:
+        return self.num_experts * self.hidden_size * self.num_moe_layers
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights one token passes through in all decoder layers (q, k, v, o, and gate, up, down of the dense
+        MLP or of its k experts plus the router)."""
+        routed = self.num_moe_layers * self.num_experts_per_tok * self.expert_params
+        return self.attention_params + self.dense_mlp_params + routed + self.router_params
 
     @property
     def norm_params(self) -> int:
@@ -61,11 +94,34 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    def step_weight_bytes(self, dtype_bytes: int) -> int:
-        return (self.layer_matmul_params + self.norm_params + self.lm_head_params) * dtype_bytes
+    def experts_touched(self, batch: int | None) -> float:
+        """Expected distinct experts a step of `batch` tokens reads per MoE layer under uniform routing,
+        E * (1 - (1 - k/E)^B); batch None = all of them."""
+        e, k = self.num_experts, self.num_experts_per_tok
+        if not e or batch is None:
+            return float(e)
+        return e * (1.0 - (1.0 - k / e) ** batch)
+
+    def step_weight_bytes(self, dtype_bytes: int, batch: int | None = None) -> int:
+        """Bytes of weights a forward step over `batch` tokens reads (dense models: all of them, whatever B)."""
+        experts = round(self.experts_touched(batch) * self.expert_params * self.num_moe_layers)
+        dense = self.attention_params + self.dense_mlp_params + self.router_params
+        return (dense + experts + self.norm_params + self.lm_head_params) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def _num_moe_layers(arch) -> int:
+    layers = getattr(arch, "moe_layers", None)
+    if layers is not None:
+        return len(layers)
+    experts = getattr(arch, "num_experts", None) or 0
+    if not experts:
+        return 0
+    dense = set(getattr(arch, "mlp_only_layers", None) or [])
+    step = getattr(arch, "decoder_sparse_step", None) or 1
+    return sum(1 for i in range(arch.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def dtype_bytes(dtype) -> int:
@@ -101,8 +157,9 @@ def workload_work(shape: ModelShape, prompt_lens: list[int], max_tokens: list[in
     attn_pairs = sum(p * (p + 1) // 2 for p in prompt_lens) * shape.num_hidden_layers
     prefill_flops = (2 * shape.layer_matmul_params * sum(prompt_lens)
                      + 2 * shape.lm_head_params * len(prompt_lens) + 4 * q_width * attn_pairs)
+    mean_batch = -(-sum(max_tokens) // num_steps)   # only MoE weights depend on it
     return FloorWork(kv_bytes=token_kvs * shape.kv_bytes_per_token(dtype_bytes_),
-                     weight_bytes=num_steps * shape.step_weight_bytes(dtype_bytes_),
+                     weight_bytes=num_steps * shape.step_weight_bytes(dtype_bytes_, mean_batch),
                      num_steps=num_steps, prefill_flops=prefill_flops)
 
 

@@ -1,8 +1,9 @@
 """ModelArchConfig: the architecture facts the engine needs, read from an HF config.json.
 
-One frozen dataclass for both Qwen3 and Qwen2/2.5; the two differ only in `qkv_bias` (Qwen2) and `qk_norm`
-(Qwen3). Configs written by transformers 4.x (top-level `rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x
-(`rope_parameters`, `dtype`) are both accepted.
+One frozen dataclass for Qwen3, Qwen3-MoE and Qwen2/2.5; Qwen2 differs by `qkv_bias` and no `qk_norm`, Qwen3-MoE
+by its expert fields (`num_experts` > 0, `moe_layers`). Configs written by transformers 4.x (top-level
+`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`, `dtype`) are both accepted; RoPE scaling
+is parsed by minillm/model/rope.py.
 """
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minillm.config import ConfigError
+from minillm.model.rope import RopeScaling, parse_rope
 from minillm.untrusted import loads_json, short_repr
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 MAX_CONFIG_BYTES = 1 << 20
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -31,12 +34,21 @@ class ModelArchConfig:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    # Positions the model serves: config.json's value, stretched by YaRN / linear RoPE scaling where set.
     max_position_embeddings: int
     qkv_bias: bool
     qk_norm: bool
     torch_dtype: str | None = None
     eos_token_id: int | list[int] | None = None
     bos_token_id: int | None = None
+    rope_scaling: RopeScaling | None = None   # None: plain RoPE at rope_theta
+    # Mixture of experts (Qwen3-MoE); num_experts 0 = a dense model. moe_layers: the layers whose MLP is the
+    # routed experts (the others, by mlp_only_layers / decoder_sparse_step, use the dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArchConfig":
@@ -75,10 +87,14 @@ class ModelArchConfig:
             raise ConfigError(f"head_dim={head_dim} is not allowed: RoPE needs an even head dimension")
         if d.get("use_sliding_window"):
             raise ConfigError("use_sliding_window=true is not supported: only full attention is implemented")
-        is_qwen3 = arch == "Qwen3ForCausalLM"
+        is_qwen3 = arch in ("Qwen3ForCausalLM", *MOE_ARCHITECTURES)
         if is_qwen3 and d.get("attention_bias"):
             # HF's Qwen3 then also puts a bias on o_proj; no released Qwen3 checkpoint does this.
-            raise ConfigError("attention_bias=true is not supported for Qwen3ForCausalLM")
+            raise ConfigError(f"attention_bias=true is not supported for {arch}")
+        rope = parse_rope(d)
+        max_pos = _optional(d, "max_position_embeddings", 32768, lambda v: _is_positive_int(v) and v >= 2,
+                            "an integer >= 2")
+        moe = _moe_fields(d) if arch in MOE_ARCHITECTURES else {}
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -88,17 +104,18 @@ class ModelArchConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rope_theta=_rope_theta(d),
+            rope_theta=rope.theta,
             rms_norm_eps=float(_optional(d, "rms_norm_eps", 1e-6, _is_positive_number, "a positive number")),
             tie_word_embeddings=_optional(d, "tie_word_embeddings", False, _is_bool, "true or false"),
-            max_position_embeddings=_optional(d, "max_position_embeddings", 32768,
-                                              lambda v: _is_positive_int(v) and v >= 2, "an integer >= 2"),
+            max_position_embeddings=rope.max_positions(max_pos),
             qkv_bias=not is_qwen3,
             qk_norm=is_qwen3,
             torch_dtype=_optional(d, "torch_dtype", None, _is_str, "a string") or
             _optional(d, "dtype", None, _is_str, "a string"),
             eos_token_id=_optional(d, "eos_token_id", None, _is_token_ids, "a token id or a list of token ids"),
             bos_token_id=_optional(d, "bos_token_id", None, _is_token_id, "a token id"),
+            rope_scaling=None if rope.rope_type == "default" else rope,
+            **moe,
         )
 
     # ---- derived sizes ---------------------------------------------------------------------------------
@@ -111,6 +128,15 @@ class ModelArchConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def rope(self) -> RopeScaling:
+        return self.rope_scaling or RopeScaling(theta=self.rope_theta)
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert (gate, up, down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
     def num_params(self) -> int:
         """Unique parameters; a tied LM head shares the embedding and is counted once."""
         h, i = self.hidden_size, self.intermediate_size
@@ -119,10 +145,12 @@ class ModelArchConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        dense_layers = self.num_hidden_layers - len(self.moe_layers)
+        moe_mlp = self.num_experts * (self.expert_params + h)   # experts plus the router's row per expert
+        layers = self.num_hidden_layers * (attn + 2 * h) + dense_layers * 3 * h * i + len(self.moe_layers) * moe_mlp
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * layer + h + lm_head
+        return embed + layers + h + lm_head
 
     def weight_bytes(self, dtype_bytes: int = 2) -> int:
         """Bytes of all weights (LM head included) at `dtype_bytes` per element: what one decode step reads."""
@@ -185,16 +213,20 @@ def _positive_int(d: dict, key: str) -> None:
         raise ConfigError(f"{key}={short_repr(d[key])} is not allowed: a positive integer")
 
 
-def _rope_theta(d: dict) -> float:
-    # transformers 5 writes rope_parameters={rope_type, rope_theta}; 4.x wrote rope_theta + rope_scaling.
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"rope_parameters / rope_scaling={short_repr(params)} is not allowed: an object or null")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"rope type {short_repr(rope_type)} is not supported: only plain RoPE (rope_scaling "
-                          f"null / rope_type 'default') is implemented")
-    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
-    if not _is_positive_number(theta):
-        raise ConfigError(f"rope_theta={short_repr(theta)} is not allowed: a positive number")
-    return float(theta)
+def _moe_fields(d: dict) -> dict:
+    """The expert fields of a Qwen3-MoE config; which layers route, as HF decides it: layer i is sparse unless it
+    is in mlp_only_layers, and only every decoder_sparse_step-th layer ((i + 1) % step == 0) is."""
+    # transformers 5 saves num_experts as num_local_experts; hub configs say num_experts.
+    key = "num_experts" if "num_experts" in d else "num_local_experts"
+    _positive_int(d, key)
+    experts = d[key]
+    _positive_int(d, "moe_intermediate_size")
+    top_k = _optional(d, "num_experts_per_tok", 8, lambda v: _is_positive_int(v) and v <= experts,
+                      f"an integer in [1, {key}={experts}]")
+    step = _optional(d, "decoder_sparse_step", 1, _is_positive_int, "a positive integer")
+    layers = d["num_hidden_layers"]
+    dense = _optional(d, "mlp_only_layers", [], lambda v: isinstance(v, list) and all(
+        _is_token_id(i) and i < layers for i in v), f"a list of layer indices in [0, {layers})")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=d["moe_intermediate_size"],
+                norm_topk_prob=_optional(d, "norm_topk_prob", False, _is_bool, "true or false"),
+                moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))

@@ -142,10 +142,15 @@ def _open_weights(file: Path):
         raise ConfigError(f"weights file {file} cannot be read: {e} (is it truncated or not safetensors?)") from None
 
 
-def _checkpoint_targets(net: QwenForCausalLM) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
-    """Every tensor name the checkpoint must provide -> (parameter, row range of a packed one or None)."""
+def _checkpoint_targets(net: QwenForCausalLM, names=frozenset()
+                        ) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+    """Every tensor name the checkpoint must provide -> (parameter, row range of a packed one or None).
+    A module with `checkpoint_targets(prefix, names)` (stacked MoE experts) names its own, given the checkpoint's."""
     targets = {}
     for mname, module in net.named_modules():
+        if hasattr(module, "checkpoint_targets"):
+            targets.update(module.checkpoint_targets(mname, names))
+            continue
         shards = getattr(module, "shards", None)
         for leaf, p in module.named_parameters(recurse=False):
             if not shards:
@@ -159,8 +164,8 @@ def _checkpoint_targets(net: QwenForCausalLM) -> dict[str, tuple[torch.Tensor, t
 
 def load_safetensors(net: QwenForCausalLM, files: dict[str, Path]) -> None:
     """Copy every checkpoint tensor into its (slice of a) parameter, converting dtype on the way."""
-    targets = _checkpoint_targets(net)
     names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+    targets = _checkpoint_targets(net, names)
     if net.arch.tie_word_embeddings:
         names.discard("lm_head.weight")   # some tied checkpoints still store the shared matrix twice
     missing, unexpected = sorted(set(targets) - names), sorted(names - set(targets))

@@ -15,16 +15,17 @@ from torch import nn
 from minillm.attention.metadata import AttentionMetadata
 from minillm.model.arch import ModelArchConfig
 from minillm.model.layers import MLP, Attention, RMSNorm, VocabMatrix
+from minillm.model.rope import cos_sin_table
 from minillm.ops.choice import KernelChoice
-from minillm.ops.fused_ops import fused_add_rms_norm, rope_cos_sin_cache
-
+from minillm.ops.fused_ops import fused_add_rms_norm
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.cuda_ops = kernels.cuda
         self.self_attn = Attention(arch, attn_backend, kernels, dtype=dtype, device=device)
-        self.mlp = MLP(arch, kernels, dtype=dtype, device=device)
+        self.mlp = mlp if mlp is not None else MLP(arch, kernels, dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
 
@@ -39,14 +40,14 @@ class DecoderLayer(nn.Module):
         x, residual = fused_add_rms_norm(x, residual, ln.weight, ln.eps, cuda=self.cuda_ops)
         return self.mlp(x), residual
 
-
 class QwenModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device,
+                 make_mlp=lambda layer_idx: None):
         super().__init__()
         self.cuda_ops = kernels.cuda
         self.embed_tokens = VocabMatrix(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(arch, attn_backend, kernels, dtype=dtype, device=device)
-                                    for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, attn_backend, kernels, dtype=dtype, device=device,
+                                                 mlp=make_mlp(i)) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, input_ids, positions, cos_sin_cache, kv_caches, meta) -> torch.Tensor:
@@ -58,7 +59,6 @@ class QwenModel(nn.Module):
         x, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps, cuda=self.cuda_ops)
         return x
 
-
 class QwenForCausalLM(nn.Module):
     """forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, H]; compute_logits(hidden[N]) ->
     fp32 logits[N, vocab] (model-dtype ones with keep_dtype=True). The runner picks the rows that need logits
@@ -69,12 +69,22 @@ class QwenForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.kernels = kernels or KernelChoice.torch_only()   # torch_only: a model built outside an engine
-        self.model = QwenModel(arch, attn_backend, self.kernels, dtype=dtype, device=device)
+        self.model = QwenModel(arch, attn_backend, self.kernels, dtype=dtype, device=device,
+                               make_mlp=lambda i: self.make_mlp(i, self.kernels, dtype, device))
         self.lm_head = None if arch.tie_word_embeddings else VocabMatrix(arch.vocab_size, arch.hidden_size,
                                                                           dtype=dtype, device=device)
         # Built once in fp32 for every position the model supports; not saved with the weights.
-        cache = rope_cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, device=device)
+        # RoPE scaling (YaRN, linear) is applied in this table, so every kernel that reads it sees it.
+        cache = cos_sin_table(arch.head_dim, arch.max_position_embeddings, arch.rope, device=device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def make_mlp(self, layer_idx: int, kernels: KernelChoice, dtype, device) -> nn.Module | None:
+        """The MLP of layer `layer_idx`; None = the dense SwiGLU MLP (subclasses route some layers to experts)."""
+        return None
+
+    def graph_unsupported_reason(self) -> str | None:
+        """Why this model's decode step cannot be captured in a CUDA graph (None: it can)."""
+        return None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

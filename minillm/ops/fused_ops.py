@@ -48,13 +48,22 @@ def silu_and_mul(gate_up: torch.Tensor, *, cuda: bool = False) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
-    """fp32 [max_positions, head_dim]: cos in the first half of each row, sin in the second (neox style)."""
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None, *,
+                       inv_freq: torch.Tensor | None = None, attention_factor: float = 1.0) -> torch.Tensor:
+    """fp32 [max_positions, head_dim]: cos in the first half of each row, sin in the second (neox style).
+
+    RoPE scaling (minillm/model/rope.py) passes its own `inv_freq` [head_dim / 2] and YaRN's attention factor,
+    which multiplies cos and sin here: every kernel reads this table, so none computes angles of its own."""
     # fp32 throughout, the way transformers computes it, so positions map to bit-identical angles.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+                                    / head_dim))
     t = torch.arange(max_positions, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return torch.cat([cos, sin], dim=-1)
 
 
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

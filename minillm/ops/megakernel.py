@@ -253,6 +253,8 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
 def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int, *, num_ctas: int = 132,
                        smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0)) -> str | None:
     """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig."""
+    if getattr(arch, "num_experts", 0):
+        return "a mixture-of-experts MLP (the megakernel's MLP phases are dense)"
     if capability[0] < 9:
         return f"needs sm_90 (bulk copies, mbarrier transaction counts), GPU is sm_{capability[0]}{capability[1]}"
     if dtype not in DTYPES:

@@ -90,6 +90,9 @@ class ModelRunner:
         if self.kernels.attention != "cuda":
             log.info("CUDA graphs need the CUDA attention backend; running decode eagerly")
             return None
+        if (reason := self.model.graph_unsupported_reason()) is not None:
+            log.info("CUDA graphs not used: %s; running decode eagerly", reason)
+            return None
         from minillm.runner.cuda_graphs import DecodeGraphs
         graphs = DecodeGraphs(self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.inputs.max_blocks,
                               self.cfg.cache.block_size, self.max_model_len, self.arch.hidden_size, self.dtype,
