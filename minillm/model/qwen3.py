@@ -15,12 +15,12 @@ from torch import nn
 from minillm.attention.metadata import AttentionMetadata
 from minillm.model.arch import ModelArchConfig
 from minillm.model.layers import MLP, Attention, RMSNorm, VocabMatrix
-from minillm.ops.choice import KernelChoice
+from minillm.ops.choice import ModelKernels
 from minillm.ops.fused_ops import fused_add_rms_norm, rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: ModelKernels, *, dtype, device):
         super().__init__()
         self.cuda_ops = kernels.cuda
         self.self_attn = Attention(arch, attn_backend, kernels, dtype=dtype, device=device)
@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
 
 
 class QwenModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device):
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: ModelKernels, *, dtype, device):
         super().__init__()
         self.cuda_ops = kernels.cuda
         self.embed_tokens = VocabMatrix(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
@@ -65,10 +65,10 @@ class QwenForCausalLM(nn.Module):
     (last token of each sequence)."""
 
     def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", kernels: KernelChoice | None = None):
+                 device: torch.device | str = "cpu", kernels: ModelKernels | None = None):
         super().__init__()
         self.arch = arch
-        self.kernels = kernels or KernelChoice.torch_only()   # torch_only: a model built outside an engine
+        self.kernels = kernels or ModelKernels()   # plain torch: a model built outside an engine
         self.model = QwenModel(arch, attn_backend, self.kernels, dtype=dtype, device=device)
         self.lm_head = None if arch.tie_word_embeddings else VocabMatrix(arch.vocab_size, arch.hidden_size,
                                                                           dtype=dtype, device=device)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.ops.coverage import KernelCoverage
+
 GRANULE = 8            # weight rows per granule (the n8 of an mma B operand)
 MAX_BATCH = 16         # decode rows: the 16 rows of the mma A operand
 MAX_LAYERS = 64
@@ -250,28 +252,31 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     return plan
 
 
+# The generic part of what the kernel covers (decode_megakernel.cu: megakernel_smem_plan, launch_decode_megakernel;
+# megakernel_bindings.cpp); unsupported_reason adds the model-shape and shared-memory limits. The launcher takes any
+# power-of-two block size >= 16; the two the engine's other kernels cover are declared. Runs under CUDA graphs only.
+COVERAGE = KernelCoverage("decode_megakernel", dtypes=("bfloat16", "float16"), head_dims=HEAD_DIMS,
+                          block_sizes=BLOCK_SIZES, max_gqa_group=MAX_GROUP, min_capability=(9, 0), graph_safe=True)
+
+
 def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int, *, num_ctas: int = 132,
                        smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0)) -> str | None:
     """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig."""
-    if capability[0] < 9:
+    if tuple(capability) < COVERAGE.min_capability:
         return f"needs sm_90 (bulk copies, mbarrier transaction counts), GPU is sm_{capability[0]}{capability[1]}"
-    if dtype not in DTYPES:
-        return f"dtype {dtype} (supported: bfloat16, float16)"
     if not 1 <= num_rows <= MAX_BATCH:
         return f"{num_rows} decode rows (supported: 1..{MAX_BATCH})"
-    if block_size not in BLOCK_SIZES:
-        return f"block_size={block_size} (supported: {BLOCK_SIZES})"
-    if arch.head_dim not in HEAD_DIMS:
-        return f"head_dim={arch.head_dim} (supported: {HEAD_DIMS})"
-    hq, hkv = arch.num_attention_heads, arch.num_key_value_heads
-    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
-        return f"{hq} query heads over {hkv} KV heads (GQA group must be 1..{MAX_GROUP})"
+    reason = COVERAGE.reason(dtype=str(dtype).removeprefix("torch."), capability=capability, head_dim=arch.head_dim,
+                             num_q_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads,
+                             block_size=block_size)
+    if reason is not None:
+        return reason
     h, i = arch.hidden_size, arch.intermediate_size
     if h % 32 or i % 32 or h > MAX_HIDDEN:
         return f"hidden={h}, intermediate={i} (both multiples of 32, hidden <= {MAX_HIDDEN})"
     if not 1 <= arch.num_hidden_layers <= MAX_LAYERS:
         return f"{arch.num_hidden_layers} layers (supported: 1..{MAX_LAYERS})"
-    plan = smem_plan(h, i, hq, hkv, arch.head_dim, num_ctas)
+    plan = smem_plan(h, i, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, num_ctas)
     if plan["max_granules"] > MAX_GRANULES:
         return (f"a CTA would own {plan['max_granules']} weight granules in one phase on {num_ctas} SMs "
                 f"(at most {MAX_GRANULES})")

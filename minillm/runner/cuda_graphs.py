@@ -7,10 +7,18 @@ slot (-1) and attend to one token of block 0, and their outputs are ignored.
 
 Graphs are captured with max_seq_len = max_model_len. The decode kernel's split-K grid depends on the batch
 size only (every sequence is cut into the same number of partitions), so a replay fits any context.
+
+Capture runs only where the engine's plan (minillm/runner/plan.py) marks every kernel on the decode path
+graph-safe. Two guards stay behind that: each warm-up run before a capture runs with host syncs turned into errors
+(so a sync is found before any capture starts), and guarded_capture() puts the process back in order if a capture
+fails anyway: the stream it ran on, and the CUDA generator, which a failed capture leaves in capture mode ("Offset
+increment outside graph capture" for every later engine in the process).
 """
 from __future__ import annotations
 
 import logging
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -51,7 +59,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):       # largest first: smaller graphs reuse its memory pool
             meta = self._meta(bs)
-            self._run(bs, meta)               # warm-up outside capture (lazy inits, autotuning)
+            with no_host_sync():
+                self._run(bs, meta)           # warm-up outside capture (lazy inits, autotuning)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self._run(bs, meta)
@@ -83,3 +92,44 @@ class DecodeGraphs:
             self.seq_lens[n:bs].fill_(1)
         self.graphs[bs].replay()
         return self.hidden[:n]
+
+
+@contextmanager
+def no_host_sync():
+    """Host syncs raise inside the block (torch's sync debug mode), as they would fail under capture."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def guarded_capture(capture, what: str) -> str | None:
+    """Run capture() (which captures CUDA graphs); None when it succeeded, else why it failed, after leaving the
+    process usable: the current stream restored, the device synchronised and the CUDA generator out of capture
+    mode. The caller then serves that path eagerly."""
+    stream = torch.cuda.current_stream()
+    try:
+        capture()
+        return None
+    except Exception as e:   # noqa: BLE001 (any failure: the engine must still serve)
+        reason = f"capturing the {what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    torch.cuda.set_stream(stream)
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        log.error("after the failed capture, synchronize raised: %s", e)
+    end_generator_capture()
+    return reason
+
+
+def end_generator_capture() -> None:
+    """Take the CUDA generator out of capture mode: a capture that failed never ran its epilogue, and one empty
+    capture that succeeds does."""
+    g = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "the CUDA graph is empty"
+        with torch.cuda.graph(g):
+            pass
+    del g
