@@ -10,7 +10,8 @@ What lives here, all plain torch so it runs and is tested on the CPU:
 - the two plans the kernel computes for itself, mirrored: the attention work split (partition_plan) and the
   shared-memory budget (smem_plan); unsupported_reason() says why a shape or GPU is not covered;
 - DecodeMegakernel: packs a loaded model once, owns the workspaces, forward() launches the op without a host sync
-  or a data-dependent allocation (CUDA-graph safe); MegakernelGraphs captures it per batch size;
+  or a data-dependent allocation (CUDA-graph safe; minillm/runner/cuda_graphs.py: MegakernelGraphs captures it per
+  batch size);
 - reference_decode_step: the torch twin (the model's own torch path on the same inputs).
 
 Memory: the packed weights are a second copy of the decoder layers' weights (Qwen3-0.6B: 0.84 GB); the regular
@@ -419,57 +420,6 @@ class DecodeMegakernel:
     __call__ = forward
 
 
-class MegakernelGraphs:
-    """DecodeGraphs' interface (bucket(), replay()) over a DecodeMegakernel: one CUDA graph per batch size
-    1..max_batch over static input buffers. Padded rows never occur (every size has its graph)."""
-
-    def __init__(self, mk: DecodeMegakernel, max_blocks: int):
-        self.mk = mk
-        n, dev = mk.max_batch, mk.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-
-    def _meta(self, b: int):
-        from minillm.attention.metadata import AttentionMetadata
-
-        return AttentionMetadata(num_seqs=b, num_decodes=b, num_tokens=b, max_query_len=1, max_seq_len=1,
-                                 slot_mapping=self.slot_mapping[:b], query_start_loc=torch.empty(0),
-                                 seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
-                                 block_size=self.mk.block_size)
-
-    @torch.inference_mode()
-    def capture(self, sizes: list[int] | None = None) -> None:
-        """Capture with slot -1 and one-token contexts (nothing is written to the caches)."""
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        for b in sizes or range(1, self.mk.max_batch + 1):
-            meta = self._meta(b)
-            self.mk.forward(self.input_ids[:b], self.positions[:b], meta)   # warm-up outside capture
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self.mk.forward(self.input_ids[:b], self.positions[:b], meta)
-            self.graphs[b] = g
-        torch.cuda.synchronize()
-
-    def bucket(self, n: int) -> int | None:
-        return n if n in self.graphs else None
-
-    def replay(self, input_ids, positions, meta) -> torch.Tensor:
-        n = meta.num_seqs
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids[:n])
-        self.positions[:n].copy_(positions[:n])
-        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
-        self.seq_lens[:n].copy_(meta.seq_lens[:n])
-        self.block_tables[:n, :width].copy_(meta.block_tables[:n])
-        self.graphs[n].replay()
-        return self.mk.out[:n]
-
-
 # ---- the torch twin -----------------------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -496,6 +446,6 @@ def floor_us(total_bytes: int, bandwidth: float = 4.2e12) -> float:
     return total_bytes / bandwidth * 1e6
 
 
-__all__ = ["DecodeMegakernel", "MegakernelGraphs", "applies", "unsupported_reason", "partition_plan", "smem_plan",
+__all__ = ["DecodeMegakernel", "applies", "unsupported_reason", "partition_plan", "smem_plan",
            "pack_granules", "unpack_granules", "pack_gate_up", "pack_act_fragments", "act_fragment_index",
            "emulate_gemv", "reference_decode_step", "step_bytes", "floor_us"]

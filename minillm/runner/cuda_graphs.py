@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps: DecodeGraphs (the model's layers) and MegakernelGraphs (the persistent decode
+kernel, minillm/ops/megakernel.py).
 
 A decode step of Qwen3-0.6B is ~340 small kernels; launched eagerly from Python that costs more than the
 GPU work at small batch (docs/architecture.md, section 7). We capture one graph per batch-size bucket over
@@ -92,6 +93,56 @@ class DecodeGraphs:
             self.seq_lens[n:bs].fill_(1)
         self.graphs[bs].replay()
         return self.hidden[:n]
+
+
+class MegakernelGraphs:
+    """DecodeGraphs' interface (bucket(), replay()) over a DecodeMegakernel: one CUDA graph per batch size
+    1..max_batch over static input buffers. Padded rows never occur (every size has its graph)."""
+
+    def __init__(self, mk, max_blocks: int):
+        self.mk = mk
+        n, dev = mk.max_batch, mk.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(num_seqs=b, num_decodes=b, num_tokens=b, max_query_len=1, max_seq_len=1,
+                                 slot_mapping=self.slot_mapping[:b], query_start_loc=torch.empty(0),
+                                 seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+                                 block_size=self.mk.block_size)
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture with slot -1 and one-token contexts (nothing is written to the caches)."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        for b in sizes or range(1, self.mk.max_batch + 1):
+            meta = self._meta(b)
+            with no_host_sync():
+                self.mk.forward(self.input_ids[:b], self.positions[:b], meta)   # warm-up outside capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.mk.forward(self.input_ids[:b], self.positions[:b], meta)
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+
+    def bucket(self, n: int) -> int | None:
+        return n if n in self.graphs else None
+
+    def replay(self, input_ids, positions, meta) -> torch.Tensor:
+        n = meta.num_seqs
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids[:n])
+        self.positions[:n].copy_(positions[:n])
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
+        self.seq_lens[:n].copy_(meta.seq_lens[:n])
+        self.block_tables[:n, :width].copy_(meta.block_tables[:n])
+        self.graphs[n].replay()
+        return self.mk.out[:n]
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from minillm.device import resolve_device, resolve_dtype
 from minillm.contract import ModelRunnerOutput, SchedulerOutput
 from minillm.model.loader import load_model, resolve_arch
 from minillm.ops.launch import pdl_launches
-from minillm.runner.cuda_graphs import guarded_capture
+from minillm.runner.cuda_graphs import DecodeGraphs, MegakernelGraphs, guarded_capture
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import choose_num_blocks
 from minillm.runner.plan import DeviceInfo, resolve_plan
@@ -111,7 +111,6 @@ class ModelRunner:
             self.plan = self.plan.without_graphs(failed)
 
     def _capture_graphs(self) -> None:
-        from minillm.runner.cuda_graphs import DecodeGraphs
         graphs = DecodeGraphs(self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.inputs.max_blocks,
                               self.cfg.cache.block_size, self.max_model_len, self.arch.hidden_size, self.dtype,
                               self.device)
@@ -129,8 +128,6 @@ class ModelRunner:
                                       self.max_model_len, min_partition_chunks=self.plan.megakernel_min_chunks)
 
     def _capture_megakernel(self) -> None:
-        from minillm.ops.megakernel import MegakernelGraphs
-
         self.megakernel.bind_caches(self.kv_caches)
         graphs = MegakernelGraphs(self.megakernel, self.inputs.max_blocks)
         graphs.capture()
