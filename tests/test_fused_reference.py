@@ -148,6 +148,7 @@ def test_backends_fuse_the_kv_write_only_where_the_plan_says():
 @pytest.mark.parametrize("args,expect", [
     ((128, 16, 8, 16, "bfloat16"), None),
     ((64, 14, 2, 32, "float16"), None),
+    ((128, 32, 2, 32, "float16"), None),            # a group of 16: the 16 rows of the decode kernel's mma tile
     ((96, 16, 8, 16, "bfloat16"), "head_dim=96"),
     ((128, 16, 8, 8, "bfloat16"), "block_size=8"),
     ((128, 16, 8, 16, "float32"), "dtype"),
@@ -162,6 +163,7 @@ def test_attention_coverage_names_the_shapes_its_kernels_do_not_cover(args, expe
                              block_size=bs)
     assert reason is None if expect is None else expect in reason
     assert "KV-cache dtype" in COVERAGE.reason(dtype="bfloat16", capability=(9, 0), kv_dtype="float16")
+    assert COVERAGE.reason(dtype="bfloat16", capability=(9, 0), kv_dtype="bfloat16") is None
     assert "sm_80" in COVERAGE.reason(dtype="bfloat16", capability=(7, 5))
 
 

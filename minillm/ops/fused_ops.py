@@ -1,6 +1,6 @@
 """Fused elementwise ops of the decoder layer: one entry point each, CUDA kernel or plain torch.
 
-The model calls only these functions. With cuda=True (the engine's KernelChoice says the kernels run) and a
+The model calls only these functions. With cuda=True (the engine's execution plan says the kernels run) and a
 CUDA tensor, each call goes to one fused kernel (torch.ops.minillm.*); everywhere else the torch code below runs.
 The torch code is also the reference the kernels are tested against, so it stays simple and computes in fp32.
 """
