@@ -341,3 +341,40 @@ def test_skinny_gemm_accepts_its_dtypes_and_refuses_float32(monkeypatch):
     x = torch.randn(4, 1024, device="cuda")
     with pytest.raises((ValueError, RuntimeError)):
         gemm_ops.linear(x, torch.randn(1024, 1024, device="cuda"), skinny=True)
+
+
+_POISON = """
+import torch
+from minillm.runner.cuda_graphs import guarded_capture
+
+x = torch.ones(1, device="cuda")
+
+def bad():
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.item()                     # a host sync under capture: the failure the plan now rules out
+
+reason = guarded_capture(bad, "test graphs")
+assert reason.startswith("capturing the test graphs failed"), reason
+torch.randn(4, device="cuda")        # raised 'Offset increment outside graph capture' while the generator stayed
+y = torch.zeros(4, device="cuda")
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    y.add_(torch.rand(4, device="cuda") * 0 + 1)
+g.replay()
+torch.cuda.synchronize()
+assert y.tolist() == [1.0] * 4, y
+print("usable")
+"""
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_the_process_usable_on_a_gpu():
+    """A real failed capture (a host sync inside it), then random numbers and a new capture in the same process
+    (in a child process, so a failure cannot spoil the GPU tests after this one)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _POISON], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and "usable" in proc.stdout, proc.stderr[-3000:]
