@@ -299,8 +299,10 @@ def _notices(device: DeviceInfo, attention: Verdict, graphs: Verdict) -> tuple[s
     """What the engine says once at start: a GPU path that runs slower than the defaults would, and why."""
     if device.type != "cuda":
         return ()
+    torch_attention = f"attention runs on the torch path ({attention.reason})"
     if not graphs.on and not graphs.reason.startswith("runtime.enforce_eager"):
-        return (f"decode runs eagerly, without CUDA graphs: {graphs.reason} (attention: {attention.reason})",)
+        lead = f"{torch_attention}, so decode" if not attention.on else "decode"
+        return (f"{lead} runs eagerly, without CUDA graphs: {graphs.reason}",)
     if not attention.on and "do not cover" in attention.reason:
-        return (f"{attention.reason}: attention runs on the torch path",)
+        return (torch_attention,)
     return ()
