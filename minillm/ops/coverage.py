@@ -4,10 +4,11 @@
 A family's KernelCoverage lists the dtypes, head dims, GQA groups, cache block sizes and GPU generations its
 launchers accept, and whether its launches may be captured in a CUDA graph. The C++ launchers keep their own
 checks (a defensive TORCH_CHECK or cudaErrorInvalidValue); tests/test_plan.py reads them from the sources and
-fails when a declaration and its launcher disagree, and tests/test_plan_gpu.py runs every declared case.
+fails when a declaration and its launcher disagree, and its GPU tests run every declared case.
 
 Adding a kernel family: write its KernelCoverage (and, for limits no field here expresses, a small function
-returning a reason or None) next to its ops wrapper, then add one entry to ExecutionPlan that asks it.
+returning a reason or None) next to its ops wrapper, then add one entry to ExecutionPlan that asks it (the recipe
+is in minillm/runner/plan.py). A quantised KV cache is a kv_dtypes entry of the families that read the cache.
 """
 from __future__ import annotations
 

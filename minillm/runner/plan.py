@@ -17,10 +17,11 @@ What a kernel family covers is declared once, next to its ops wrapper (a KernelC
 plus a shape function where a family has limits of its own): attention_ops.COVERAGE, fused_ops.COVERAGE,
 gemm_ops.COVERAGE, megakernel.COVERAGE, and the torch attention backend's. The plan only asks them.
 
-Adding a kernel family (a decode GEMM, an fp8 KV cache for attention): declare its KernelCoverage next to its
-wrapper, add one Verdict field here and one _verdict function that asks the declaration (and says whether it is
-graph-safe, if it runs on the decode path), and hand the verdict to the layer that calls the family. The record
-and the log line pick the new field up by themselves.
+Adding a kernel family (a decode GEMM; an fp8 KV cache, which is attention's kv_dtypes): declare its
+KernelCoverage next to its wrapper, add one Verdict field to ExecutionPlan (and its name to PATHS) and one _Case
+method that asks the declaration; if it runs on the decode path, add it to cuda_graphs()'s graph-safety list. Hand
+the verdict to the layer that calls the family (ModelKernels for the model's layers). The record and the log
+line pick the new path up from PATHS.
 
 Under kernels.backend=cuda (or runtime.attention=cuda) a model or cache the attention or fused kernels do not
 cover is a ConfigError naming the key, before anything is allocated; under auto that path runs on torch and the
@@ -101,7 +102,7 @@ class ExecutionPlan:
                             skinny=frozenset(name for name, v in self.skinny_gemm.items() if v.on))
 
     def step_path(self, decode_only: bool, seq_lens: list[int]) -> str:
-        """"megakernel", "graph" or "eager": how a step of these rows (context lengths seq_lens) runs."""
+        """How a step of these rows (context lengths seq_lens) runs: "megakernel", "graph" or "eager"."""
         if not decode_only or not self.cuda_graphs.on:
             return "eager"
         if self.megakernel.on and len(seq_lens) <= self.megakernel_rows \
