@@ -9,13 +9,14 @@ Axes: dtype {bfloat16, float16, float32} x block_size {8, 16, 32, 64} x kernels.
 enforce_eager {on, off} x prefix cache {on, off} on qwen3-0.6b, plus every preset with its defaults. --quick runs a
 pairwise design (every pair of values of two axes appears in some case) plus the three configurations that once
 crashed in graph capture. One JSON line per case: the config, result (ok | refused | crashed), message, the plan's
-record (minillm/runner/plan.py), seconds. Exit status 1 when a case crashed.
+record (minillm/runner/plan.py), the engine's warnings and errors (log), seconds. Exit status 1 when a case crashed.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -63,8 +64,21 @@ def cases(quick: bool, model: str = "qwen3-0.6b", device: str = "cuda") -> list[
     return [{"model": model, "device": device, **c} for c in design + extra + preset_cases()]
 
 
+class _Logged(logging.Handler):
+    """The engine's warnings and errors of one case (the plan's one-line notice; a failed capture's error)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
 def run_case(case: dict) -> dict:
     """In this process: build the engine, generate, report. Never raises."""
+    logged = _Logged()
+    logging.getLogger("minillm").addHandler(logged)
     sys.path.insert(0, str(ROOT))
     from minillm.config import ConfigError
     from minillm.llm import LLM
@@ -89,6 +103,7 @@ def run_case(case: dict) -> dict:
         out.update(result="crashed", message=f"{type(e).__name__}: {e}",
                    traceback=traceback.format_exc()[-4000:])
     out["seconds"] = round(time.perf_counter() - t0, 2)
+    out["log"] = logged.lines
     return out
 
 

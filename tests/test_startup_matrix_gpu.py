@@ -52,6 +52,9 @@ def test_every_quick_case_serves_or_is_refused_naming_the_key():
             and cfg.get("kernels", "auto") != "torch" and not cfg.get("enforce_eager", False)
         assert plan["cuda_graphs"] == graphs_ok, r
         assert plan["plan"]["cuda_graphs"]["reason"]
+        assert not [ln for ln in r["log"] if ln.startswith("ERROR")], r          # no capture failed
+        eager_notices = [ln for ln in r["log"] if "without CUDA graphs" in ln]
+        assert len(eager_notices) == (not graphs_ok and not cfg.get("enforce_eager", False)), r   # said once
     by_model = {r["config"]["model"]: r for r in results if set(r["config"]) == {"model", "device"}}
     if torch.cuda.get_device_capability() >= (9, 0):   # the default path on an H200: the persistent kernel too
         assert by_model["qwen3-0.6b"]["plan"]["megakernel_max_batch"] > 0
