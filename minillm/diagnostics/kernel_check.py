@@ -97,7 +97,8 @@ def _case_attention(kind, shape, batch, seed):
         errs = []
         for mode in ("split", "unified"):
             k2, v2 = kc.clone(), vc.clone()
-            errs.append(_max_err(CudaAttentionBackend(mode).forward(b.q, b.k, b.v, k2, v2, paged_meta(b, nd), scale), ref))
+            out = CudaAttentionBackend(mode).forward(b.q, b.k, b.v, k2, v2, paged_meta(b, nd), scale)
+            errs.append(_max_err(out, ref))
         return max(errs, key=lambda e: (e != e, e)), TOL[dt]
     out = torch.full_like(b.q, float("nan"))
     if kind == "prefill":
