@@ -105,8 +105,8 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which kernels run, and their tuning values. Resolved once per engine into a KernelChoice
-    (minillm/ops/choice.py) that the model, the attention backend and the sampler receive."""
+    """Which kernels run, and their tuning values. Resolved once per engine into an ExecutionPlan
+    (minillm/runner/plan.py) whose decisions the model, the attention backend and the sampler receive."""
     backend: str = "auto"             # auto (minillm's CUDA kernels on a GPU when they build) | cuda | torch
     skinny_gemm: bool = True          # decode-sized linear layers on the skinny GEMM where it beats cuBLAS
     # Split-K of the decode attention kernel: cut every sequence into as many partitions as keep the grid within

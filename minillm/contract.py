@@ -8,12 +8,13 @@ state (prompt, sampled tokens, block ids), built from the first message that nam
 the later ones, the way vLLM's workers keep their input batch.
 
 Neither side imports the other: the scheduler (minillm/engine/) and the runner (minillm/runner/) both import
-this module.
+this module. SamplingRow is what the sampler (minillm/sampling/) reads of a row, so it needs neither.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress
+from typing import Protocol
 
 from minillm.sampling_params import SamplingParams
 
@@ -84,3 +85,19 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of a row's request: the runner's CachedRequest (minillm/runner/request_state.py)
+    satisfies it. It must also be weak-referenceable (the penalty history is keyed weakly by it)."""
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]             # prompt + sampled tokens known on the host
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    sampling_row: bytes                  # SamplingParams.packed_row()
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...

@@ -17,7 +17,7 @@ import torch
 
 from minillm.fingerprint import stamp
 from minillm.ops import attention_ops as ops
-from minillm.ops.check import _rotations, _time_graph
+from minillm.diagnostics.kernel_check import _rotations, _time_graph
 
 
 def ragged_case(batch: int, lo: int, hi: int, seed: int = 0, hq=16, hkv=8, d=128, bs=16):

@@ -19,7 +19,7 @@ from gemm_sweep import (  # scripts/ is on the path when run as a script
 )
 
 from minillm.ops.build import load_extension
-from minillm.ops.check import _time_graph
+from minillm.diagnostics.kernel_check import _time_graph
 
 
 def per_shape(m: int, weights: dict) -> dict:

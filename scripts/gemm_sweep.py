@@ -25,7 +25,7 @@ from minillm.fingerprint import stamp
 from minillm.ops import decode_gemm as dg
 from minillm.ops import gemm_ops
 from minillm.ops.build import load_extension
-from minillm.ops.check import _time_graph
+from minillm.diagnostics.kernel_check import _time_graph
 from minillm.ops.launch import pdl_launches
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}   # (N, K)

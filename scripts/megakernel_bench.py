@@ -3,7 +3,7 @@
 
 For each batch size B and context length: (a) the engine's decode path as the runner runs it, captured in CUDA
 graphs (minillm.runner.cuda_graphs.DecodeGraphs: ~300 kernels per step), and (b) the persistent decode kernel
-(minillm.ops.megakernel.MegakernelGraphs: one kernel per step). Both exclude the LM head and the sampler, which
+(minillm.runner.cuda_graphs.MegakernelGraphs: one kernel per step). Both exclude the LM head and the sampler, which
 are timed once on their own (common to both). Per step: median over many graph replays, each between two CUDA
 events. Floor = (decoder weight bytes + KV bytes of every context token) / copy bandwidth measured in the run.
 One correctness line per B: the hidden states of the two paths on the same step (context 128).
@@ -32,14 +32,13 @@ from minillm.attention import make_attention_backend  # noqa: E402
 from minillm.attention.metadata import AttentionMetadata  # noqa: E402
 from minillm.bench.floor import measure_copy_bandwidth  # noqa: E402
 from minillm.bench import megakernel_timeline  # noqa: E402
-from minillm.config import KernelConfig  # noqa: E402
+from minillm.config import EngineConfig  # noqa: E402
 from minillm.fingerprint import stamp  # noqa: E402
-from minillm.model.loader import load_model  # noqa: E402
-from minillm.ops.build import load_extension  # noqa: E402
-from minillm.ops.choice import KernelChoice  # noqa: E402
-from minillm.ops.launch import pdl_launches, pdl_supported  # noqa: E402
+from minillm.model.loader import load_model, resolve_arch  # noqa: E402
+from minillm.ops.launch import pdl_launches  # noqa: E402
 from minillm.ops import megakernel as mkops  # noqa: E402
-from minillm.runner.cuda_graphs import DecodeGraphs  # noqa: E402
+from minillm.runner.cuda_graphs import DecodeGraphs, MegakernelGraphs  # noqa: E402
+from minillm.runner.plan import DeviceInfo, resolve_plan  # noqa: E402
 from minillm.cache.spec import KVCacheSpec  # noqa: E402
 
 
@@ -135,13 +134,14 @@ def main() -> int:
     dev, bs = torch.device("cuda"), args.block_size
     torch.manual_seed(0)
     t0 = time.time()
-    defaults = KernelConfig()   # the graph path as the engine runs it
-    kernels = KernelChoice(cuda=True, attention="cuda", attention_mode="split", skinny_gemm=True,
-                           decode_min_partitions=defaults.decode_min_partitions,
-                           decode_ctas_per_sm=defaults.decode_ctas_per_sm)
-    load_extension()
-    backend = make_attention_backend(kernels)
-    model, arch, _ = load_model(args.model, "dummy", torch.bfloat16, dev, backend, seed=0, kernels=kernels)
+    cfg = EngineConfig.from_kwargs(args.model, dtype="bfloat16", block_size=bs, kernels="cuda", device="cuda")
+    arch = resolve_arch(args.model, "dummy")
+    plan = resolve_plan(cfg, arch, KVCacheSpec.for_model(arch, bs, "auto", torch.bfloat16), torch.bfloat16,
+                        DeviceInfo.of(dev))
+    backend = make_attention_backend(plan.attention_backend, min_partitions=plan.decode_min_partitions,
+                                     ctas_per_sm=plan.decode_ctas_per_sm, fuse_kv_write=plan.fused_kv_write.on)
+    model, arch, _ = load_model(args.model, "dummy", torch.bfloat16, dev, backend, seed=0,
+                                kernels=plan.model_kernels())
     max_len = max(contexts) + bs
     max_blocks = -(-max_len // bs)
     num_blocks = max(batches) * max_blocks + 8
@@ -158,7 +158,7 @@ def main() -> int:
     if args.megakernel_only:
         return profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len)
     dg = DecodeGraphs(model, kv_caches, max(batches), max_blocks, bs, max_len, arch.hidden_size, torch.bfloat16, dev)
-    with pdl_launches(defaults.pdl and pdl_supported(dev)):   # the graph path's launch mode in the engine
+    with pdl_launches(plan.pdl.on):   # the graph path's launch mode in the engine
         dg.capture()
     mk_batches = [b for b in batches if b <= mkops.MAX_BATCH]
     reason = mkops.unsupported_reason(arch, torch.bfloat16, bs, max(mk_batches or [1]), **mkops.device_limits(dev))
@@ -166,7 +166,7 @@ def main() -> int:
     if reason is None and mk_batches:
         mk = mkops.DecodeMegakernel(model, kv_caches, max(mk_batches), bs, max_len,
                                     min_partition_chunks=args.min_chunks)
-        mg = mkops.MegakernelGraphs(mk, max_blocks)
+        mg = MegakernelGraphs(mk, max_blocks)
         mg.capture(mk_batches)
     else:
         print(f"megakernel not applicable: {reason}", flush=True)

@@ -82,7 +82,7 @@ def engine(path, **kw) -> LLM:
 def test_cuda_kernels_bf16_match_hf_fp32_up_to_near_ties(ckpt):
     hf = HF(ckpt)
     llm = engine(ckpt, dtype="bfloat16", kernels="cuda")
-    assert llm.engine.runner.kernels.cuda and llm.engine.runner.graphs is not None
+    assert llm.engine.runner.plan.fused_ops.on and llm.engine.runner.graphs is not None
     outs = llm.generate(prompts(), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS,
                                                   logprobs=0), use_tqdm=False)
     diverged, errors = [], []

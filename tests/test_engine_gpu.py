@@ -60,8 +60,8 @@ def test_pdl_launches_change_no_token(tiny):
     """kernels.pdl (programmatic dependent launch, sm_90+) only lets launches overlap: graph and eager steps give
     exactly the tokens of plain launches."""
     on, off = engine(tiny, pdl=True), engine(tiny, pdl=False)
-    assert on.engine.runner.kernels.pdl == (torch.cuda.get_device_capability()[0] >= 9)
-    assert not off.engine.runner.kernels.pdl
+    assert on.engine.runner.plan.pdl.on == (torch.cuda.get_device_capability()[0] >= 9)
+    assert not off.engine.runner.plan.pdl.on
     assert greedy(on) == greedy(off)
 
 

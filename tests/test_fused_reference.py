@@ -128,37 +128,43 @@ def test_qk_norm_rope_ref_cache_out_is_unfused_plus_scatter(dtype, with_norm, sl
     assert torch.equal(_bits(v_cache), _bits(expected_v))
 
 
-def test_backends_fuse_the_kv_write_only_where_the_kernels_run():
-    """The CUDA backend hands qk_norm_rope the cache only when its attention kernels cover the shape and the
-    fused rope kernel runs (fuse_kv_write, from the KernelChoice); the torch backend never does. (The positive
-    case needs CUDA tensors: tests/test_fused_gpu.py.)"""
+def test_backends_fuse_the_kv_write_only_where_the_plan_says():
+    """The CUDA backend hands qk_norm_rope the cache exactly when the plan fused the write (fuse_kv_write: the
+    attention kernels cover the cache and the RoPE kernel runs, tests/test_plan.py); the torch backend never does.
+    (The fused write itself needs CUDA tensors: tests/test_fused_gpu.py.)"""
     from minillm.attention import cuda_backend
     from minillm.attention.torch_backend import TorchAttentionBackend
 
     qkv, k_cache, v_cache = torch.zeros(3, (4 + 2 * 2) * 64), torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
     meta = type("Meta", (), {"slot_mapping": torch.zeros(3, dtype=torch.long)})()
-    for fuse in (True, False):
-        backend = cuda_backend.CudaAttentionBackend(fuse_kv_write=fuse)
-        assert backend.fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None   # CPU tensors
+    target = cuda_backend.CudaAttentionBackend(fuse_kv_write=True).fused_kv_write_target(qkv, 4, 64, k_cache,
+                                                                                          v_cache, meta)
+    assert target[0] is k_cache and target[1] is v_cache and target[2] is meta.slot_mapping
+    assert cuda_backend.CudaAttentionBackend(fuse_kv_write=False).fused_kv_write_target(
+        qkv, 4, 64, k_cache, v_cache, meta) is None
     assert TorchAttentionBackend().fused_kv_write_target(qkv, 4, 64, k_cache, v_cache, meta) is None
 
 
 @pytest.mark.parametrize("args,expect", [
-    ((True, 128, 16, 8, 16, torch.bfloat16, torch.bfloat16), None),
-    ((True, 64, 14, 2, 32, torch.float16, torch.float16), None),
-    ((False, 128, 16, 8, 16, torch.bfloat16, torch.bfloat16), "CUDA device"),
-    ((True, 96, 16, 8, 16, torch.bfloat16, torch.bfloat16), "head_dim=96"),
-    ((True, 128, 16, 8, 8, torch.bfloat16, torch.bfloat16), "block_size=8"),
-    ((True, 128, 16, 8, 16, torch.float32, torch.float32), "dtype"),
-    ((True, 128, 16, 8, 16, torch.bfloat16, torch.float16), "dtype"),
-    ((True, 128, 34, 2, 16, torch.bfloat16, torch.bfloat16), "group"),
-    ((True, 128, 12, 8, 16, torch.bfloat16, torch.bfloat16), "group"),
+    ((128, 16, 8, 16, "bfloat16"), None),
+    ((64, 14, 2, 32, "float16"), None),
+    ((128, 32, 2, 32, "float16"), None),            # a group of 16: the 16 rows of the decode kernel's mma tile
+    ((96, 16, 8, 16, "bfloat16"), "head_dim=96"),
+    ((128, 16, 8, 8, "bfloat16"), "block_size=8"),
+    ((128, 16, 8, 16, "float32"), "dtype"),
+    ((128, 34, 2, 16, "bfloat16"), "group"),
+    ((128, 12, 8, 16, "bfloat16"), "group"),
 ])
-def test_cuda_backend_names_the_shapes_its_kernels_do_not_cover(args, expect):
-    from minillm.attention.cuda_backend import _reason
+def test_attention_coverage_names_the_shapes_its_kernels_do_not_cover(args, expect):
+    from minillm.ops.attention_ops import COVERAGE
 
-    reason = _reason(*args)
+    d, hq, hkv, bs, dtype = args
+    reason = COVERAGE.reason(dtype=dtype, capability=(9, 0), head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
+                             block_size=bs)
     assert reason is None if expect is None else expect in reason
+    assert "KV-cache dtype" in COVERAGE.reason(dtype="bfloat16", capability=(9, 0), kv_dtype="float16")
+    assert COVERAGE.reason(dtype="bfloat16", capability=(9, 0), kv_dtype="bfloat16") is None
+    assert "sm_80" in COVERAGE.reason(dtype="bfloat16", capability=(7, 5))
 
 
 # Random123's published known answers for Philox4x32-10 (counter, key, output).

@@ -49,13 +49,15 @@ def test_every_split_and_strided_rows(ops, splits, m):
 
 
 def test_linear_dispatch(ops):
+    """The layer shape is decided by the plan (gemm_ops.shape_reason); the call only asks the row count."""
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.05
-    assert gemm_ops.skinny_gemm_applies(x, w, None)
-    assert not gemm_ops.skinny_gemm_applies(x, w, torch.zeros(1024, device="cuda", dtype=torch.bfloat16))
-    assert not gemm_ops.skinny_gemm_applies(torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16), w, None)
-    assert not gemm_ops.skinny_gemm_applies(x, torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16), None)
+    assert gemm_ops.shape_reason(1024, 2048, bias=False) is None
+    assert "bias" in gemm_ops.shape_reason(1024, 2048, bias=True)
+    assert "4096" in gemm_ops.shape_reason(4096, 2048, bias=False)
     _check(gemm_ops.linear(x, w, skinny=True), x, w)
+    x40 = torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16)   # over MAX_ROWS: cuBLAS
+    assert torch.equal(gemm_ops.linear(x40, w, skinny=True), torch.nn.functional.linear(x40, w))
     assert torch.equal(gemm_ops.linear(x, w), torch.nn.functional.linear(x, w))   # skinny=False: cuBLAS
 
 

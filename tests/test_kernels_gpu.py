@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from minillm.diagnostics import paged_meta
 from minillm.ops.reference import kv_write_ref, make_paged_batch, paged_attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -121,7 +122,7 @@ def test_backend_mixed_batch(ops, mode):
     from minillm.attention.cuda_backend import CudaAttentionBackend
 
     b, (kc, vc), ref = _batch([50, 700, 30, 90], [1, 1, 30, 41])
-    out = CudaAttentionBackend(mode).forward(b.q, b.k, b.v, kc, vc, b.meta(num_decodes=2), 128 ** -0.5)
+    out = CudaAttentionBackend(mode).forward(b.q, b.k, b.v, kc, vc, paged_meta(b, num_decodes=2), 128 ** -0.5)
     assert out.dtype == b.q.dtype and (out.float() - ref).abs().max() < 2e-2
     assert torch.equal(kc.view(torch.int16), b.k_cache.view(torch.int16))   # the backend wrote this step's K
 

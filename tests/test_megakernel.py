@@ -237,7 +237,7 @@ def test_step_bytes_of_qwen3_0_6b():
 
 
 def _cpu_case(pad=2):
-    from minillm.ops import megakernel_check as chk
+    from minillm.diagnostics import megakernel_check as chk
 
     arch = chk.tiny_arch("qwen3", hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16, max_pos=512)
     model = chk.random_model(arch, torch.float32, "cpu", seed=1)
@@ -417,7 +417,7 @@ def test_phase_reference_is_the_model_path_and_fragments_unpack():
     and A-fragment buffers unpack to what was packed."""
     import dataclasses
 
-    from minillm.ops import megakernel_check as chk
+    from minillm.diagnostics import megakernel_check as chk
     from minillm.ops.megakernel import reference_decode_step
 
     arch = dataclasses.replace(chk.tiny_arch("qwen2", hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16,

@@ -1,7 +1,7 @@
 """The decode megakernel (torch.ops.minillm.decode_megakernel) against the model's torch path on an sm_90 GPU.
 
 Each case: a random model, a decode step over ragged contexts (1, block edges, long), random block tables, NaN in
-every unowned cache slot, padded rows (slot -1). Checked (minillm/ops/megakernel_check.py: compare): hidden rows
+every unowned cache slot, padded rows (slot -1). Checked (minillm/diagnostics/megakernel_check.py: compare): hidden rows
 within bf16 tolerance of the reference, the new k/v slots likewise, every other slot bit-identical (NaN stays
 NaN), and a CUDA-graph replay from the same caches bit-identical to the eager launch. Skipped without CUDA."""
 import zlib
@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from minillm.ops import megakernel_check as chk
+from minillm.diagnostics import megakernel_check as chk
 
 pytestmark = pytest.mark.gpu
 
@@ -113,7 +113,8 @@ def test_partition_sizes_agree():
 
 def test_graph_per_batch_size():
     """MegakernelGraphs: replays of captured graphs give the eager result for several batch sizes."""
-    from minillm.ops.megakernel import DecodeMegakernel, MegakernelGraphs
+    from minillm.ops.megakernel import DecodeMegakernel
+    from minillm.runner.cuda_graphs import MegakernelGraphs
 
     arch, dtype, bs = SHAPES["qwen3-d64-g2"]
     model = _model("qwen3-d64-g2", arch, dtype)

@@ -1,7 +1,6 @@
 """CPU tests of the attention references, the batch recipe, the decode dispatcher, the build keying and the
 CUDA backend's contract (validation, fallback). The kernels themselves are tested in test_kernels_gpu.py."""
 import math
-import warnings
 
 import pytest
 import torch
@@ -114,20 +113,18 @@ def test_build_embeds_ptx_for_newer_gpus():
     assert "arch=compute_90a,code=sm_90a" in gencodes
 
 
-def test_backend_rejects_bad_mode_and_falls_back_on_cpu():
-    from minillm.attention.cuda_backend import CudaAttentionBackend, unsupported_reason
+def test_backend_rejects_bad_mode_and_a_cache_its_kernels_do_not_cover():
+    """The CUDA backend makes no per-call fallback: the plan builds it only for covered caches, and
+    bind_kv_cache refuses any other once, naming what is not covered."""
+    from minillm.attention.cuda_backend import CudaAttentionBackend
+    from minillm.cache.spec import KVCacheSpec
 
     with pytest.raises(ValueError, match="mode"):
         CudaAttentionBackend("fast")
-    b = make_paged_batch([12, 20], [1, 6], 4, 2, 64, 16, torch.float32, seed=5)
-    assert "CUDA" in unsupported_reason(b.q, b.k_cache)
     backend = CudaAttentionBackend("split")
-    kc, vc = b.k_cache.clone(), b.v_cache.clone()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta(num_decodes=1), 0.125)
-        backend.forward(b.q, b.k, b.v, kc.clone(), vc.clone(), b.meta(num_decodes=1), 0.125)
-    assert sum("torch backend" in str(w.message) for w in caught) == 1     # warned once
-    _filled(b)
-    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    backend.bind_kv_cache(KVCacheSpec(2, 8, 128, 16, torch.bfloat16))
+    for spec, what in ((KVCacheSpec(2, 8, 128, 16, torch.float32), "dtype float32"),
+                       (KVCacheSpec(2, 8, 128, 8, torch.bfloat16), "block_size=8"),
+                       (KVCacheSpec(2, 8, 96, 16, torch.float16), "head_dim=96")):
+        with pytest.raises(ValueError, match=what):
+            backend.bind_kv_cache(spec)

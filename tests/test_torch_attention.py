@@ -126,18 +126,3 @@ def test_bf16_close_to_fp32_and_keeps_dtype():
     out16 = TorchAttentionBackend().forward(*args16[:6], D ** -0.5)
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16.float(), out32, atol=3e-2, rtol=3e-2)
-
-
-def test_cuda_backend_names_what_its_kernels_do_not_cover():
-    from minillm.attention.cuda_backend import _reason
-
-    bf16 = torch.bfloat16
-    assert _reason(True, 128, 16, 8, 16, bf16, bf16) is None
-    assert _reason(True, 128, 32, 2, 32, torch.float16, torch.float16) is None   # group 16
-    assert "CUDA device" in _reason(False, 128, 16, 8, 16, bf16, bf16)
-    assert "head_dim=96" in _reason(True, 96, 16, 8, 16, bf16, bf16)
-    assert "block_size=8" in _reason(True, 128, 16, 8, 8, bf16, bf16)
-    assert "dtype" in _reason(True, 128, 16, 8, 16, torch.float32, torch.float32)
-    assert "dtype" in _reason(True, 128, 16, 8, 16, bf16, torch.float16)
-    assert "group must be" in _reason(True, 128, 34, 2, 16, bf16, bf16)
-    assert "group must be" in _reason(True, 128, 12, 8, 16, bf16, bf16)

@@ -6,16 +6,18 @@
 
 writing this step's k/v into the paged cache first, then attending through the block tables. Where the first
 returns a target, the layer's qk_norm_rope kernel stores k/v straight into the cache and forward() gets k = v =
-None (the CUDA backend on shapes its kernels cover; the torch backend never fuses).
+None (the CUDA backend where the engine's plan fuses it; the torch backend never fuses).
 """
 from __future__ import annotations
 
 
-def make_attention_backend(kernels):
-    """The backend a KernelChoice (minillm/ops/choice.py) names."""
-    if kernels.attention == "cuda":
+def make_attention_backend(name: str, *, mode: str = "split", min_partitions: int = 1, ctas_per_sm: int = 2,
+                           fuse_kv_write: bool = False):
+    """The backend the engine's ExecutionPlan (minillm/runner/plan.py) names: "cuda" (its kernels cover the model
+    and cache, decided there) or "torch"."""
+    if name == "cuda":
         from minillm.attention.cuda_backend import CudaAttentionBackend
-        return CudaAttentionBackend(mode=kernels.attention_mode, min_partitions=kernels.decode_min_partitions,
-                                    ctas_per_sm=kernels.decode_ctas_per_sm, fuse_kv_write=kernels.cuda)
+        return CudaAttentionBackend(mode=mode, min_partitions=min_partitions, ctas_per_sm=ctas_per_sm,
+                                    fuse_kv_write=fuse_kv_write)
     from minillm.attention.torch_backend import TorchAttentionBackend
     return TorchAttentionBackend()

@@ -8,7 +8,15 @@ from __future__ import annotations
 import torch
 
 from minillm.attention.metadata import AttentionMetadata
+from minillm.ops.coverage import KernelCoverage
 from minillm.ops.reference import kv_write_ref, paged_attention_ref, paged_decode_ref
+
+# Any head dim, GQA group and block size, on any device. Not graph-safe: each step's shapes (the longest context it
+# pads to, the prefill chunks) come from host lists, read back from the device when the metadata lacks them.
+COVERAGE = KernelCoverage("torch_attention", dtypes=("float32", "bfloat16", "float16"), min_capability=(0, 0),
+                          graph_safe=False)
+NOT_GRAPH_SAFE = ("the torch attention path sizes each step from the sequence lengths on the host (a device sync, "
+                  "which CUDA-graph capture forbids)")
 
 
 class TorchAttentionBackend:

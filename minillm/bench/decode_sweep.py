@@ -82,8 +82,10 @@ def measure_batch(llm, batch: int, rates: DeviceRates, prompt_len: int = PROMPT_
 
 
 def _kernels(llm) -> dict | None:
-    kernels = getattr(llm.engine.runner, "kernels", None)   # None: a tree from before KernelChoice (an A/B run)
-    return kernels.record() if kernels is not None else None
+    # The execution plan's record; an older tree (an A/B run) has a KernelChoice, or nothing before that.
+    runner = llm.engine.runner
+    plan = getattr(runner, "plan", None) or getattr(runner, "kernels", None)
+    return plan.record() if plan is not None else None
 
 
 def run_decode_sweep(cfg, rates: DeviceRates, batch_sizes=BATCH_SIZES, prompt_len: int = PROMPT_LEN,

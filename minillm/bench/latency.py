@@ -66,7 +66,7 @@ def run_sweep_config(cfg, label: str, workload: Workload, rates: list[float], ti
                           "chunked": cfg.scheduler.enable_chunked_prefill,
                           "attention_mode": cfg.runtime.attention_mode, "config": dataclasses.asdict(cfg),
                           "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
-                          "kernels": llm.engine.runner.kernels.record(), **summary})
+                          "kernels": llm.engine.runner.plan.record(), **summary})
     finally:
         del llm
         free_device_memory()

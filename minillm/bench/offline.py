@@ -107,7 +107,7 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
             walls.append(wall)
             preemptions += preempted
         work, dtype = floor_work(llm, workload, cfg.scheduler.max_num_seqs)
-        kernels = llm.engine.runner.kernels.record()
+        kernels = llm.engine.runner.plan.record()
     finally:
         del llm
         free_device_memory()

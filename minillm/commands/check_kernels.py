@@ -1,4 +1,4 @@
-"""`minillm check-kernels`: the Typer command; the checking and timing live in minillm.ops.check."""
+"""`minillm check-kernels`: the Typer command; the checking and timing live in minillm.diagnostics.kernel_check."""
 from pathlib import Path
 from typing import Annotated
 
@@ -19,7 +19,7 @@ def check_kernels_command(
 
     if not torch.cuda.is_available():
         fail("check-kernels needs a CUDA GPU: no GPU is visible (torch.cuda.is_available() is False)")
-    from minillm.ops.check import run_all
+    from minillm.diagnostics.kernel_check import run_all
 
     passed, total, num_timings = run_all(output, quick, timing)
     typer.echo(f"{passed}/{total} cases passed; {num_timings} timings -> {output}")

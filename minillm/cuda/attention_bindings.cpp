@@ -20,7 +20,7 @@ minillm::ScalarType dtype_code(const Tensor& t) {
 
 void check_cuda_ok(cudaError_t err, const char* what) {
   TORCH_CHECK(err != cudaErrorInvalidValue, what, ": unsupported configuration (head_dim 64/128, block_size 16/32, "
-              "num_q_heads a multiple of num_kv_heads with a group of at most 8, 16-byte aligned rows)");
+              "num_q_heads a multiple of num_kv_heads with a group of at most 16, 16-byte aligned rows)");
   TORCH_CHECK(err == cudaSuccess, what, ": CUDA error ", cudaGetErrorString(err));
 }
 

@@ -6,7 +6,7 @@
 // writes are visible. Every kernel launched through launch_kernel() does so first thing, so turning PDL on or
 // off changes no result, only how much of a kernel's launch overlaps its predecessor's tail.
 //
-// Whether launches ask for PDL is a per-thread setting: the engine sets it from its KernelChoice around its own
+// Whether launches ask for PDL is a per-thread setting: the engine sets it from its execution plan around its own
 // launches and graph captures (minillm/ops/launch.py), so direct op calls (tests, check-kernels) launch as plain
 // kernels unless they ask. A CUDA graph keeps what was captured. For the .cu files only (device code).
 #pragma once

@@ -2,8 +2,9 @@
 
 Parameters are created with torch.empty (no init kernels): the loader fills them from safetensors or with
 dummy random values, so building even the 0.6B shape costs no extra pass over memory. All elementwise math
-goes through minillm.ops.fused_ops, where the CUDA kernels plug in; whether they run is the engine's
-KernelChoice (minillm/ops/choice.py), given to every layer that calls a kernel.
+goes through minillm.ops.fused_ops, where the CUDA kernels plug in; whether they run, and which linear layers take
+the skinny GEMM, is the engine's plan (minillm/runner/plan.py), handed to every layer that calls a kernel as a
+ModelKernels (minillm/ops/choice.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.shards = shards or {}
-        self.skinny = skinny      # decode-sized products may take the skinny GEMM kernel
+        self.skinny = skinny      # the plan put this layer's decode-sized products on the skinny GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, skinny=self.skinny)
@@ -77,9 +78,9 @@ class Attention(nn.Module):
         self.attn_backend = attn_backend
         shards = _row_shards({"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size})
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias,
-                               dtype=dtype, device=device, shards=shards, skinny=kernels.skinny_gemm)
+                               dtype=dtype, device=device, shards=shards, skinny=kernels.skinny_for("qkv_proj"))
         self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype, device=device,
-                             skinny=kernels.skinny_gemm)
+                             skinny=kernels.skinny_for("o_proj"))
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
@@ -110,9 +111,9 @@ class MLP(nn.Module):
         i = arch.intermediate_size
         self.cuda_ops = kernels.cuda
         self.gate_up_proj = Linear(arch.hidden_size, 2 * i, bias=False, dtype=dtype, device=device,
-                                   shards=_row_shards({"gate": i, "up": i}), skinny=kernels.skinny_gemm)
+                                   shards=_row_shards({"gate": i, "up": i}), skinny=kernels.skinny_for("gate_up_proj"))
         self.down_proj = Linear(i, arch.hidden_size, bias=False, dtype=dtype, device=device,
-                                skinny=kernels.skinny_gemm)
+                                skinny=kernels.skinny_for("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), cuda=self.cuda_ops))

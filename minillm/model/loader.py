@@ -51,7 +51,7 @@ def load_model(model: str | None, load_format: str = "auto", dtype: torch.dtype 
 
     model: HF directory, preset name (see preset_names()), or None for the bundled demo model.
     load_format: auto | safetensors | dummy (auto = dummy for presets, safetensors for directories).
-    seed: seeds the dummy weights. kernels: the engine's KernelChoice (None: plain torch).
+    seed: seeds the dummy weights. kernels: the ModelKernels of the engine's plan (None: plain torch).
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format={load_format!r} is not allowed: one of auto, safetensors, dummy")

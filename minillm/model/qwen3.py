@@ -16,11 +16,12 @@ from minillm.attention.metadata import AttentionMetadata
 from minillm.model.arch import ModelArchConfig
 from minillm.model.layers import MLP, Attention, RMSNorm, VocabMatrix
 from minillm.model.rope import cos_sin_table
-from minillm.ops.choice import KernelChoice
+from minillm.ops.choice import ModelKernels
 from minillm.ops.fused_ops import fused_add_rms_norm
 
+
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device,
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: ModelKernels, *, dtype, device,
                  mlp: nn.Module | None = None):
         super().__init__()
         self.cuda_ops = kernels.cuda
@@ -41,7 +42,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 class QwenModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: KernelChoice, *, dtype, device,
+    def __init__(self, arch: ModelArchConfig, attn_backend, kernels: ModelKernels, *, dtype, device,
                  make_mlp=lambda layer_idx: None):
         super().__init__()
         self.cuda_ops = kernels.cuda
@@ -65,10 +66,10 @@ class QwenForCausalLM(nn.Module):
     (last token of each sequence)."""
 
     def __init__(self, arch: ModelArchConfig, attn_backend, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", kernels: KernelChoice | None = None):
+                 device: torch.device | str = "cpu", kernels: ModelKernels | None = None):
         super().__init__()
         self.arch = arch
-        self.kernels = kernels or KernelChoice.torch_only()   # torch_only: a model built outside an engine
+        self.kernels = kernels or ModelKernels()   # plain torch: a model built outside an engine
         self.model = QwenModel(arch, attn_backend, self.kernels, dtype=dtype, device=device,
                                make_mlp=lambda i: self.make_mlp(i, self.kernels, dtype, device))
         self.lm_head = None if arch.tie_word_embeddings else VocabMatrix(arch.vocab_size, arch.hidden_size,
@@ -78,7 +79,7 @@ class QwenForCausalLM(nn.Module):
         cache = cos_sin_table(arch.head_dim, arch.max_position_embeddings, arch.rope, device=device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def make_mlp(self, layer_idx: int, kernels: KernelChoice, dtype, device) -> nn.Module | None:
+    def make_mlp(self, layer_idx: int, kernels: ModelKernels, dtype, device) -> nn.Module | None:
         """The MLP of layer `layer_idx`; None = the dense SwiGLU MLP (subclasses route some layers to experts)."""
         return None
 

@@ -13,6 +13,13 @@ from functools import lru_cache
 import torch
 
 from minillm.ops.build import load_extension
+from minillm.ops.coverage import KernelCoverage
+
+# What the KV write, paged decode and paged prefill launchers accept together (minillm/cuda/attention_bindings.cpp,
+# paged_decode.cu: dispatch_shape and kMaxGroup; paged_prefill takes any power-of-two block size, decode only
+# these). The decode path sizes its workspace from host values and never syncs, so it can be captured.
+COVERAGE = KernelCoverage("paged_attention", dtypes=("bfloat16", "float16"), head_dims=(64, 128),
+                          block_sizes=(16, 32), max_gqa_group=16, graph_safe=True)
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per

@@ -1,6 +1,9 @@
-"""Which kernels an engine runs: resolved once from the config (kernels.*, runtime.attention*) into a KernelChoice
-that the model, the attention backend and the sampler receive. Nothing else decides: no process-wide switch,
-no environment read (the two documented aliases are folded into the config by minillm/config.py).
+"""Whether minillm's CUDA kernels can run for an engine, and the kernel decisions the model's layers are handed.
+
+The engine's ExecutionPlan (minillm/runner/plan.py) asks load_cuda_kernels once and decides every path from the
+answer and the kernel families' coverage; the model only ever sees a ModelKernels. Nothing else decides: no
+process-wide switch, no environment read (the two documented aliases are folded into the config by
+minillm/config.py).
 
 kernels.backend:
   auto   minillm's CUDA kernels on a GPU when the extension builds and loads; otherwise the torch path, and on a
@@ -13,74 +16,53 @@ whole torch path (attention alone on torch while the other kernels run needs ker
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
-from minillm.config import ConfigError, EngineConfig, KernelConfig
+from minillm.config import ConfigError, EngineConfig
 
 
 @dataclass(frozen=True)
-class KernelChoice:
-    cuda: bool                    # minillm's CUDA kernels run (norms, RoPE, SwiGLU, sampler, GEMM, KV write)
-    attention: str                # "cuda" | "torch": the attention backend
-    attention_mode: str           # "split" | "unified" (CUDA attention only)
-    skinny_gemm: bool             # decode-sized linear layers on the skinny GEMM (where it applies)
-    decode_min_partitions: int
-    decode_ctas_per_sm: int
-    megakernel_max_batch: int = 0    # decode steps up to this many rows run the persistent kernel (0 = never) ...
-    megakernel_max_tokens: int = 0   # ... when their contexts total at most this many tokens
-    megakernel_min_chunks: int = 8
-    pdl: bool = False                # kernels launched with programmatic dependent launch (minillm/ops/launch.py)
-    unavailable: str | None = None   # why the CUDA kernels do not run although kernels.backend allowed them
+class ModelKernels:
+    """What the model's layers run: the fused CUDA kernels (norms, RoPE, SwiGLU) or their torch twins, and which
+    linear layers (by role: qkv_proj, o_proj, gate_up_proj, down_proj) take the skinny GEMM at decode sizes.
+    The default is plain torch (a model built outside an engine)."""
+    cuda: bool = False
+    skinny: frozenset[str] = field(default_factory=frozenset)
 
-    @classmethod
-    def torch_only(cls) -> "KernelChoice":
-        """Everything in plain torch (the CPU path, and tests' references). The decode split values are the
-        config's defaults (unused by the torch path, but recorded on results lines)."""
-        k = KernelConfig()
-        return cls(cuda=False, attention="torch", attention_mode="split", skinny_gemm=False,
-                   decode_min_partitions=k.decode_min_partitions, decode_ctas_per_sm=k.decode_ctas_per_sm)
-
-    def record(self) -> dict:
-        """The fields every results line carries."""
-        d = asdict(self)
-        d["cuda_ops"] = d.pop("cuda")
-        return d
+    def skinny_for(self, layer: str) -> bool:
+        return layer in self.skinny
 
 
-def resolve_kernels(cfg: EngineConfig, device) -> KernelChoice:
-    """Decide the engine's kernels for `device` (a torch.device). Builds the extension when CUDA kernels may run."""
+@dataclass(frozen=True)
+class KernelLoad:
+    """The answer of load_cuda_kernels: loaded or not, why, and the build error when the build failed."""
+    loaded: bool
+    reason: str
+    unavailable: str | None = None
+
+
+def load_cuda_kernels(cfg: EngineConfig, device_type: str) -> KernelLoad:
+    """Load the CUDA extension where the config lets the kernels run on this device type ("cuda", "cpu")."""
     k, rt = cfg.kernels, cfg.runtime
-    backend = k.backend
-    if backend == "auto" and rt.attention == "torch":
-        backend = "torch"
-    if backend == "torch":
-        return KernelChoice.torch_only()
-    if device.type != "cuda":
-        if backend == "cuda" or rt.attention == "cuda":
+    if k.backend == "torch":
+        return KernelLoad(False, "kernels.backend=torch")
+    if k.backend == "auto" and rt.attention == "torch":
+        return KernelLoad(False, "runtime.attention=torch with kernels.backend=auto (the whole torch path)")
+    if device_type != "cuda":
+        if k.backend == "cuda" or rt.attention == "cuda":
             raise ConfigError(f"kernels.backend={k.backend!r} / runtime.attention={rt.attention!r} need a CUDA "
-                              f"device, but the engine runs on {device}: use auto or torch")
-        return KernelChoice.torch_only()
+                              f"device, but the engine runs on {device_type}: use auto or torch")
+        return KernelLoad(False, f"the engine runs on {device_type}")
     from minillm.ops.build import ExtensionError, load_extension
 
     try:
         load_extension()
     except ExtensionError as e:
-        if backend == "cuda" or rt.attention == "cuda":
+        if k.backend == "cuda" or rt.attention == "cuda":
             raise ConfigError(f"kernels.backend=cuda: the CUDA kernels are unavailable: {e}") from None
         _warn_once(str(e))
-        return KernelChoice(**{**asdict(KernelChoice.torch_only()), "unavailable": str(e)})
-    attention = "torch" if rt.attention == "torch" else "cuda"
-    return KernelChoice(cuda=True, attention=attention, attention_mode=rt.attention_mode, skinny_gemm=k.skinny_gemm,
-                        decode_min_partitions=k.decode_min_partitions, decode_ctas_per_sm=k.decode_ctas_per_sm,
-                        megakernel_max_batch=k.megakernel_max_batch if k.megakernel and attention == "cuda" else 0,
-                        megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks,
-                        pdl=k.pdl and _pdl_supported(device))
-
-
-def _pdl_supported(device) -> bool:
-    from minillm.ops.launch import pdl_supported
-
-    return pdl_supported(device)
+        return KernelLoad(False, f"the CUDA kernels are unavailable: {e}", str(e))
+    return KernelLoad(True, "minillm's CUDA kernels are loaded")
 
 
 _warned: set[str] = set()

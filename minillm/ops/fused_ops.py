@@ -1,6 +1,6 @@
 """Fused elementwise ops of the decoder layer: one entry point each, CUDA kernel or plain torch.
 
-The model calls only these functions. With cuda=True (the engine's KernelChoice says the kernels run) and a
+The model calls only these functions. With cuda=True (the engine's execution plan says the kernels run) and a
 CUDA tensor, each call goes to one fused kernel (torch.ops.minillm.*); everywhere else the torch code below runs.
 The torch code is also the reference the kernels are tested against, so it stays simple and computes in fp32.
 """
@@ -9,7 +9,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minillm.ops.coverage import KernelCoverage
 from minillm.ops.reference import kv_write_ref
+
+# The norms, RoPE (with and without the fused KV write), SwiGLU and the one-pass sampler: fused_bindings.cpp
+# (act_dtype; kMaxNormHidden, kMaxHeadDim and kMaxVocab in fused.h, which shape_reason mirrors).
+COVERAGE = KernelCoverage("fused_elementwise", dtypes=("float32", "bfloat16", "float16"), graph_safe=True)
+MAX_NORM_HIDDEN, MAX_HEAD_DIM, MAX_VOCAB = 8192, 256, 2147483647 - 4
+
+
+def shape_reason(hidden: int, head_dim: int, vocab: int) -> str | None:
+    """Why the fused kernels do not take a model of these sizes, or None."""
+    if hidden > MAX_NORM_HIDDEN:
+        return f"hidden_size={hidden} > {MAX_NORM_HIDDEN} (a norm row is held on chip)"
+    if head_dim > MAX_HEAD_DIM or head_dim % 2:
+        return f"head_dim={head_dim} (even and at most {MAX_HEAD_DIM})"
+    if vocab > MAX_VOCAB:
+        return f"vocab_size={vocab} > {MAX_VOCAB}"
+    return None
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,8 +6,9 @@ results/gemm_sweep.jsonl) it only wins for a handful of rows on narrow outputs: 
 4.9 us vs cuBLAS's 12.6, at M=8-16 ~0.6 us less on o_proj and down_proj; from 32 rows on, and on the wide qkv
 and gate_up outputs, it is slower (M=128 qkv: 17.5 vs 5.5 us; docs/fused-kernels.md says why). So it runs only there (MAX_ROWS, MAX_N): single-
 stream and small-batch decode. It needs clusters (sm_90), no bias, N a multiple of 128 and K a multiple of 64 x
-splits; anything else, and every CPU tensor, goes to F.linear, which is also the reference the kernel is tested
-against. kernels.skinny_gemm=false turns the kernel off (A/B timings).
+splits (COVERAGE, shape_reason): the engine's plan (minillm/runner/plan.py) checks that once per layer, and every
+other layer goes to F.linear, which is also the reference the kernel is tested against. kernels.skinny_gemm=false
+turns the kernel off (A/B timings).
 """
 from __future__ import annotations
 
@@ -16,16 +17,33 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from minillm.ops.coverage import KernelCoverage
+
 MAX_ROWS = 16            # measured faster than cuBLAS up to here (see above)
 MAX_N = 2048             # ... and on outputs this narrow (16 tiles); wider ones have tiles enough for cuBLAS
 TILE_N, TILE_K = 128, 64  # the kernel's output-column tile and K stage (minillm/cuda/gemm.h)
 SPLITS = (8, 4, 2, 1)    # K splits = CTAs of one cluster (8 is the portable cluster size)
 
 
+# sm_90: the K split runs over a thread-block cluster (skinny_gemm.cu); no float32 variant (fused_bindings.cpp).
+COVERAGE = KernelCoverage("skinny_gemm", dtypes=("bfloat16", "float16"), min_capability=(9, 0), graph_safe=True)
+
+
+def shape_reason(n: int, k: int, bias: bool) -> str | None:
+    """Why the kernel does not take a [*, k] x [n, k]^T layer, or None: the shape limits beyond COVERAGE, asked
+    once per linear layer when the engine's plan is made (the row count is the only per-call question)."""
+    if bias:
+        return "the layer has a bias (the kernel adds none)"
+    if n > MAX_N:
+        return f"N={n} > {MAX_N}: wide outputs have tiles enough for cuBLAS"
+    if n % TILE_N or k % TILE_K:
+        return f"N={n}, K={k}: N must be a multiple of {TILE_N} and K of {TILE_K}"
+    return None
+
+
 @lru_cache(maxsize=8)
-def _device_info(index: int) -> tuple[bool, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.major >= 9, props.multi_processor_count
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def gemm_splits(m: int, n: int, k: int, num_sms: int) -> int:
@@ -40,23 +58,11 @@ def gemm_splits(m: int, n: int, k: int, num_sms: int) -> int:
     return 1
 
 
-def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """True when linear(x, weight, bias, skinny=True) runs the skinny GEMM kernel."""
-    if bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not x.is_cuda:
-        return False
-    n, k = weight.shape
-    if n > MAX_N:
-        return False
-    sm90, _ = _device_info(x.device.index or 0)
-    return (sm90 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and n % TILE_N == 0 and k % TILE_K == 0 and x.shape[1] == k)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            skinny: bool = False) -> torch.Tensor:
-    """y = x W^T (+ b); skinny=True (the engine's KernelChoice) lets decode-sized products take the kernel."""
-    if skinny and skinny_gemm_applies(x, weight, bias):
+    """y = x W^T (+ b). skinny=True: the engine's plan put this layer on the skinny GEMM (its dtype, shape and
+    GPU are covered), so a product of at most MAX_ROWS rows runs the kernel and a larger one cuBLAS."""
+    if skinny and 0 < x.shape[0] <= MAX_ROWS:
         n, k = weight.shape
-        splits = gemm_splits(x.shape[0], n, k, _device_info(x.device.index or 0)[1])
-        return torch.ops.minillm.skinny_gemm(x, weight, splits)
+        return torch.ops.minillm.skinny_gemm(x, weight, gemm_splits(x.shape[0], n, k, _num_sms(x.device.index or 0)))
     return F.linear(x, weight, bias)

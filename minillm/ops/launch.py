@@ -4,7 +4,7 @@ On Hopper a kernel launched with PDL may be scheduled while the kernel before it
 minillm kernel starts by waiting for that grid to finish (`griddepcontrol.wait`) and then lets the next one be
 scheduled, so results do not change, only how much of each launch hides behind its predecessor. cuBLAS kernels
 launch as before. Whether launches ask for it is a per-thread setting in the extension, on only inside
-`pdl_launches(True)`: the model runner enters it, from its KernelChoice (config key kernels.pdl), around its own
+`pdl_launches(True)`: the model runner enters it, from its execution plan (config key kernels.pdl), around its own
 launches and graph captures; a CUDA graph keeps what was captured. Direct op calls (tests, check-kernels) launch
 plain kernels unless they ask.
 """

@@ -10,7 +10,8 @@ What lives here, all plain torch so it runs and is tested on the CPU:
 - the two plans the kernel computes for itself, mirrored: the attention work split (partition_plan) and the
   shared-memory budget (smem_plan); unsupported_reason() says why a shape or GPU is not covered;
 - DecodeMegakernel: packs a loaded model once, owns the workspaces, forward() launches the op without a host sync
-  or a data-dependent allocation (CUDA-graph safe); MegakernelGraphs captures it per batch size;
+  or a data-dependent allocation (CUDA-graph safe; minillm/runner/cuda_graphs.py: MegakernelGraphs captures it per
+  batch size);
 - reference_decode_step: the torch twin (the model's own torch path on the same inputs).
 
 Memory: the packed weights are a second copy of the decoder layers' weights (Qwen3-0.6B: 0.84 GB); the regular
@@ -21,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from minillm.ops.coverage import KernelCoverage
 
 GRANULE = 8            # weight rows per granule (the n8 of an mma B operand)
 MAX_BATCH = 16         # decode rows: the 16 rows of the mma A operand
@@ -250,30 +253,33 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     return plan
 
 
+# The generic part of what the kernel covers (decode_megakernel.cu: megakernel_smem_plan, launch_decode_megakernel;
+# megakernel_bindings.cpp); unsupported_reason adds the model-shape and shared-memory limits. The launcher takes any
+# power-of-two block size >= 16; the two the engine's other kernels cover are declared. Runs under CUDA graphs only.
+COVERAGE = KernelCoverage("decode_megakernel", dtypes=("bfloat16", "float16"), head_dims=HEAD_DIMS,
+                          block_sizes=BLOCK_SIZES, max_gqa_group=MAX_GROUP, min_capability=(9, 0), graph_safe=True)
+
+
 def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int, *, num_ctas: int = 132,
                        smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0)) -> str | None:
     """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig."""
     if getattr(arch, "num_experts", 0):
         return "a mixture-of-experts MLP (the megakernel's MLP phases are dense)"
-    if capability[0] < 9:
+    if tuple(capability) < COVERAGE.min_capability:
         return f"needs sm_90 (bulk copies, mbarrier transaction counts), GPU is sm_{capability[0]}{capability[1]}"
-    if dtype not in DTYPES:
-        return f"dtype {dtype} (supported: bfloat16, float16)"
     if not 1 <= num_rows <= MAX_BATCH:
         return f"{num_rows} decode rows (supported: 1..{MAX_BATCH})"
-    if block_size not in BLOCK_SIZES:
-        return f"block_size={block_size} (supported: {BLOCK_SIZES})"
-    if arch.head_dim not in HEAD_DIMS:
-        return f"head_dim={arch.head_dim} (supported: {HEAD_DIMS})"
-    hq, hkv = arch.num_attention_heads, arch.num_key_value_heads
-    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
-        return f"{hq} query heads over {hkv} KV heads (GQA group must be 1..{MAX_GROUP})"
+    reason = COVERAGE.reason(dtype=str(dtype).removeprefix("torch."), capability=capability, head_dim=arch.head_dim,
+                             num_q_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads,
+                             block_size=block_size)
+    if reason is not None:
+        return reason
     h, i = arch.hidden_size, arch.intermediate_size
     if h % 32 or i % 32 or h > MAX_HIDDEN:
         return f"hidden={h}, intermediate={i} (both multiples of 32, hidden <= {MAX_HIDDEN})"
     if not 1 <= arch.num_hidden_layers <= MAX_LAYERS:
         return f"{arch.num_hidden_layers} layers (supported: 1..{MAX_LAYERS})"
-    plan = smem_plan(h, i, hq, hkv, arch.head_dim, num_ctas)
+    plan = smem_plan(h, i, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, num_ctas)
     if plan["max_granules"] > MAX_GRANULES:
         return (f"a CTA would own {plan['max_granules']} weight granules in one phase on {num_ctas} SMs "
                 f"(at most {MAX_GRANULES})")
@@ -416,57 +422,6 @@ class DecodeMegakernel:
     __call__ = forward
 
 
-class MegakernelGraphs:
-    """DecodeGraphs' interface (bucket(), replay()) over a DecodeMegakernel: one CUDA graph per batch size
-    1..max_batch over static input buffers. Padded rows never occur (every size has its graph)."""
-
-    def __init__(self, mk: DecodeMegakernel, max_blocks: int):
-        self.mk = mk
-        n, dev = mk.max_batch, mk.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-
-    def _meta(self, b: int):
-        from minillm.attention.metadata import AttentionMetadata
-
-        return AttentionMetadata(num_seqs=b, num_decodes=b, num_tokens=b, max_query_len=1, max_seq_len=1,
-                                 slot_mapping=self.slot_mapping[:b], query_start_loc=torch.empty(0),
-                                 seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
-                                 block_size=self.mk.block_size)
-
-    @torch.inference_mode()
-    def capture(self, sizes: list[int] | None = None) -> None:
-        """Capture with slot -1 and one-token contexts (nothing is written to the caches)."""
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        for b in sizes or range(1, self.mk.max_batch + 1):
-            meta = self._meta(b)
-            self.mk.forward(self.input_ids[:b], self.positions[:b], meta)   # warm-up outside capture
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self.mk.forward(self.input_ids[:b], self.positions[:b], meta)
-            self.graphs[b] = g
-        torch.cuda.synchronize()
-
-    def bucket(self, n: int) -> int | None:
-        return n if n in self.graphs else None
-
-    def replay(self, input_ids, positions, meta) -> torch.Tensor:
-        n = meta.num_seqs
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids[:n])
-        self.positions[:n].copy_(positions[:n])
-        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
-        self.seq_lens[:n].copy_(meta.seq_lens[:n])
-        self.block_tables[:n, :width].copy_(meta.block_tables[:n])
-        self.graphs[n].replay()
-        return self.mk.out[:n]
-
-
 # ---- the torch twin -----------------------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -493,6 +448,6 @@ def floor_us(total_bytes: int, bandwidth: float = 4.2e12) -> float:
     return total_bytes / bandwidth * 1e6
 
 
-__all__ = ["DecodeMegakernel", "MegakernelGraphs", "applies", "unsupported_reason", "partition_plan", "smem_plan",
+__all__ = ["DecodeMegakernel", "applies", "unsupported_reason", "partition_plan", "smem_plan",
            "pack_granules", "unpack_granules", "pack_gate_up", "pack_act_fragments", "act_fragment_index",
            "emulate_gemv", "reference_decode_step", "step_bytes", "floor_us"]

@@ -57,12 +57,20 @@ def expert_groups(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, hidden: int,
                                   intermediate: int) -> str | None:
     """Why the graph-safe grouped_mm path cannot run these experts (then the host-synced loop does), or None."""
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    return grouped_mm_coverage_reason(device.type, capability, dtype, hidden, intermediate)
+
+
+def grouped_mm_coverage_reason(device_type: str, capability: tuple[int, int], dtype: torch.dtype, hidden: int,
+                               intermediate: int) -> str | None:
+    """grouped_mm_unsupported_reason on plain device facts (the execution plan asks before the model exists)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
-    if torch.device(device).type == "cuda":
+    if device_type == "cuda":
         if dtype != torch.bfloat16:
             return f"torch._grouped_mm on CUDA needs bfloat16, the model is {dtype}"
-        if torch.cuda.get_device_capability(device)[0] < 9:
+        if tuple(capability)[0] < 9:
             return "torch._grouped_mm on CUDA needs sm_90 or newer"
     elif dtype not in (torch.float32, torch.bfloat16):
         return f"torch._grouped_mm on CPU takes float32 or bfloat16, the model is {dtype}"

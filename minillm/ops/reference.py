@@ -120,17 +120,6 @@ class PagedBatch:
     def block_size(self) -> int:
         return self.k_cache.shape[1]
 
-    def meta(self, num_decodes: int = 0):
-        from minillm.attention.metadata import AttentionMetadata
-
-        q_lens = [b - a for a, b in zip(self.query_start_list, self.query_start_list[1:])]
-        return AttentionMetadata(
-            num_seqs=len(self.seq_lens_list), num_decodes=num_decodes, num_tokens=self.q.shape[0],
-            max_query_len=max(q_lens), max_seq_len=max(self.seq_lens_list), slot_mapping=self.slot_mapping,
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_tables=self.block_tables,
-            block_size=self.block_size, query_start_loc_cpu=list(self.query_start_list),
-            seq_lens_cpu=list(self.seq_lens_list))
-
 
 def make_paged_batch(ctx_lens: list[int], q_lens: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int,
                      block_size: int, dtype: torch.dtype, device="cpu", seed: int = 0,

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps: DecodeGraphs (the model's layers) and MegakernelGraphs (the persistent decode
+kernel, minillm/ops/megakernel.py).
 
 A decode step of Qwen3-0.6B is ~340 small kernels; launched eagerly from Python that costs more than the
 GPU work at small batch (docs/architecture.md, section 7). We capture one graph per batch-size bucket over
@@ -7,10 +8,18 @@ slot (-1) and attend to one token of block 0, and their outputs are ignored.
 
 Graphs are captured with max_seq_len = max_model_len. The decode kernel's split-K grid depends on the batch
 size only (every sequence is cut into the same number of partitions), so a replay fits any context.
+
+Capture runs only where the engine's plan (minillm/runner/plan.py) marks every kernel on the decode path
+graph-safe. Two guards stay behind that: each warm-up run before a capture runs with host syncs turned into errors
+(so a sync is found before any capture starts), and guarded_capture() puts the process back in order if a capture
+fails anyway: the stream it ran on, and the CUDA generator, which a failed capture leaves in capture mode ("Offset
+increment outside graph capture" for every later engine in the process).
 """
 from __future__ import annotations
 
 import logging
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -51,7 +60,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):       # largest first: smaller graphs reuse its memory pool
             meta = self._meta(bs)
-            self._run(bs, meta)               # warm-up outside capture (lazy inits, autotuning)
+            with no_host_sync():
+                self._run(bs, meta)           # warm-up outside capture (lazy inits, autotuning)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self._run(bs, meta)
@@ -83,3 +93,94 @@ class DecodeGraphs:
             self.seq_lens[n:bs].fill_(1)
         self.graphs[bs].replay()
         return self.hidden[:n]
+
+
+class MegakernelGraphs:
+    """DecodeGraphs' interface (bucket(), replay()) over a DecodeMegakernel: one CUDA graph per batch size
+    1..max_batch over static input buffers. Padded rows never occur (every size has its graph)."""
+
+    def __init__(self, mk, max_blocks: int):
+        self.mk = mk
+        n, dev = mk.max_batch, mk.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(num_seqs=b, num_decodes=b, num_tokens=b, max_query_len=1, max_seq_len=1,
+                                 slot_mapping=self.slot_mapping[:b], query_start_loc=torch.empty(0),
+                                 seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+                                 block_size=self.mk.block_size)
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture with slot -1 and one-token contexts (nothing is written to the caches)."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        for b in sizes or range(1, self.mk.max_batch + 1):
+            meta = self._meta(b)
+            with no_host_sync():
+                self.mk.forward(self.input_ids[:b], self.positions[:b], meta)   # warm-up outside capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.mk.forward(self.input_ids[:b], self.positions[:b], meta)
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+
+    def bucket(self, n: int) -> int | None:
+        return n if n in self.graphs else None
+
+    def replay(self, input_ids, positions, meta) -> torch.Tensor:
+        n = meta.num_seqs
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids[:n])
+        self.positions[:n].copy_(positions[:n])
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
+        self.seq_lens[:n].copy_(meta.seq_lens[:n])
+        self.block_tables[:n, :width].copy_(meta.block_tables[:n])
+        self.graphs[n].replay()
+        return self.mk.out[:n]
+
+
+@contextmanager
+def no_host_sync():
+    """Host syncs raise inside the block (torch's sync debug mode), as they would fail under capture."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def guarded_capture(capture, what: str) -> str | None:
+    """Run capture() (which captures CUDA graphs); None when it succeeded, else why it failed, after leaving the
+    process usable: the current stream restored, the device synchronised and the CUDA generator out of capture
+    mode. The caller then serves that path eagerly."""
+    stream = torch.cuda.current_stream()
+    try:
+        capture()
+        return None
+    except Exception as e:   # noqa: BLE001 (any failure: the engine must still serve)
+        reason = f"capturing the {what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    torch.cuda.set_stream(stream)
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        log.error("after the failed capture, synchronize raised: %s", e)
+    end_generator_capture()
+    return reason
+
+
+def end_generator_capture() -> None:
+    """Take the CUDA generator out of capture mode: a capture that failed never ran its epilogue, and one empty
+    capture that succeeds does."""
+    g = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "the CUDA graph is empty"
+        with torch.cuda.graph(g):
+            pass
+    del g

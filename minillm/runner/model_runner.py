@@ -5,7 +5,6 @@ process.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from itertools import compress
@@ -17,11 +16,12 @@ from minillm.cache.spec import KVCacheSpec
 from minillm.config import ConfigError, EngineConfig
 from minillm.device import resolve_device, resolve_dtype
 from minillm.contract import ModelRunnerOutput, SchedulerOutput
-from minillm.model.loader import load_model
-from minillm.ops.choice import resolve_kernels
+from minillm.model.loader import load_model, resolve_arch
 from minillm.ops.launch import pdl_launches
+from minillm.runner.cuda_graphs import DecodeGraphs, MegakernelGraphs, guarded_capture
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
 from minillm.runner.kv_sizing import choose_num_blocks
+from minillm.runner.plan import DeviceInfo, resolve_plan
 from minillm.runner.request_state import CachedRequest, RequestStates
 from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatchCache
@@ -50,12 +50,14 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(cfg.runtime.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
-        self.kernels = resolve_kernels(cfg, self.device)
-        self.attn_backend = make_attention_backend(self.kernels)
+        self.kv_spec, self.plan = self._make_plan()
+        p = self.plan
+        self.attn_backend = make_attention_backend(p.attention_backend, mode=p.attention_mode,
+                                                   min_partitions=p.decode_min_partitions,
+                                                   ctas_per_sm=p.decode_ctas_per_sm, fuse_kv_write=p.fused_kv_write.on)
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
                                                            self.device, self.attn_backend, seed=cfg.runtime.seed,
-                                                           kernels=self.kernels)
-        self.kv_spec = KVCacheSpec.for_model(self.arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, self.dtype)
+                                                           kernels=p.model_kernels())
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
@@ -63,7 +65,7 @@ class ModelRunner:
         # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound,
         # capped at what a step can hold at all: max_num_seqs sequences of at most max_model_len tokens each.
         self.max_num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
-        self.sampler = Sampler(seed=cfg.runtime.seed, cuda=self.kernels.cuda)
+        self.sampler = Sampler(seed=cfg.runtime.seed, cuda=p.fused_ops.on)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
@@ -72,9 +74,10 @@ class ModelRunner:
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
         self.states = RequestStates()
+        self.graphs = self.mega_graphs = None
         with self._launches():   # graphs keep the launch mode they were captured with
-            self.graphs = self._capture_graphs()
-            self.mega_graphs = self._capture_megakernel()
+            if self.plan.cuda_graphs.on:
+                self._capture_all()
             if self.device.type == "cuda":
                 warm_up_shapes(self)
         # Two pinned buffers for sampled ids, used in turn: the copy of step N's tokens may still be pending
@@ -83,49 +86,52 @@ class ModelRunner:
         self._out_host = [torch.zeros(sched.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
 
-    def _capture_graphs(self):
-        """Decode graphs only where they are safe: a GPU, our CUDA attention (host-sync free), not eager."""
-        if self.device.type != "cuda" or self.cfg.runtime.enforce_eager:
-            return None
-        if self.kernels.attention != "cuda":
-            log.info("CUDA graphs need the CUDA attention backend; running decode eagerly")
-            return None
-        if (reason := self.model.graph_unsupported_reason()) is not None:
-            log.info("CUDA graphs not used: %s; running decode eagerly", reason)
-            return None
-        from minillm.runner.cuda_graphs import DecodeGraphs
+    def _make_plan(self):
+        """The KV-cache spec and the execution plan, made before anything is allocated, from the model's
+        config.json alone; the plan's verdicts are logged, and what runs slower than asked is said once."""
+        cfg = self.cfg
+        arch = resolve_arch(cfg.model.model, cfg.model.load_format)
+        spec = KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, self.dtype)
+        plan = resolve_plan(cfg, arch, spec, self.dtype, DeviceInfo.of(self.device))
+        log.info("%s", plan.describe())
+        for notice in plan.notices:
+            log.warning("minillm: %s", notice)
+        return spec, plan
+
+    def _capture_all(self) -> None:
+        """The decode graphs (and the megakernel's), which the plan allows only where the decode path is
+        graph-safe. A capture that fails anyway leaves the engine serving eagerly, and says so loudly."""
+        failed = guarded_capture(self._capture_graphs, "decode CUDA graphs")
+        if failed is None and self.megakernel is not None:
+            failed = guarded_capture(self._capture_megakernel, "persistent-kernel CUDA graphs")
+        if failed is not None:
+            log.error("minillm: %s; this engine serves decode steps eagerly (slower). Please report this: the "
+                      "execution plan marked the path graph-safe.", failed)
+            self.graphs = self.mega_graphs = self.megakernel = None
+            self.plan = self.plan.without_graphs(failed)
+
+    def _capture_graphs(self) -> None:
         graphs = DecodeGraphs(self.model, self.kv_caches, self.cfg.scheduler.max_num_seqs, self.inputs.max_blocks,
                               self.cfg.cache.block_size, self.max_model_len, self.arch.hidden_size, self.dtype,
                               self.device)
         graphs.capture()
-        return graphs
+        self.graphs = graphs
 
     def _pack_megakernel(self):
-        """The persistent decode kernel for small decode steps, where the KernelChoice allows it and it covers this
-        model and GPU (it runs under CUDA graphs only, like the decode graphs it stands in for)."""
-        rows = min(self.kernels.megakernel_max_batch, self.cfg.scheduler.max_num_seqs)
-        if rows == 0 or self.device.type != "cuda" or self.cfg.runtime.enforce_eager:
+        """The persistent decode kernel, where the plan put small decode steps on it (it runs under CUDA graphs
+        only, like the decode graphs it stands in for)."""
+        if not self.plan.megakernel.on:
             return None
         from minillm.ops import megakernel as mkops
 
-        reason = mkops.unsupported_reason(self.arch, self.dtype, self.cfg.cache.block_size, rows,
-                                          **mkops.device_limits(self.device))
-        if reason is not None:
-            log.info("decode megakernel not used: %s", reason)
-            self.kernels = dataclasses.replace(self.kernels, megakernel_max_batch=0)   # results lines say so
-            return None
-        return mkops.DecodeMegakernel(self.model, None, rows, self.cfg.cache.block_size, self.max_model_len,
-                                      min_partition_chunks=self.kernels.megakernel_min_chunks)
+        return mkops.DecodeMegakernel(self.model, None, self.plan.megakernel_rows, self.cfg.cache.block_size,
+                                      self.max_model_len, min_partition_chunks=self.plan.megakernel_min_chunks)
 
-    def _capture_megakernel(self):
-        if self.megakernel is None:
-            return None
-        from minillm.ops.megakernel import MegakernelGraphs
-
+    def _capture_megakernel(self) -> None:
         self.megakernel.bind_caches(self.kv_caches)
         graphs = MegakernelGraphs(self.megakernel, self.inputs.max_blocks)
         graphs.capture()
-        return graphs
+        self.mega_graphs = graphs
 
     def _max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -150,11 +156,11 @@ class ModelRunner:
         return self.resolve(self.launch(so, None, prof), prof)
 
     def _launches(self, megakernel_step: bool = False):
-        """The launch mode of this engine's kernels: programmatic dependent launch where the KernelChoice says,
+        """The launch mode of this engine's kernels: programmatic dependent launch where the plan says,
         except around a megakernel step. There the only kernel it would reach is the sampler after the LM head,
         and in interleaved A/B runs such steps took 1-3% longer with it (B = 1-8, H200, 7d4936f), while graph-path
         steps took 1-2% less (B = 32-256)."""
-        return pdl_launches(self.kernels.pdl and not megakernel_step)
+        return pdl_launches(self.plan.pdl.on and not megakernel_step)
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: InFlight | None, prof=None) -> InFlight:
@@ -168,13 +174,11 @@ class ModelRunner:
         meta = step.meta
         if prof is not None:
             prof.mark("build")
-        decode_only = meta.num_decodes == meta.num_seqs
-        mega = decode_only and self.mega_graphs is not None and self.mega_graphs.bucket(meta.num_seqs) \
-            and sum(meta.seq_lens_cpu) <= self.kernels.megakernel_max_tokens
-        with self._launches(mega):
-            if mega:
+        path = self.plan.step_path(meta.num_decodes == meta.num_seqs, meta.seq_lens_cpu)
+        with self._launches(path == "megakernel"):
+            if path == "megakernel":
                 hidden = self.mega_graphs.replay(step.input_ids, step.positions, meta)
-            elif decode_only and self.graphs is not None and self.graphs.bucket(meta.num_seqs):
+            elif path == "graph":
                 hidden = self.graphs.replay(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)

@@ -9,17 +9,15 @@ plus numpy; per-row Python loops run only over the rows that need them (min_toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from minillm.contract import SamplingRow as Request   # a row's request, as the sampler reads it
 from minillm.device import to_device
 from minillm.sampling_params import ROW_FIELDS
 from minillm.sampling.penalties import PenaltyTensors, pad_token_arrays, token_history
-
-if TYPE_CHECKING:   # the runner's copy of a request (minillm/runner/request_state.py)
-    from minillm.runner.request_state import CachedRequest as Request
 
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5

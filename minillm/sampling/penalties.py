@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:   # the runner's copy of a request (minillm/runner/request_state.py)
-    from minillm.runner.request_state import CachedRequest as Request
+from minillm.contract import SamplingRow as Request   # a row's request, as the sampler reads it
 
 @dataclass
 class PenaltyTensors:

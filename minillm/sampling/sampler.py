@@ -45,7 +45,7 @@ class SamplerResult:
 
 class Sampler:
     def __init__(self, seed: int = 0, *, cuda: bool = False) -> None:
-        """cuda: the one-pass sampling kernel may run (the engine's KernelChoice)."""
+        """cuda: the one-pass sampling kernel may run (the engine's execution plan)."""
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.seed = seed

@@ -82,6 +82,7 @@ def _case_attention(kind, shape, batch, seed):
     import torch
 
     from minillm.attention.cuda_backend import CudaAttentionBackend
+    from minillm.diagnostics import paged_meta
     from minillm.ops import attention_ops as ops
     from minillm.ops.reference import kv_write_ref, make_paged_batch, paged_attention_ref
 
@@ -96,7 +97,8 @@ def _case_attention(kind, shape, batch, seed):
         errs = []
         for mode in ("split", "unified"):
             k2, v2 = kc.clone(), vc.clone()
-            errs.append(_max_err(CudaAttentionBackend(mode).forward(b.q, b.k, b.v, k2, v2, b.meta(nd), scale), ref))
+            out = CudaAttentionBackend(mode).forward(b.q, b.k, b.v, k2, v2, paged_meta(b, nd), scale)
+            errs.append(_max_err(out, ref))
         return max(errs, key=lambda e: (e != e, e)), TOL[dt]
     out = torch.full_like(b.q, float("nan"))
     if kind == "prefill":
@@ -120,7 +122,7 @@ def run_cases(quick: bool) -> list[dict]:
                 seed += 1
                 err, tol = _case_attention(kind, shape, batch, seed)
                 rows.append(dict(case=f"{kind} {batch[0]} {tag}", max_abs_err=err, tol=tol, passed=err <= tol))
-    from minillm.ops.megakernel_check import run_megakernel_cases
+    from minillm.diagnostics.megakernel_check import run_megakernel_cases
 
     return rows + run_megakernel_cases(quick)
 
