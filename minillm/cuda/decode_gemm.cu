@@ -40,10 +40,13 @@ namespace cg = cooperative_groups;
 [[maybe_unused]] constexpr int kWarps = 8, kThreads = 32 * kWarps;
 [[maybe_unused]] constexpr int kBlockK = kDecodeGemmTileK;  // 32 columns per k32 block
 
+// k32 blocks per register batch (2 x U x 8 weight registers): what fits in 128 registers beside NT x 8 of x
+// and acc (ptxas -v, sm_90a, no spills).
+[[maybe_unused]] constexpr int batch_blocks(int nt) { return nt >= 8 ? 1 : nt >= 4 ? 2 : 4; }
+
 template <int NT>
 struct Cfg {
   static constexpr int MT = 8 * NT;           // x rows per tile (mma n side)
-  [[maybe_unused]] static constexpr int U = NT >= 8 ? 1 : NT >= 4 ? 2 : 4;  // k32 blocks per batch (2 x U x 8 weight registers)
   // Shared memory of the partial tiles: KW x MT x (BN + 4) floats with KW * BN = 128 (+4: conflict-free stores).
   static constexpr int smem_bytes(int rw) { return (kWarps / rw) * MT * (16 * rw + 4) * 4; }
 };
@@ -125,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                        T* __restrict__ y, int64_t ldy, int M, int K, int rw) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using C = Cfg<NT>;
-  constexpr int U = C::U;
+  constexpr int U = batch_blocks(NT);
   extern __shared__ __align__(16) float red[];
   const int kw_n = kWarps / rw, bn = 16 * rw, stride = bn + 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
