@@ -14,11 +14,11 @@
 //
 // Work: a warp owns 16 weight rows and a contiguous range of k32 blocks; a CTA is 8 warps, RW (row warps, 1/2/4/8)
 // x KW (= 8 / RW) warps along K, over BN = 16 RW weight rows; grid z is a split of K over the CTAs of one cluster
-// (S = 1..8). The launcher's caller picks (S, RW) so that the grid fills the GPU in one wave (decode_gemm.py).
+// (S = 1..8). The caller picks (S, RW) so that the grid fills the GPU in one wave (minillm/ops/decode_gemm.py).
 // x rows past M are loaded as row M - 1 (in bounds); they only feed output columns that are never stored.
 //
 // Streaming: each warp keeps two batches of U k32 blocks in flight in registers (loads of batch i + 2 issued as
-// soon as batch i's mmas have read their registers): U = 4 -> up to 8 KB per warp, 128 KB per SM at two CTAs.
+// soon as batch i's mmas have read their registers): 4-8 KB per warp, 64-128 KB per SM (batch_blocks below).
 // Weight loads skip L1 and are marked evict-first in L2 (read once per step); x loads go through L1, where the RW
 // warps that share a K range hit. The first two batches are issued before griddepcontrol.wait.
 //
@@ -40,9 +40,12 @@ namespace cg = cooperative_groups;
 [[maybe_unused]] constexpr int kWarps = 8, kThreads = 32 * kWarps;
 [[maybe_unused]] constexpr int kBlockK = kDecodeGemmTileK;  // 32 columns per k32 block
 
-// k32 blocks per register batch (2 x U x 8 weight registers): what fits in 128 registers beside NT x 8 of x
-// and acc (ptxas -v, sm_90a, no spills).
-[[maybe_unused]] constexpr int batch_blocks(int nt) { return nt >= 8 ? 1 : nt >= 4 ? 2 : 4; }
+// k32 blocks per register batch (2 x U x 8 weight registers) and CTAs per SM: NT <= 4 fits U x 2 x 8 weight
+// registers beside NT x 8 of x and acc in 128 registers (two CTAs per SM); NT = 8 would be left one block per
+// batch there (32 KB per SM in flight), so it takes one CTA per SM with U = 4 (186 registers, 64 KB in flight).
+// ptxas -v, sm_90a: no spills.
+[[maybe_unused]] constexpr int batch_blocks(int nt) { return nt >= 8 ? 4 : nt >= 4 ? 2 : 4; }
+[[maybe_unused]] constexpr int ctas_per_sm(int nt) { return nt >= 8 ? 1 : 2; }
 
 template <int NT>
 struct Cfg {
@@ -123,7 +126,7 @@ __device__ __forceinline__ void compute_batch(float (&acc)[NT][4], const uint4 (
 }
 
 template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, ctas_per_sm(NT))
     decode_gemm_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, int64_t ldw,
                        T* __restrict__ y, int64_t ldy, int M, int K, int rw) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

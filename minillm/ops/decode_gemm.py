@@ -18,13 +18,17 @@ MAX_ROWS = 64          # kDecodeGemmMaxRows: larger M stays on cuBLAS
 MAX_SPLITS = 8         # kDecodeGemmMaxSplits: the portable cluster size
 WARPS = 8              # kDecodeGemmWarps: warps per CTA, row_warps x (8 / row_warps) along K
 ROW_WARPS = (8, 4, 2, 1)
-CTAS_PER_SM = 2        # __launch_bounds__(256, 2): at most 128 registers (ptxas: 104-128, no spills)
 DTYPES = (torch.bfloat16, torch.float16)
 
 
 def batch_blocks(m: int) -> int:
-    """k32 blocks per register batch (Cfg<NT>::U): 4 for M <= 16, 2 for M <= 32, 1 above."""
-    return 4 if m <= 16 else 2 if m <= 32 else 1
+    """k32 blocks per register batch (batch_blocks(NT) in the kernel): 2 for 16 < M <= 32, else 4."""
+    return 2 if 16 < m <= 32 else 4
+
+
+def ctas_per_sm(m: int) -> int:
+    """Resident CTAs per SM (the kernel's __launch_bounds__): 2 up to M = 32 (<= 128 registers), 1 above."""
+    return 2 if m <= 32 else 1
 
 
 def config_ok(k: int, splits: int, row_warps: int) -> bool:
@@ -51,7 +55,9 @@ def covers(m_max: int, n: int, k: int, dtype: torch.dtype, sm_major: int) -> str
 
 
 # Model constants (to be checked against scripts/gemm_sweep.py's best configuration, not measurements):
-HBM_BYTES_PER_US = 3.3e6   # weight streaming rate once every SM has its share in flight
+HBM_BYTES_PER_US = 3.3e6   # weight streaming rate with enough bytes in flight
+LATENCY_US = 1.0           # loaded HBM round trip: bytes in flight / LATENCY_US bounds the rate (Little's law)
+SM_BYTES_PER_US = 3.0e4    # what one SM is assumed to pull at most (~30 GB/s): idle SMs cost bandwidth
 L2_BYTES_PER_US = 6.0e6    # L2 -> SM rate that the weights and every CTA's copy of x share
 BATCH_US = 0.5             # per register batch of a warp: a ~1 us round trip with two batches in flight
 FIXED_US = 0.8             # launch ramp, first-load latency, the CTA's own reduction
@@ -60,16 +66,23 @@ CLUSTER_US = 0.5           # two cluster barriers and the DSMEM sum when splits 
 
 
 def model_us(m: int, n: int, k: int, splits: int, row_warps: int, num_sms: int) -> float:
-    """Modelled time of one configuration: the larger of streaming (HBM, or L2 with every CTA's copy of x; an
-    SM without a CTA adds no bandwidth) and each warp's chain of batch round trips, plus fixed costs."""
+    """Modelled time of one configuration, summed over its waves: each the larger of streaming its share (HBM,
+    capped by the bytes its warps keep in flight and by the SMs it occupies; or L2, with every CTA's copy of x)
+    and a warp's chain of batch round trips; plus fixed costs."""
     ctas = n // (16 * row_warps) * splits
-    waves = -(-ctas // (num_sms * CTAS_PER_SM))
-    w_bytes = n * k * 2
-    x_bytes = ctas * m * (k // splits) * 2
-    stream = max(w_bytes / HBM_BYTES_PER_US * max(1.0, num_sms / ctas), (w_bytes + x_bytes) / L2_BYTES_PER_US)
+    slots = num_sms * ctas_per_sm(m)
+    w_bytes, x_bytes = n * k * 2, ctas * m * (k // splits) * 2
     kb_warp = -(-(k // TILE_K) // (splits * (WARPS // row_warps)))
-    chain = waves * -(-kb_warp // batch_blocks(m)) * BATCH_US
-    return max(stream, chain) + FIXED_US + (waves - 1) * WAVE_US + (CLUSTER_US if splits > 1 else 0.0)
+    chain = -(-kb_warp // batch_blocks(m)) * BATCH_US
+    waves = [slots] * (ctas // slots) + ([ctas % slots] if ctas % slots else [])
+    total = 0.0
+    for c in waves:
+        in_flight = c * WARPS * 2 * batch_blocks(m) * 1024   # two batches of U x 1 KB per warp
+        sms = min(num_sms, c)   # the block scheduler spreads a wave over the SMs first
+        rate = min(HBM_BYTES_PER_US, in_flight / LATENCY_US, sms * SM_BYTES_PER_US)
+        share = c / ctas
+        total += max(w_bytes * share / rate, (w_bytes + x_bytes) * share / L2_BYTES_PER_US, chain)
+    return total + FIXED_US + (len(waves) - 1) * WAVE_US + (CLUSTER_US if splits > 1 else 0.0)
 
 
 def configs(k: int) -> list[tuple[int, int]]:
