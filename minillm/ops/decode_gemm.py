@@ -90,6 +90,7 @@ def configs(k: int) -> list[tuple[int, int]]:
     return [(s, rw) for rw in ROW_WARPS for s in range(1, MAX_SPLITS + 1) if config_ok(k, s, rw)]
 
 
+@lru_cache(maxsize=1024)
 def choose_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
     """(splits, row_warps) with the smallest modelled time; ties go to fewer splits, then more row warps."""
     return min(configs(k), key=lambda c: (round(model_us(m, n, k, *c, num_sms), 3), c[0], -c[1]))
