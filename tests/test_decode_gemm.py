@@ -95,9 +95,16 @@ def test_chosen_config_is_legal_and_fills_the_gpu(n, k):
         ctas = n // (16 * rw) * s
         # Half the SMs at least get a CTA, unless the weight is tiny (under 2 MB) or no configuration reaches that.
         assert ctas >= 66 or n * k * 2 < 2 << 20 or not any(n // (16 * rw2) * s2 >= 66 for s2, rw2 in dg.configs(k))
-        slots = dg.ctas_per_sm(m) * 132
+        slots = dg.slots(m, s, 132)
         # Several waves only when their slots are at least 3/4 used (no thin tail wave).
         assert ctas <= slots or -(-ctas // slots) * slots * 3 <= ctas * 4, (m, s, rw, ctas)
+
+
+def test_cluster_slots_match_the_measured_max_active_clusters():
+    # ncu on the H200 (first kernel): 62 active clusters of 6 at 3 CTAs per SM; 30 of 4 at 1 CTA per SM.
+    assert dg.slots(64, 4, 132) == 30 * 4
+    assert dg.slots(1, 1, 132) == 264 and dg.slots(64, 1, 132) == 132
+    assert dg.slots(1, 8, 132) == 30 * 8 and dg.slots(64, 8, 132) == 14 * 8
 
 
 def test_model_prefers_row_warps_when_x_is_large():

@@ -63,6 +63,17 @@ BATCH_US = 0.5             # per register batch of a warp: a ~1 us round trip wi
 FIXED_US = 0.8             # launch ramp, first-load latency, the CTA's own reduction
 WAVE_US = 0.5              # ramp of every further wave
 CLUSTER_US = 0.5           # two cluster barriers and the DSMEM sum when splits > 1
+GPC_SMS = 16               # a cluster lives in one GPC (H100/H200: 16-18 SMs each)
+
+
+def slots(m: int, splits: int, num_sms: int) -> int:
+    """CTAs resident at once. Clusters pack per GPC: (SMs / 16) x (16 x CTAs per SM // splits) less 2, which
+    matches the `Max Active Clusters` ncu reported for the first kernel (62 of size 6 at 3 CTAs per SM, 30 of size
+    4 at 1)."""
+    cps = ctas_per_sm(m)
+    if splits == 1:
+        return num_sms * cps
+    return max(1, num_sms // GPC_SMS * (GPC_SMS * cps // splits) - 2) * splits
 
 
 def model_us(m: int, n: int, k: int, splits: int, row_warps: int, num_sms: int) -> float:
@@ -70,11 +81,11 @@ def model_us(m: int, n: int, k: int, splits: int, row_warps: int, num_sms: int) 
     capped by the bytes its warps keep in flight and by the SMs it occupies; or L2, with every CTA's copy of x)
     and a warp's chain of batch round trips; plus fixed costs."""
     ctas = n // (16 * row_warps) * splits
-    slots = num_sms * ctas_per_sm(m)
+    wave = slots(m, splits, num_sms)
     w_bytes, x_bytes = n * k * 2, ctas * m * (k // splits) * 2
     kb_warp = -(-(k // TILE_K) // (splits * (WARPS // row_warps)))
     chain = -(-kb_warp // batch_blocks(m)) * BATCH_US
-    waves = [slots] * (ctas // slots) + ([ctas % slots] if ctas % slots else [])
+    waves = [wave] * (ctas // wave) + ([ctas % wave] if ctas % wave else [])
     total = 0.0
     for c in waves:
         in_flight = c * WARPS * 2 * batch_blocks(m) * 1024   # two batches of U x 1 KB per warp
