@@ -1,5 +1,6 @@
 """CPU checks of the decode GEMM's wrapper logic (minillm/ops/decode_gemm.py): where covers() says it applies,
-the tile and shared-memory mirror of the kernel's Tiling<MT>, and the K split chosen per shape and GPU size.
+the mirror of the kernel's limits and legal configurations, and the grid (K splits, row warps) chosen per shape
+and GPU size.
 DECODE_SHAPES (every linear layer of the dense Qwen3 / Qwen2.5 models) is shared with the GPU test."""
 import json
 import re
@@ -51,56 +52,80 @@ def test_shape_table_matches_known_layers():
 @pytest.mark.parametrize("n,k", DECODE_SHAPES)
 def test_covers_every_qwen_decode_shape(n, k):
     for dtype in (torch.bfloat16, torch.float16):
-        assert dg.covers(256, n, k, dtype, 9) is None
+        assert dg.covers(64, n, k, dtype, 9) is None
 
 
 @pytest.mark.parametrize("args,words", [
     ((16, 4096, 1024, torch.bfloat16, 8), "sm_90"),
     ((16, 4096, 1024, torch.bfloat16, 10), "sm_90"),
     ((16, 4096, 1024, torch.float32, 9), "dtype"),
-    ((257, 4096, 1024, torch.bfloat16, 9), "rows"),
+    ((65, 4096, 1024, torch.bfloat16, 9), "rows"),
     ((0, 4096, 1024, torch.bfloat16, 9), "rows"),
     ((16, 4160, 1024, torch.bfloat16, 9), "N must be"),
     ((16, 0, 1024, torch.bfloat16, 9), "N must be"),
     ((16, 4096, 1000, torch.bfloat16, 9), "K must be"),
+    ((16, 4096, 1040, torch.bfloat16, 9), "K must be"),
 ])
 def test_covers_names_the_reason(args, words):
     reason = dg.covers(*args)
     assert reason is not None and words in reason
 
 
-def test_tiles_mirror_the_kernel():
-    assert [dg.tile_m(m) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 256)] == [16, 16, 32, 32, 64, 64, 128, 128,
-                                                                                128, 128]
-    assert [dg.tile_n(mt) for mt in (16, 32, 64, 128)] == [64, 64, 128, 128]
-    # Tiling<MT>::SMEM: 128 bytes of barriers + stages x (BN + MT) rows x 144 bytes.
-    assert [dg.smem_bytes(mt) for mt in (16, 32, 64, 128)] == [69248, 83072, 166016, 184448]
-    assert all(dg.smem_bytes(mt) <= 227 * 1024 for mt in (16, 32, 64, 128))
-    assert [dg.ctas_per_sm(mt) for mt in (16, 32, 64, 128)] == [3, 2, 1, 1]
+def test_batches_and_configs_mirror_the_kernel():
+    # batch_blocks(NT) / ctas_per_sm(NT) in decode_gemm.cu: NT = 4 (M 17-32) has 2 blocks per batch; NT = 8
+    # (M 33-64) runs one CTA per SM.
+    assert [dg.batch_blocks(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [4, 4, 4, 4, 2, 2, 4, 4]
+    assert [dg.ctas_per_sm(m) for m in (1, 16, 17, 32, 33, 64)] == [2, 2, 2, 2, 1, 1]
+    # decode_gemm_config_ok: every warp of every split gets at least one k32 block.
+    assert dg.config_ok(1024, 4, 1)            # 4 x 8 warps along K = 32 blocks
+    assert not dg.config_ok(1024, 5, 1)
+    assert dg.config_ok(32, 1, 8) and not dg.config_ok(32, 2, 8) and not dg.config_ok(32, 1, 4)
+    assert not dg.config_ok(4096, 0, 8) and not dg.config_ok(4096, 9, 8) and not dg.config_ok(4096, 1, 3)
+    assert len(dg.configs(896)) == 8 + 8 + 7 + 3  # 28 blocks: row warps 8, 4, 2, 1
 
 
-@pytest.mark.parametrize("m,n,k,want", [
-    (1, 4096, 1024, 6),    # 64 tiles x 6 = 384 of 396 slots, 3 of 16 k-tiles each (8 would take two waves)
-    (1, 1024, 2048, 8),    # 16 tiles: the whole cluster, 4 of 32 k-tiles each
-    (64, 6144, 1024, 2),   # 48 tiles of 128 rows, one CTA per SM: 96 <= 132; 4 splits would take two waves
-    (256, 4096, 1024, 2),  # 32 tiles x 2 row blocks = 64; x2 = 128 <= 132
-    (1, 24576, 4096, 1),   # 384 tiles of 64 rows: one wave of 396 already
-])
-def test_choose_splits(m, n, k, want):
-    assert dg.choose_splits(m, n, k, 132) == want
+MODEL_SHAPES_06B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 
 
 @pytest.mark.parametrize("n,k", DECODE_SHAPES)
-def test_splits_are_legal_and_fill_the_gpu(n, k):
-    k_tiles = k // dg.TILE_K
-    for m in (1, 8, 16, 32, 64, 128, 256):
-        s = dg.choose_splits(m, n, k, 132)
-        assert 1 <= s <= min(dg.MAX_SPLITS, k_tiles)
-        mt = dg.tile_m(m)
-        ctas = (n // dg.tile_n(mt)) * -(-m // mt) * s
-        # Either the grid fills at least half a wave, or its longest k range is already as short as the largest
-        # legal split would make it.
-        assert ctas * 2 >= 132 * dg.ctas_per_sm(mt) or -(-k_tiles // s) == -(-k_tiles // min(dg.MAX_SPLITS, k_tiles))
+def test_chosen_config_is_legal_and_fills_the_gpu(n, k):
+    for m in (1, 8, 16, 32, 64):
+        s, rw = dg.choose_config(m, n, k, 132)
+        assert dg.config_ok(k, s, rw) and n % (16 * rw) == 0
+        ctas = n // (16 * rw) * s
+        # Half the SMs at least get a CTA, unless the weight is tiny (under 2 MB) or no configuration reaches that.
+        assert ctas >= 66 or n * k * 2 < 2 << 20 or not any(n // (16 * rw2) * s2 >= 66 for s2, rw2 in dg.configs(k))
+        slots = dg.slots(m, s, 132)
+        # Several waves only when their slots are at least 3/4 used (no thin tail wave).
+        assert ctas <= slots or -(-ctas // slots) * slots * 3 <= ctas * 4, (m, s, rw, ctas)
+
+
+def test_cluster_slots_match_the_measured_max_active_clusters():
+    # ncu on the H200 (first kernel): 62 active clusters of 6 at 3 CTAs per SM; 30 of 4 at 1 CTA per SM.
+    assert dg.slots(64, 4, 132) == 30 * 4
+    assert dg.slots(1, 1, 132) == 264 and dg.slots(64, 1, 132) == 132
+    assert dg.slots(1, 8, 132) == 30 * 8 and dg.slots(64, 8, 132) == 14 * 8
+
+
+def test_model_prefers_row_warps_when_x_is_large():
+    """At M = 64 every CTA's copy of x is 4x its weight bytes with 16-row CTAs: the model moves to wider CTAs."""
+    assert dg.choose_config(64, 4096, 1024, 132)[1] >= 4
+    assert dg.choose_config(1, 4096, 1024, 132)[0] == 1   # enough row blocks: no cluster at all
+
+
+def test_model_charges_idle_sms_and_short_in_flight():
+    n, k = 4096, 1024
+    # 16 CTAs (8 row warps, no split) leave 116 SMs idle; 128 CTAs of 2 row warps do not.
+    assert dg.model_us(1, n, k, 1, 8, 132) > dg.model_us(1, n, k, 1, 2, 132) + 1
+    # A second wave costs its ramp.
+    assert dg.model_us(64, n, k, 8, 2, 132) > dg.model_us(64, n, k, 1, 2, 132)
+
+
+@pytest.mark.parametrize("n,k", MODEL_SHAPES_06B)
+def test_model_is_near_the_floor_on_the_06b_shapes(n, k):
+    floor = n * k * 2 / dg.HBM_BYTES_PER_US
+    for m in (1, 16):
+        assert dg.model_us(m, n, k, *dg.choose_config(m, n, k, 132), 132) <= floor + 1.5
 
 
 def test_limits_match_the_cuda_header():
@@ -108,7 +133,8 @@ def test_limits_match_the_cuda_header():
     consts = dict(re.findall(r"constexpr int (kDecodeGemm\w+) = (\d+);", header))
     assert {k: int(v) for k, v in consts.items()} == {"kDecodeGemmTileK": dg.TILE_K, "kDecodeGemmAlignN": dg.ALIGN_N,
                                                       "kDecodeGemmMaxRows": dg.MAX_ROWS,
-                                                      "kDecodeGemmMaxSplits": dg.MAX_SPLITS}
+                                                      "kDecodeGemmMaxSplits": dg.MAX_SPLITS,
+                                                      "kDecodeGemmWarps": dg.WARPS}
 
 
 def test_decode_gemm_refuses_cpu_tensors_by_name():

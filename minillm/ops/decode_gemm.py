@@ -1,9 +1,9 @@
-"""The decode GEMM (minillm/cuda/decode_gemm.cu): y = x W^T for decode batches (M <= 256) on Hopper.
+"""The decode GEMM (minillm/cuda/decode_gemm.cu): y = x W^T for decode batches (M <= 64) on Hopper.
 
-It streams the weight through a ring of bulk copies that start before the programmatic-dependent-launch wait, so
-the weight bytes move while the kernel before it finishes; cuBLAS takes no part in PDL. Where it applies is said in
-one place, covers(); the C++ binding's checks state the same limits. tile_m / tile_n / smem_bytes mirror the
-kernel's Tiling<MT> so that choose_splits can size the grid to the GPU without a device query of its own.
+It loads the weight straight into mma.sync registers, the first batches before the programmatic-dependent-launch
+wait, so weight bytes move while the kernel before it finishes; cuBLAS takes no part in PDL. Where it applies is
+said in one place, covers(); the C++ binding's checks state the same limits. choose_config picks the grid (K
+splits over a cluster, row warps per CTA) from a model of the kernel (constants below mirror decode_gemm.cu).
 F.linear is the reference it is tested against (tests/test_decode_gemm_gpu.py).
 """
 from __future__ import annotations
@@ -12,33 +12,29 @@ from functools import lru_cache
 
 import torch
 
-TILE_K = 64            # K per ring stage (kDecodeGemmTileK)
-ALIGN_N = 128          # N must be a multiple (kDecodeGemmAlignN: the widest weight-row tile)
-MAX_ROWS = 256         # kDecodeGemmMaxRows
+TILE_K = 32            # K per register block (kDecodeGemmTileK)
+ALIGN_N = 128          # N must be a multiple (kDecodeGemmAlignN: the widest CTA, 8 warps x 16 rows)
+MAX_ROWS = 64          # kDecodeGemmMaxRows: larger M stays on cuBLAS
 MAX_SPLITS = 8         # kDecodeGemmMaxSplits: the portable cluster size
-SM_SMEM = 228 * 1024   # shared memory per Hopper SM; each CTA also reserves 1 KB
+WARPS = 8              # kDecodeGemmWarps: warps per CTA, row_warps x (8 / row_warps) along K
+ROW_WARPS = (8, 4, 2, 1)
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def tile_m(m: int) -> int:
-    """Rows of x per CTA (the kernel's MT): the smallest of 16/32/64/128 holding m, 128 beyond."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+def batch_blocks(m: int) -> int:
+    """k32 blocks per register batch (batch_blocks(NT) in the kernel): 2 for 16 < M <= 32, else 4."""
+    return 2 if 16 < m <= 32 else 4
 
 
-def tile_n(mt: int) -> int:
-    """Weight rows per CTA (Tiling<MT>::BN)."""
-    return 128 if mt >= 64 else 64
+def ctas_per_sm(m: int) -> int:
+    """Resident CTAs per SM (the kernel's __launch_bounds__): 2 up to M = 32 (<= 128 registers), 1 above."""
+    return 2 if m <= 32 else 1
 
 
-def smem_bytes(mt: int) -> int:
-    """Dynamic shared memory of one CTA (Tiling<MT>::SMEM): barriers + the ring, or the partial tile if larger."""
-    stages = 5 if mt >= 128 else 6
-    ring = stages * (tile_n(mt) + mt) * (TILE_K + 8) * 2
-    return 128 + max(ring, mt * (tile_n(mt) + 4) * 4)
-
-
-def ctas_per_sm(mt: int) -> int:
-    return SM_SMEM // (smem_bytes(mt) + 1024)
+def config_ok(k: int, splits: int, row_warps: int) -> bool:
+    """decode_gemm_config_ok(): every warp gets at least one k32 block."""
+    return (row_warps in ROW_WARPS and 1 <= splits <= MAX_SPLITS
+            and splits * (WARPS // row_warps) <= k // TILE_K)
 
 
 def covers(m_max: int, n: int, k: int, dtype: torch.dtype, sm_major: int) -> str | None:
@@ -58,23 +54,57 @@ def covers(m_max: int, n: int, k: int, dtype: torch.dtype, sm_major: int) -> str
     return None
 
 
-WAVE_COST_K_TILES = 2   # a wave's fixed cost (first-load latency, cluster reduction) in k-tiles of streaming
+# Model constants (to be checked against scripts/gemm_sweep.py's best configuration, not measurements):
+HBM_BYTES_PER_US = 3.3e6   # weight streaming rate with enough bytes in flight
+LATENCY_US = 1.0           # loaded HBM round trip: bytes in flight / LATENCY_US bounds the rate (Little's law)
+SM_BYTES_PER_US = 3.0e4    # what one SM is assumed to pull at most (~30 GB/s): idle SMs cost bandwidth
+L2_BYTES_PER_US = 6.0e6    # L2 -> SM rate that the weights and every CTA's copy of x share
+BATCH_US = 0.5             # per register batch of a warp: a ~1 us round trip with two batches in flight
+FIXED_US = 0.8             # launch ramp, first-load latency, the CTA's own reduction
+WAVE_US = 0.5              # ramp of every further wave
+CLUSTER_US = 0.5           # two cluster barriers and the DSMEM sum when splits > 1
+GPC_SMS = 16               # a cluster lives in one GPC (H100/H200: 16-18 SMs each)
 
 
-def choose_splits(m: int, n: int, k: int, num_sms: int) -> int:
-    """K splits (cluster size) for an [m, k] x [n, k]^T product: the fewest that minimise the modelled time,
-    waves x (k-tiles of the longest range + WAVE_COST_K_TILES), counting as many resident CTAs per SM as shared
-    memory allows. A model to be checked against scripts/gemm_sweep.py's best split, not a measurement."""
-    mt = tile_m(m)
-    tiles = (n // tile_n(mt)) * -(-m // mt)
-    slots = num_sms * ctas_per_sm(mt)
-    k_tiles = k // TILE_K
-    best, best_cost = 1, None
-    for s in range(1, min(MAX_SPLITS, k_tiles) + 1):
-        cost = -(-tiles * s // slots) * (-(-k_tiles // s) + WAVE_COST_K_TILES)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
+def slots(m: int, splits: int, num_sms: int) -> int:
+    """CTAs resident at once. Clusters pack per GPC: (SMs / 16) x (16 x CTAs per SM // splits) less 2, which
+    matches the `Max Active Clusters` ncu reported for the first kernel (62 of size 6 at 3 CTAs per SM, 30 of size
+    4 at 1)."""
+    cps = ctas_per_sm(m)
+    if splits == 1:
+        return num_sms * cps
+    return max(1, num_sms // GPC_SMS * (GPC_SMS * cps // splits) - 2) * splits
+
+
+def model_us(m: int, n: int, k: int, splits: int, row_warps: int, num_sms: int) -> float:
+    """Modelled time of one configuration, summed over its waves: each the larger of streaming its share (HBM,
+    capped by the bytes its warps keep in flight and by the SMs it occupies; or L2, with every CTA's copy of x)
+    and a warp's chain of batch round trips; plus fixed costs."""
+    ctas = n // (16 * row_warps) * splits
+    wave = slots(m, splits, num_sms)
+    w_bytes, x_bytes = n * k * 2, ctas * m * (k // splits) * 2
+    kb_warp = -(-(k // TILE_K) // (splits * (WARPS // row_warps)))
+    chain = -(-kb_warp // batch_blocks(m)) * BATCH_US
+    waves = [wave] * (ctas // wave) + ([ctas % wave] if ctas % wave else [])
+    total = 0.0
+    for c in waves:
+        in_flight = c * WARPS * 2 * batch_blocks(m) * 1024   # two batches of U x 1 KB per warp
+        sms = min(num_sms, c)   # the block scheduler spreads a wave over the SMs first
+        rate = min(HBM_BYTES_PER_US, in_flight / LATENCY_US, sms * SM_BYTES_PER_US)
+        share = c / ctas
+        total += max(w_bytes * share / rate, (w_bytes + x_bytes) * share / L2_BYTES_PER_US, chain)
+    return total + FIXED_US + (len(waves) - 1) * WAVE_US + (CLUSTER_US if splits > 1 else 0.0)
+
+
+def configs(k: int) -> list[tuple[int, int]]:
+    """Every legal (splits, row_warps) for this K."""
+    return [(s, rw) for rw in ROW_WARPS for s in range(1, MAX_SPLITS + 1) if config_ok(k, s, rw)]
+
+
+@lru_cache(maxsize=1024)
+def choose_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
+    """(splits, row_warps) with the smallest modelled time; ties go to fewer splits, then more row warps."""
+    return min(configs(k), key=lambda c: (round(model_us(m, n, k, *c, num_sms), 3), c[0], -c[1]))
 
 
 @lru_cache(maxsize=8)
@@ -83,9 +113,9 @@ def _device(index: int) -> tuple[int, int]:
     return props.major, props.multi_processor_count
 
 
-def decode_gemm(x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """y = x w^T on the decode GEMM kernel (splits=None: choose_splits). Raises ValueError naming the reason
-    when covers() refuses the shape."""
+def decode_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """y = x w^T on the decode GEMM kernel; config = (splits, row_warps), None: choose_config. Raises ValueError
+    naming the reason when covers() refuses the shape."""
     if not (x.is_cuda and w.is_cuda) or x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"decode_gemm needs CUDA tensors x [M, K] and w [N, K], got {tuple(x.shape)} on "
                          f"{x.device} and {tuple(w.shape)} on {w.device}")
@@ -94,4 +124,5 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> 
     reason = covers(m, n, k, x.dtype, major)
     if reason is not None:
         raise ValueError(f"decode_gemm does not apply: {reason}")
-    return torch.ops.minillm.decode_gemm(x, w, choose_splits(m, n, k, sms) if splits is None else splits)
+    splits, row_warps = choose_config(m, n, k, sms) if config is None else config
+    return torch.ops.minillm.decode_gemm(x, w, splits, row_warps)
