@@ -18,9 +18,16 @@ from minillm.ops import moe_ops
 
 
 class Router(nn.Module):
+    """The router's weight is held in fp32 whatever the model dtype, and its logits are computed in fp32: in a
+    bf16 model, bf16 router logits flip near-tied expert choices against an fp32 reference (a routing flip moves
+    the hidden state far more than GEMM rounding does). [E, H] is small: the cost is negligible."""
+
     def __init__(self, arch: ModelArchConfig, *, dtype, device):
         super().__init__()
-        self.weight = empty_param(arch.num_experts, arch.hidden_size, dtype=dtype, device=device)
+        self.weight = empty_param(arch.num_experts, arch.hidden_size, dtype=torch.float32, device=device)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
 
 
 class Experts(nn.Module):
@@ -64,7 +71,7 @@ class SparseMoeBlock(nn.Module):
         self.host_sync_reason = expert_path_reason(arch, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = moe_ops.route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        routing = moe_ops.route(self.gate.logits(x), self.top_k, self.renormalize, weight_dtype=x.dtype)
         return moe_ops.grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing,
                                        graph_safe=self.host_sync_reason is None, cuda=self.cuda_ops)
 

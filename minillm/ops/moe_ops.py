@@ -32,15 +32,17 @@ class Routing:
     offsets: torch.Tensor    # [E + 1] int32: expert e's rows are order[offsets[e]:offsets[e + 1]]
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          weight_dtype: torch.dtype | None = None) -> Routing:
     """Softmax in fp32 over the experts, the top-k of it, renormalised to sum 1 when `renormalize`
-    (norm_topk_prob), then the per-expert counts and offsets. router_logits [T, E]."""
+    (norm_topk_prob), then the per-expert counts and offsets. router_logits [T, E]; the routing weights are
+    returned in weight_dtype (default: the logits' dtype)."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     counts, offsets, order = expert_groups(experts, router_logits.shape[-1])
-    return Routing(weights.to(router_logits.dtype), experts, order, counts, offsets)
+    return Routing(weights.to(weight_dtype or router_logits.dtype), experts, order, counts, offsets)
 
 
 def expert_groups(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
