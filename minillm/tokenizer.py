@@ -59,7 +59,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized on a worker
+        # thread then leaves the server's event loop running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def max_chars_per_token(self) -> int | None:
+        """An upper bound on the characters of text one token can stand for, or None where there is none (a
+        tokenizer with an unknown token can map a whole word to it). Byte-level BPE covers each byte of the text
+        with exactly one token, and a token holds at most its vocabulary string's length in bytes; a normalizer
+        (NFC) may compose a few characters into one, so it gets a factor of 4."""
+        model = self._tok.model
+        if type(model).__name__ != "BPE" or (getattr(model, "unk_token", None) and not model.byte_fallback):
+            return None
+        longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self._tok.normalizer is not None else 1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
