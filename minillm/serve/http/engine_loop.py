@@ -88,7 +88,7 @@ class AsyncEngine:
         (ValueError: the engine refused it). Its StepOutputs then arrive on q."""
         fut = self._loop.create_future()
         self._streams[rid] = _Stream(q, arrival)
-        self._adding += params.n
+        self._adding += _sequences(params)
         self._inbox.put(("add", rid, prompt_ids, params, priority, fut))
         try:
             await fut
@@ -197,9 +197,9 @@ class AsyncEngine:
                 _, rid, ids, params, priority, fut = cmd
                 try:
                     self.llm.add_request(ids, params, request_id=rid, priority=priority)
-                    admitted.append((rid, params.n, fut, None))
+                    admitted.append((rid, _sequences(params), fut, None))
                 except Exception as e:  # noqa: BLE001 - ValueError is a refusal (400); anything else a 500
-                    admitted.append((rid, params.n, fut, e))
+                    admitted.append((rid, _sequences(params), fut, e))
             elif cmd[0] == "abort":
                 try:
                     self.llm.abort(cmd[1])
@@ -209,3 +209,8 @@ class AsyncEngine:
                 self._stopping = True
         if admitted:
             self._post(self._admitted, admitted)
+
+
+def _sequences(params) -> int:
+    """Queue entries a request takes in the scheduler: one per completion (None: the engine's defaults, n=1)."""
+    return 1 if params is None else params.n
