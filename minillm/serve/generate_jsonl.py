@@ -13,6 +13,7 @@ cannot be written (disk full, a closed pipe), the run stops at once and the erro
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -52,11 +53,22 @@ def usage(out) -> dict:
             "completion_tokens": sum(len(c.token_ids) for c in out.outputs)}
 
 
+NEG_INF_LOGPROB = -9999.0   # what -inf (a token with probability 0) is written as: JSON has no infinities
+
+
+def json_logprob(value: float) -> float | None:
+    """A logprob as JSON can hold it: -inf as NEG_INF_LOGPROB (vLLM's sentinel), NaN (logits that were NaN or
+    inf, which the engine warns about) as null. Plain JSON never sees a bare NaN or Infinity."""
+    if math.isfinite(value):
+        return value
+    return NEG_INF_LOGPROB if value == -math.inf else None
+
+
 def logprobs_json(lps) -> list[dict] | None:
     if lps is None:
         return None
-    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(k): v for k, v in lp.top.items()}}
-            for lp in lps]
+    return [{"token_id": lp.token_id, "logprob": json_logprob(lp.logprob),
+             "top": {str(k): json_logprob(v) for k, v in lp.top.items()}} for lp in lps]
 
 
 def answer_json(rid: Any, out) -> dict:
