@@ -49,13 +49,20 @@ class PromptPreparer:
                 raise ValueError("prompt is empty")
             return self._encode(self._need_tokenizer("a text prompt"), prompt, "prompt")
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self._need_tokenizer("chat messages").apply_chat_template(
-                list(prompt), add_generation_prompt=True, enable_thinking=enable_thinking)
+            tokenizer = self._need_tokenizer("chat messages")
+            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                 enable_thinking=enable_thinking, max_chars=self._max_chars(tokenizer))
             return self._encode(self.tokenizer, text, "the chat template's rendering of messages")
         if isinstance(prompt, (list, tuple)):
             return list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, "
                          f"got {type(prompt).__name__}")
+
+    def _max_chars(self, tokenizer) -> int:
+        """The longest chat-template rendering worth producing: what max_model_len tokens can hold."""
+        from minillm.tokenizer import MAX_RENDERED_CHARS
+        per_token = tokenizer.max_chars_per_token
+        return MAX_RENDERED_CHARS if per_token is None else min(MAX_RENDERED_CHARS, self.max_model_len * per_token)
 
     def _encode(self, tokenizer, text: str, what: str) -> list[int]:
         """Tokenize, refusing at once a text too long for max_model_len tokens whatever it holds (7.9 MB took
