@@ -111,3 +111,27 @@ def test_a_slow_but_complete_request_is_served(url):
         time.sleep(HEADER_TIMEOUT_S + 0.5)
         sock.sendall(body)
         assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+
+
+def test_health_answers_while_a_prompt_is_being_prepared(url):
+    """Preparing a prompt (tokenizing, rendering) runs off the event loop: a prepare that takes 2 s (slowed here
+    on purpose) leaves /health answering at once."""
+    from minillm.llm import LLM
+    original = LLM.prepare_prompt
+
+    def slow(self, *args, **kw):
+        time.sleep(2.0)
+        return original(self, *args, **kw)
+
+    LLM.prepare_prompt = slow
+    try:
+        pending = threading.Thread(target=_post, args=(url, C, {"prompt": "Open"}))
+        pending.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        took = time.monotonic() - start
+        pending.join(30)
+    finally:
+        LLM.prepare_prompt = original
+    assert took < 1.5, took
