@@ -1,9 +1,9 @@
 """The FastAPI app of `minillm serve`: routes, lifespan, and one request's way through the server.
 
 A request is parsed and validated (pydantic, then SamplingParams), its prompts are tokenized on a small thread
-pool (so neither the event loop nor the engine thread tokenizes), each prompt is handed to the engine thread, and the handler
-awaits its asyncio queue of StepOutputs: streamed as SSE chunks, or gathered into one response. A client that goes
-away, or a handler cancelled at the end of a drain, aborts its engine requests at once.
+pool (so neither the event loop nor the engine thread tokenizes), each prompt is handed to the engine thread,
+and the handler awaits its asyncio queue of StepOutputs: streamed as SSE chunks, or gathered into one response.
+A client that goes away, or a handler cancelled at the end of a drain, aborts its engine requests at once.
 """
 from __future__ import annotations
 
