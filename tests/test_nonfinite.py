@@ -60,3 +60,28 @@ def test_json_logprob_sentinels():
     assert json_logprob(-1.5) == -1.5
     assert json_logprob(-math.inf) == NEG_INF_LOGPROB == -9999.0
     assert json_logprob(math.nan) is None and json_logprob(math.inf) is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nonfinite_watch_warns_once_and_not_for_finite_logits(device, caplog):
+    from minillm.sampling.sampler import NonFiniteWatch
+    watch, good = NonFiniteWatch(), torch.zeros(4, 32, device=device)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        for _ in range(3):
+            watch.check(good)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            watch.check(good)
+        assert not watch.seen and "NaN" not in caplog.text
+        bad = good.clone()
+        bad[2, 5] = math.nan
+        for _ in range(3):   # on the GPU the flag is read a step later
+            watch.check(bad)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        assert watch.seen and caplog.text.count("logits hold NaN or inf") == 1
+    inf = torch.zeros(2, 8)
+    inf[0, 0] = math.inf
+    watch = NonFiniteWatch()
+    watch.check(inf)
+    assert watch.seen   # +inf is as broken as NaN

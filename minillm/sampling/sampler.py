@@ -128,41 +128,36 @@ class Sampler:
 
 class NonFiniteWatch:
     """Warns once (logging, to stderr) when a step's raw logits hold NaN or inf. On the GPU the step's flag is
-    copied to pinned memory without waiting and read at a later step, once its copy is done; after the warning it
-    costs nothing."""
+    copied to pinned memory without waiting and read at a later step once the copy is done (steps in between are
+    not checked), so the check adds no host sync; after the warning it costs nothing."""
 
     def __init__(self) -> None:
         self.seen = False
-        self._pending: tuple[torch.Tensor, object] | None = None   # (host flag, its copy's event)
+        self._host: torch.Tensor | None = None   # the flag in flight (one at a time)
+        self._done = None                         # the event behind its copy
 
     def check(self, logits: torch.Tensor) -> None:
         if self.seen:
             return
-        if self._pending is not None and (self._pending[1] is None or self._pending[1].query()):
-            if bool(self._pending[0]):
+        if logits.device.type != "cuda":
+            if not bool(torch.isfinite(logits).all()):
+                self._warn()
+            return
+        if self._done is not None:
+            if not self._done.query():
+                return
+            self._done = None
+            if bool(self._host):
                 self._warn()
                 return
-            self._pending = None
-        if self._pending is not None:   # the previous flag is still on its way: skip this step's check
-            return
-        flag = ~torch.isfinite(logits).all()
-        if logits.device.type != "cuda":
-            self._pending = (flag, None)
-            return self.check_pending()
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._pending = (host, done)
-
-    def check_pending(self) -> None:
-        if self._pending is not None and self._pending[1] is None:
-            if bool(self._pending[0]):
-                self._warn()
-            self._pending = None
+        if self._host is None:
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._host.copy_(~torch.isfinite(logits).all(), non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
 
     def _warn(self) -> None:
-        self.seen, self._pending = True, None
+        self.seen = True
         logging.getLogger("minillm").warning(
             "the model's logits hold NaN or inf: the tokens sampled from them are meaningless and logprobs are "
             "reported as null (check the checkpoint's weights and the dtype)")
