@@ -144,3 +144,13 @@ def test_concurrent_runs_with_one_output_lose_nothing_silently(tmp_path):
     assert all(b"being written by another run" in err for err in refused)
     # every run that exited 0 wrote a whole file of answers: the one there is complete
     assert [json.loads(line)["id"] for line in out.read_bytes().splitlines()] == list(range(20))
+
+
+def test_output_through_a_symlink_replaces_its_target(tmp_path):
+    inp, target, link = tmp_path / "in.jsonl", tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    inp.write_bytes(b'{"prompt": "hi"}\n')
+    target.write_bytes(b"old\n")
+    os.symlink(target, link)
+    r = _cli(inp, "-o", link)
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and json.loads(target.read_bytes())["id"] == 1

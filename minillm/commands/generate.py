@@ -149,6 +149,7 @@ class _Output:
         if st is not None and not stat.S_ISREG(st.st_mode):
             self.stream = self._open(lambda: path.open("wb"), output)
             return
+        path = path.resolve()   # a symlink's target is replaced, not the link
         self.path, self.created = path, st is None
         self.lock_fd = self._open(lambda: os.open(path, os.O_RDWR | os.O_CREAT, 0o666), output)
         try:
