@@ -96,11 +96,18 @@ class IncrementalDetokenizer:
         return best
 
     def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string. Only the
+        positions of a stop string's first character in the text's tail are tried (str.find, in C), so a step
+        costs about the stop strings' total length, which minillm/limits.py bounds."""
         longest = 0
         for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
+            if len(s) < 2:
+                continue
+            tail = text[-(len(s) - 1):]
+            i = tail.find(s[0])
+            while i >= 0 and len(tail) - i > longest:
+                if s.startswith(tail[i:]):
+                    longest = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return longest

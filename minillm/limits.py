@@ -207,10 +207,28 @@ def check_kv_fits(num_blocks: int, bytes_per_block: int, free: int | None, where
 
 # ---------------------------------------------------------------- one request
 
+# Stop strings are matched against the new text of every step, each one (minillm/detokenizer.py): their count and
+# length bound that per-step cost. 32 strings of 256 characters are far more than any client sends (OpenAI allows
+# 4); 100,000 of them made every concurrent stream several times slower.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+# Rendering a chat template (minillm/chat_template.py) runs in a worker process that is killed past this time,
+# with this address-space limit; its output is capped at what max_model_len tokens could hold.
+CHAT_TEMPLATE_TIMEOUT_S = 5.0
+CHAT_TEMPLATE_MEMORY_BYTES = 2 << 30
+
+
 def check_request(params, vocab_size: int, max_num_seqs: int | None) -> None:
     """Counts and ids of one request that the engine could not honour: n beyond the sequences that can run at
     once (each completion is a sequence; n = 10**9 would otherwise build 10**9 of them), logprobs beyond the
-    vocabulary, stop token ids outside it. Raises ValueError (a per-request error)."""
+    vocabulary, stop token ids outside it, more or longer stop strings than MAX_STOP_*. Raises ValueError (a
+    per-request error)."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(params.stop):,} strings; at most {MAX_STOP_STRINGS} are allowed")
+    longest = max(params.stop, key=len, default="")
+    if len(longest) > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"stop has a string of {len(longest):,} characters; at most {MAX_STOP_STRING_CHARS} are "
+                         f"allowed")
     if max_num_seqs is not None and params.n > max_num_seqs:
         raise ValueError(f"n={params.n} is more completions than can run at once: at most "
                          f"scheduler.max_num_seqs={max_num_seqs}")

@@ -56,7 +56,8 @@ class PlainProgress:
     def _print(self, task: dict) -> None:
         elapsed = time.perf_counter() - task["start"]
         rate = task["tokens"] / elapsed if elapsed > 0 else 0.0
-        line = (f"{task['description']}: {task['completed']}/{task['total']} requests, {task['tokens']:,} output "
+        total = "?" if task["total"] is None else task["total"]   # a streamed input has no count up front
+        line = (f"{task['description']}: {task['completed']}/{total} requests, {task['tokens']:,} output "
                 f"tokens, {elapsed:,.0f} s ({rate:,.1f} tok/s)")
         try:
             print(line, file=self.stream or sys.stderr, flush=True)

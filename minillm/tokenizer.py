@@ -7,17 +7,18 @@ every source rather than any single one.
 """
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
+from minillm.chat_template import TemplateRenderer
+from minillm.chat_template_worker import environment
 from minillm.untrusted import loads_json, short_repr
+
+MAX_RENDERED_CHARS = 32 << 20   # a rendering past this is refused even where max_model_len would allow it
 
 
 class Tokenizer:
@@ -59,7 +60,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized on a worker
+        # thread then leaves the server's event loop running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def max_chars_per_token(self) -> int | None:
+        """An upper bound on the characters of text one token can stand for, or None where there is none (a
+        tokenizer with an unknown token can map a whole word to it). Byte-level BPE covers each byte of the text
+        with exactly one token, and a token holds at most its vocabulary string's length in bytes; a normalizer
+        (NFC) may compose a few characters into one, so it gets a factor of 4."""
+        model = self._tok.model
+        if type(model).__name__ != "BPE" or (getattr(model, "unk_token", None) and not model.byte_fallback):
+            return None
+        longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self._tok.normalizer is not None else 1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -68,9 +83,10 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            enable_thinking: bool | None = None) -> str:
-        """Render chat messages with the model's template. ``enable_thinking`` is passed to the template only
-        when given (Qwen3's template treats an undefined value as "thinking on")."""
+                            enable_thinking: bool | None = None, max_chars: int = MAX_RENDERED_CHARS) -> str:
+        """Render chat messages with the model's template, in a worker process bounded in time, memory and
+        output (max_chars; see minillm/chat_template.py). ``enable_thinking`` is passed to the template only when
+        given (Qwen3's template treats an undefined value as "thinking on")."""
         _validate_messages(messages)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); "
@@ -80,21 +96,20 @@ class Tokenizer:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         if enable_thinking is not None:
             variables["enable_thinking"] = bool(enable_thinking)
-        try:
-            return self._template.render(**variables)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template failed on these messages: {e}") from e
+        self._template   # a syntax error is named here, before any worker starts
+        return self._renderer.render(variables, max_chars)
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
+        """The template compiled here only to report syntax errors (compiling runs none of its code)."""
         try:
-            return env.from_string(self.chat_template)
+            return environment().from_string(self.chat_template)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat_template is not valid jinja (line {e.lineno}): {e.message}") from e
+
+    @cached_property
+    def _renderer(self) -> TemplateRenderer:
+        return TemplateRenderer(self.chat_template)
 
 
 def _validate_messages(messages: Any) -> None:
@@ -111,16 +126,6 @@ def _validate_messages(messages: Any) -> None:
                 raise ValueError(f"messages[{i}].{key} must be a string, got {type(m[key]).__name__}")
         if not m["role"]:
             raise ValueError(f"messages[{i}].role must be a non-empty string")
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Templates embed tool schemas etc. verbatim: keep non-ASCII text readable, as HF's chat templating does.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
 
 
 def _read_json(path: Path) -> dict:

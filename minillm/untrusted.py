@@ -45,7 +45,7 @@ def loads_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """json.loads without NaN/Infinity (they are not JSON and slip past range checks), refusing values nested
     deeper than `max_depth`. Raises ValueError (json.JSONDecodeError or TooNested)."""
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         raise TooNested(f"nested deeper than {max_depth} levels") from None
     if json_depth(value) > max_depth:
@@ -55,6 +55,16 @@ def loads_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not allowed")
+
+
+MAX_INT_DIGITS = 4300   # Python's own limit on int(str); checked here so the message names the number, not sys
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-')):,} digits (at most {MAX_INT_DIGITS:,} are "
+                         f"allowed)")
+    return int(digits)
 
 
 def json_depth(value: Any) -> int:

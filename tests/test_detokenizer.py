@@ -138,3 +138,15 @@ def test_stop_string_made_of_a_special_token(tok):
 def test_bad_stop_rejected(tok):
     with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
         IncrementalDetokenizer(tok, [""])
+
+
+def test_stop_prefix_len_matches_the_plain_definition():
+    """The held-back length is the longest suffix of the text that is a proper prefix of a stop string."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 8)))
+        want = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        detok = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        detok._stop = stops
+        assert detok._stop_prefix_len(text) == want, (stops, text)

@@ -21,7 +21,8 @@ HOSTILE = [
     (b'{"id": "ok1", "prompt": "Open the file"}', "ok1", None, []),
     (b"[" * 1000 + b"]" * 1000, 2, "invalid_json", ["deeper than 32"]),
     (b'{"id": "deepmsg", "messages": ' + b"[" * 40 + b"]" * 40 + b"}", 3, "invalid_json", ["deeper than 32"]),
-    (b'{"id": "bigint", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 4, "invalid_json", ["digits"]),
+    (b'{"id": "bigint", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 4, "invalid_json",
+     ["an integer of 5,000 digits (at most 4,300"]),
     (b'{"id": "n", "prompt": "x", "n": 1000000000}', "n", "invalid_request", ["n=1000000000", "at most"]),
     (b'{"id": "nf", "prompt": "x", "n": 1e9}', "nf", "invalid_request", ["n must be an integer"]),
     (b'{"id": "stopd", "prompt": "x", "stop": {"a": 1}}', "stopd", "invalid_request", ["stop must be a list"]),
@@ -43,6 +44,14 @@ HOSTILE = [
      "invalid_request", ["and 2995 more"]),
     (b'{"id": ' + b'"' + b"i" * 10000 + b'", "prompt": 5}', "i" * 10000, "invalid_request", ["prompt must be"]),
     (b'{"id": "seed", "prompt": "x", "seed": ' + BIG.encode() + b"}", "seed", None, []),
+    (b'{"id": "sur", "prompt": "a\\ud800b"}', "sur", "invalid_request", ["prompt holds a lone UTF-16 surrogate"]),
+    (b'{"id": "surm", "messages": [{"role": "user", "content": "\\udfff"}]}', "surm", "invalid_request",
+     ["messages[0].content holds a lone UTF-16 surrogate"]),
+    (b'{"id": "surs", "prompt": "x", "stop": ["\\ud800"]}', "surs", "invalid_request", ["stop strings", "surrogate"]),
+    (b'{"id": "stopn", "prompt": "x", "stop": [' + b", ".join(b'"s%d"' % i for i in range(33)) + b"]}", "stopn",
+     "invalid_request", ["stop has 33 strings; at most 32"]),
+    (b'{"id": "stopl", "prompt": "x", "stop": ["' + b"s" * 300 + b'"]}', "stopl", "invalid_request",
+     ["300 characters; at most 256"]),
     (b'{"id": "ok2", "prompt_token_ids": [5, 6, 7]}', "ok2", None, []),
 ]
 
@@ -56,7 +65,7 @@ def check_answers(got: list[dict]) -> None:
         assert answer["error"]["type"] == kind, answer
         for word in words:
             assert word in answer["error"]["message"], (word, answer)
-        assert len(answer["error"]["message"]) < 600
+        assert len(answer["error"]["message"]) < 600 and "sys." not in answer["error"]["message"]
 
 
 @pytest.fixture(scope="module")

@@ -131,10 +131,16 @@ def test_failed_step_ends_every_request_and_the_loop_keeps_serving():
 def test_capacity_bound_and_draining_refuse_new_requests():
     async def test(llm, engine):
         engine.stats = EngineStats(0, 2, 0.0, 0)
-        with pytest.raises(Overloaded, match="2 requests are waiting"):
+        with pytest.raises(Overloaded, match="2 sequences are waiting"):
             engine.check_capacity()
         engine.stats = EngineStats(0, 1, 0.0, 0)
         engine.check_capacity()
+        with pytest.raises(Overloaded, match="1 sequences are waiting and this request adds 2"):
+            engine.check_capacity(2)   # sequences (prompts x n) count, not requests
+        engine.stats = EngineStats(0, 0, 0.0, 0)
+        engine.check_capacity(2)
+        with pytest.raises(ValueError, match=r"3 sequences \(prompts x n\), more than the 2 that may wait"):
+            engine.check_capacity(3)
         engine.begin_drain(60.0)
         with pytest.raises(Overloaded, match="shutting down"):
             engine.check_capacity()

@@ -150,3 +150,13 @@ def test_request_counts_and_ids_beyond_the_engine(params, words):
 
 def test_request_within_the_engine_passes():
     check_request(SamplingParams(n=8, logprobs=16, stop_token_ids=[0, 15]), vocab_size=16, max_num_seqs=8)
+
+
+def test_stop_strings_are_bounded_in_count_and_length():
+    from minillm.limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+    check_request(SamplingParams(stop=["s"] * MAX_STOP_STRINGS), vocab_size=16, max_num_seqs=8)
+    check_request(SamplingParams(stop=["s" * MAX_STOP_STRING_CHARS]), vocab_size=16, max_num_seqs=8)
+    with pytest.raises(ValueError, match=f"stop has {MAX_STOP_STRINGS + 1} strings; at most {MAX_STOP_STRINGS}"):
+        check_request(SamplingParams(stop=["s"] * (MAX_STOP_STRINGS + 1)), vocab_size=16, max_num_seqs=8)
+    with pytest.raises(ValueError, match=f"a string of {MAX_STOP_STRING_CHARS + 1} characters"):
+        check_request(SamplingParams(stop=["s" * (MAX_STOP_STRING_CHARS + 1)]), vocab_size=16, max_num_seqs=8)

@@ -161,6 +161,27 @@ def test_wrong_tensor_shape_is_named(tmp_path):
         load_model(str(path), device="cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool])
+def test_integer_and_bool_weights_are_refused(tmp_path, dtype):
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(dtype)
+    save_file(tensors, path / "model.safetensors")
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ConfigError, match=rf"tensor model.norm.weight is stored as {name}; weights must be one of "
+                                          r"float32, bfloat16, float16"):
+        load_model(str(path), device="cpu")
+
+
+def test_a_tensor_in_two_shards_without_an_index_is_refused(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3")
+    tensors = load_file(path / "model.safetensors")
+    save_file({"model.norm.weight": torch.zeros_like(tensors["model.norm.weight"])}, path / "z-extra.safetensors")
+    with pytest.raises(ConfigError, match=r"tensor model.norm.weight is stored twice, in \S*model.safetensors and "
+                                          r"in \S*z-extra.safetensors"):
+        load_model(str(path), device="cpu")
+
+
 def test_demo_model_absent_and_bad_arguments(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "DEMO_MODEL_DIR", tmp_path / "demo_model")
     with pytest.raises(FileNotFoundError, match="demo model"):

@@ -107,3 +107,12 @@ def test_short_repr_cuts_long_and_huge_values():
     for _ in range(10_000):
         deep = [deep]
     assert "deeply nested" in short_repr(deep)
+
+
+def test_a_huge_integer_is_refused_naming_its_digits_not_python_internals():
+    from minillm.untrusted import loads_json
+    assert loads_json("[" + "9" * 4300 + "]") == [int("9" * 4300)]
+    for text in ("9" * 5000, "-" + "9" * 5000):
+        with pytest.raises(ValueError, match="an integer of 5,000 digits \\(at most 4,300 are allowed\\)") as e:
+            loads_json(text)
+        assert "sys." not in str(e.value)

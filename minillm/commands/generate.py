@@ -1,12 +1,19 @@
 """`minillm generate INPUT`: offline batch, one JSON answer per request line, in input order."""
+import fcntl
+import itertools
+import os
+import stat
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, BinaryIO, Iterator, Optional
 
 import typer
 
 from minillm.commands.common import EXIT_CODES, fail, quiet_broken_pipe
 from minillm.commands.engine_flags import EngineFlags, build_llm, engine_options
+from minillm.commands.serve_stdin import _raw_stdin
 
 
 @engine_options
@@ -40,13 +47,19 @@ def generate(
     from minillm.serve.generate_jsonl import run_generate, summary_table
 
     cfg, sampling = engine.load()
-    lines = _read_requests(input)
-    out = _open_output(output)
-    llm = build_llm(cfg)
+    source = _open_input(input)
+    out = _Output(output, source.identity)
     try:
-        summary = run_generate(llm, lines, sampling, out, progress=progress)
+        llm = build_llm(cfg)
+    except BaseException:   # a start-up error: leave the output file as it was
+        out.discard()
+        raise
+    try:
+        summary = run_generate(llm, source.lines, sampling, out.stream, progress=progress, total=source.total,
+                               finite=source.finite)
     finally:
-        _close(out, output)
+        source.close()
+        out.finish()
     if progress:
         Console(stderr=True).print(summary_table(summary))
     _report_stop(summary, output)
@@ -56,45 +69,136 @@ def generate(
 generate._epilog = EXIT_CODES
 
 
-def _read_requests(source: str) -> list:
-    """Every non-blank line as (line number, raw bytes or TooLong); exit 2 when there is nothing to serve."""
+@dataclass
+class _Input:
+    lines: Iterator            # (line number, raw bytes or TooLong) of every non-blank line, read as it goes
+    total: int | None          # request lines, when known up front (a file)
+    finite: bool               # the input ends by itself (a regular file, also as stdin)
+    identity: tuple | None     # (st_dev, st_ino) of a regular file, to refuse it as the output
+    stream: BinaryIO | None = None
+
+    def close(self) -> None:
+        if self.stream is not None and self.stream is not sys.stdin.buffer:
+            self.stream.close()
+
+
+def _open_input(source: str) -> _Input:
+    """The request lines, streamed; exit 2 when there are none, before the model loads: a file is counted in
+    one pass (nothing kept), stdin is read up to its first request line."""
     from minillm.serve.requests import is_blank, iter_lines
     if source == "-":
         if sys.stdin is None:
             fail("no standard input to read requests from")
-        lines = list(iter_lines(sys.stdin.buffer))
+        stream, name = _raw_stdin(), "stdin"
     else:
         path = Path(source).expanduser()
         if not path.is_file():
             fail(f"input file not found: {path}" if not path.exists() else f"input {path} is not a file")
         try:
-            with path.open("rb") as f:
-                lines = list(iter_lines(f))
+            stream = path.open("rb")
         except OSError as e:
             fail(f"cannot read input file {path}: {e.strerror}")
-    lines = [(n, raw) for n, raw in lines if not is_blank(raw)]
-    if not lines:
-        fail(f"{'stdin' if source == '-' else source} has no request lines (expected one JSON object per line)")
-    return lines
+        name = source
+    identity = _regular_file_identity(stream)
+    total = None
+    if source != "-":
+        try:
+            total = sum(1 for _, raw in iter_lines(stream) if not is_blank(raw))
+            stream.seek(0)
+        except OSError as e:
+            fail(f"cannot read input file {source}: {e.strerror}")
+    lines = ((n, raw) for n, raw in iter_lines(stream) if not is_blank(raw))
+    first = next(lines, None) if total is None else None
+    if total == 0 or (total is None and first is None):
+        fail(f"{name} has no request lines (expected one JSON object per line)")
+    if first is not None:
+        lines = itertools.chain([first], lines)
+    return _Input(lines, total, identity is not None, identity, stream)
 
 
-def _open_output(output: Optional[Path]):
-    if output is None:
-        return sys.stdout.buffer
+def _regular_file_identity(stream) -> tuple | None:
     try:
-        return output.expanduser().open("wb")
-    except OSError as e:
-        fail(f"cannot write output file {output}: {e.strerror}")
+        st = os.fstat(stream.fileno())
+    except (AttributeError, OSError, ValueError):   # an in-memory stdin (tests)
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
-def _close(out, output: Optional[Path]) -> None:
-    """Close the output file; a buffered write that fails only now (a full disk) was already reported."""
-    if output is None:
-        return
-    try:
-        out.close()
-    except OSError:
-        pass
+class _Output:
+    """Where the answers go. A regular file (or a new one) is written as a temporary file in its directory that
+    replaces it at the end (os.replace is atomic), and the run holds an exclusive lock on the file meanwhile: a
+    second run writing the same path at the same time is refused (exit 2) instead of one run's answers silently
+    replacing the other's, and a reader never sees half a file. Anything else (stdout, /dev/null, a FIFO) is
+    written directly."""
+
+    def __init__(self, output: Optional[Path], input_identity: tuple | None):
+        self.path, self.temp, self.lock_fd, self.created = None, None, None, False
+        if output is None:
+            self.stream = sys.stdout.buffer
+            return
+        path = output.expanduser()
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            fail(f"cannot write output file {output}: {e.strerror}")
+        if st is not None and (st.st_dev, st.st_ino) == input_identity:
+            fail(f"--output {output} is the input file: the answers would overwrite the requests; write them to "
+                 f"another file")
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            self.stream = self._open(lambda: path.open("wb"), output)
+            return
+        path = path.resolve()   # a symlink's target is replaced, not the link
+        self.path, self.created = path, st is None
+        self.lock_fd = self._open(lambda: os.open(path, os.O_RDWR | os.O_CREAT, 0o666), output)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.lock_fd)
+            fail(f"--output {output} is being written by another run right now; wait for it or pick another file")
+        fd, temp = self._open(lambda: tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent),
+                              output)
+        self.temp = Path(temp)
+        os.chmod(fd, os.fstat(self.lock_fd).st_mode & 0o777)   # the mode the file has (or a new one would get)
+        self.stream = os.fdopen(fd, "wb")
+
+    @staticmethod
+    def _open(opener, output):
+        try:
+            return opener()
+        except OSError as e:
+            fail(f"cannot write output file {output}: {e.strerror}")
+
+    def finish(self) -> None:
+        """Close the output; a temporary file replaces the target (the answers before a failed write are
+        complete lines). A buffered write that fails only now (a full disk) was already reported."""
+        if self.stream is sys.stdout.buffer:
+            return
+        try:
+            self.stream.close()
+        except OSError:
+            pass
+        if self.temp is not None:
+            os.replace(self.temp, self.path)
+            self._unlock()
+
+    def discard(self) -> None:
+        """The run did not happen (a start-up error): leave the target as it was."""
+        if self.temp is None:
+            return
+        try:
+            self.stream.close()
+        except OSError:
+            pass
+        self.temp.unlink(missing_ok=True)
+        if self.created:
+            self.path.unlink(missing_ok=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        os.close(self.lock_fd)   # releases the lock
+        self.temp = None
 
 
 def _report_stop(summary, output: Optional[Path]) -> None:

@@ -19,6 +19,7 @@ from minillm.commands.common import fail
 from minillm.commands.engine_flags import EngineFlags, build_llm, engine_options
 from minillm.llm import freeze_heap
 from minillm.serve.http.app import create_app
+from minillm.serve.http.server_config import uvicorn_config
 from minillm.serve.http.settings import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING,
                                          ServerSettings)
 
@@ -60,8 +61,7 @@ def serve_command(
              f"max_model_len {llm.max_model_len}; {_implementations()})")
     # uvicorn's own deadline is a backstop: at drain_timeout the engine aborts what still runs, so streams end
     # with a final chunk and connections close by themselves; only a client that never reads is cut off.
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout + _CUT_OFF_AFTER_S)
+    config = uvicorn_config(app, settings, log_level, graceful_shutdown_s=drain_timeout + _CUT_OFF_AFTER_S)
     engine = app.state.server.engine
     server = _Server(config, on_signal=lambda: engine.call_soon(engine.begin_drain, drain_timeout), ready=ready)
     server.run(sockets=[sock])

@@ -25,6 +25,7 @@ class PromptPreparer:
 
     def prepare(self, prompt, params: SamplingParams, enable_thinking: bool | None = None) -> list[int]:
         check_request(params, self.vocab_size, self.max_num_seqs)
+        _check_text(prompt, params)
         ids = self._to_ids(prompt, enable_thinking)
         if not ids:
             raise ValueError("prompt is empty")
@@ -32,6 +33,9 @@ class PromptPreparer:
                     or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids):,} tokens; max_model_len ({self.max_model_len}) leaves no room "
+                             f"for output")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
@@ -43,15 +47,31 @@ class PromptPreparer:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self._need_tokenizer("a text prompt").encode(prompt)
+            return self._encode(self._need_tokenizer("a text prompt"), prompt, "prompt")
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self._need_tokenizer("chat messages").apply_chat_template(
-                list(prompt), add_generation_prompt=True, enable_thinking=enable_thinking)
-            return self.tokenizer.encode(text)
+            tokenizer = self._need_tokenizer("chat messages")
+            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                 enable_thinking=enable_thinking, max_chars=self._max_chars(tokenizer))
+            return self._encode(self.tokenizer, text, "the chat template's rendering of messages")
         if isinstance(prompt, (list, tuple)):
             return list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, "
                          f"got {type(prompt).__name__}")
+
+    def _max_chars(self, tokenizer) -> int:
+        """The longest chat-template rendering worth producing: what max_model_len tokens can hold."""
+        from minillm.tokenizer import MAX_RENDERED_CHARS
+        per_token = tokenizer.max_chars_per_token
+        return MAX_RENDERED_CHARS if per_token is None else min(MAX_RENDERED_CHARS, self.max_model_len * per_token)
+
+    def _encode(self, tokenizer, text: str, what: str) -> list[int]:
+        """Tokenize, refusing at once a text too long for max_model_len tokens whatever it holds (7.9 MB took
+        seconds to tokenize only to be refused)."""
+        per_token = tokenizer.max_chars_per_token
+        if per_token is not None and len(text) > self.max_model_len * per_token:
+            raise ValueError(f"{what} is {len(text):,} characters: more than max_model_len ({self.max_model_len}) "
+                             f"tokens can hold (at most {self.max_model_len * per_token:,} characters here)")
+        return tokenizer.encode(text)
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -67,3 +87,24 @@ class PromptPreparer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+
+def _check_text(prompt, params: SamplingParams) -> None:
+    """Refuse text that is not Unicode: a lone UTF-16 surrogate ("\\ud800" in JSON) has no UTF-8 form, and the
+    tokenizer would fail on it with a TypeError."""
+    if isinstance(prompt, str):
+        _check_str(prompt, "prompt")
+    elif isinstance(prompt, (list, tuple)):
+        for i, m in enumerate(prompt):
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                _check_str(m["content"], f"messages[{i}].content")
+    for s in params.stop:
+        _check_str(s, "stop strings: one")
+
+
+def _check_str(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), which is "
+                         f"not valid Unicode text") from None

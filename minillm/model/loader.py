@@ -33,6 +33,9 @@ _PACKED = {
 }
 # Buffers some older checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Weight dtypes a checkpoint may store. copy_ would cast an int8/int64/bool tensor to the model's dtype without a
+# word and serve garbage; quantized checkpoints need their scales, which this loader does not read.
+_WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def preset_names() -> list[str]:
@@ -109,10 +112,14 @@ def _weight_files(path: Path) -> dict[str, Path]:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors weights in {path} (use load_format dummy for random weights)")
-    files = {}
+    files: dict[str, Path] = {}
     for shard in shards:
         with _open_weights(shard) as f:
-            files.update(dict.fromkeys(f.keys(), shard))
+            for name in f.keys():
+                if name in files:   # without an index nothing says which copy is meant: refuse, never pick one
+                    raise ConfigError(f"tensor {name} is stored twice, in {files[name]} and in {shard}; keep one "
+                                      f"copy, or add a model.safetensors.index.json that names the file to use")
+                files[name] = shard
     return files
 
 
@@ -186,6 +193,9 @@ def _copy_into(target: tuple[torch.Tensor, tuple[int, int] | None], name: str, t
     dest = param.data if rows is None else param.data[rows[0]:rows[1]]
     if tuple(tensor.shape) != tuple(dest.shape):
         raise ConfigError(f"tensor {name} has shape {tuple(tensor.shape)}; the config implies {tuple(dest.shape)}")
+    if tensor.dtype not in _WEIGHT_DTYPES:
+        raise ConfigError(f"tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}; weights must be "
+                          f"one of {', '.join(_WEIGHT_DTYPES.values())} (quantized checkpoints are not supported)")
     dest.copy_(tensor)   # copy_ converts dtype and moves to the parameter's device in one go
 
 

@@ -19,9 +19,13 @@ Order of operations on a batch of float32 logits [N, V] (modified in place):
 
 No host syncs: every decision that depends on the batch composition was made on the host by
 SamplingBatch.build. Only logprobs need one transfer (to build Python objects), done once for the batch.
+
+Raw logits that hold NaN or inf (a broken checkpoint, an overflow in half precision) make every token
+meaningless: NonFiniteWatch says so once on stderr, reading each step's flag one step later so as to add no sync.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -53,11 +57,13 @@ class Sampler:
         # Per device: (shared generator of unseeded rows, scratch generator re-seeded for each seeded row).
         self._generators: dict[torch.device, tuple[torch.Generator, torch.Generator]] = {}
         self._fused_steps = 0
+        self.nonfinite = NonFiniteWatch()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
         """Sample one token per row. ``logits`` [N, V] is float32, bfloat16 or float16; float32 logits are used
         as scratch and modified in place, half-precision ones are never modified (a float32 copy is)."""
         _check_logits(logits, batch)
+        self.nonfinite.check(logits)
         fused = self.cuda and _fused_race_applies(batch)
         if logits.dtype != torch.float32 and not (fused and batch.penalties is None and batch.banned_rows is None):
             logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
@@ -118,6 +124,43 @@ class Sampler:
             shared.manual_seed(self.seed)
             self._generators[device] = (shared, torch.Generator(device=device))
         return self._generators[device]
+
+
+class NonFiniteWatch:
+    """Warns once (logging, to stderr) when a step's raw logits hold NaN or inf. On the GPU the step's flag is
+    copied to pinned memory without waiting and read at a later step once the copy is done (steps in between are
+    not checked), so the check adds no host sync; after the warning it costs nothing."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._host: torch.Tensor | None = None   # the flag in flight (one at a time)
+        self._done = None                         # the event behind its copy
+
+    def check(self, logits: torch.Tensor) -> None:
+        if self.seen:
+            return
+        if logits.device.type != "cuda":
+            if not bool(torch.isfinite(logits).all()):
+                self._warn()
+            return
+        if self._done is not None:
+            if not self._done.query():
+                return
+            self._done = None
+            if bool(self._host):
+                self._warn()
+                return
+        if self._host is None:
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._host.copy_(~torch.isfinite(logits).all(), non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def _warn(self) -> None:
+        self.seen = True
+        logging.getLogger("minillm").warning(
+            "the model's logits hold NaN or inf: the tokens sampled from them are meaningless and logprobs are "
+            "reported as null (check the checkpoint's weights and the dtype)")
 
 
 def _fused_race_applies(batch: SamplingBatch) -> bool:

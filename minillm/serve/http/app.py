@@ -1,9 +1,9 @@
 """The FastAPI app of `minillm serve`: routes, lifespan, and one request's way through the server.
 
-A request is parsed and validated (pydantic, then SamplingParams), its prompts are tokenized here on the event
-loop's thread (so the engine thread never tokenizes), each prompt is handed to the engine thread, and the handler
-awaits its asyncio queue of StepOutputs: streamed as SSE chunks, or gathered into one response. A client that goes
-away, or a handler cancelled at the end of a drain, aborts its engine requests at once.
+A request is parsed and validated (pydantic, then SamplingParams), its prompts are tokenized on a small thread
+pool (so neither the event loop nor the engine thread tokenizes), each prompt is handed to the engine thread,
+and the handler awaits its asyncio queue of StepOutputs: streamed as SSE chunks, or gathered into one response.
+A client that goes away, or a handler cancelled at the end of a drain, aborts its engine requests at once.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from minillm.serve.http.protocol import (ChatRequest, CompletionRequest, check_r
                                          messages_json, prompt_error, sampling_params, with_room)
 from minillm.serve.http.settings import RETRY_AFTER_S, ServerSettings
 
+PREPARE_THREADS = 2
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -49,6 +51,9 @@ class OpenAIServer:
         self.engine = AsyncEngine(llm, self.metrics, settings.max_waiting)
         self.token_text = TokenText(llm.tokenizer)
         self.created = int(time.time())
+        # Tokenizing and chat-template rendering run here, off the event loop: a long prompt must not stall every
+        # other stream and /health. A few threads suffice (the tokenizer releases the GIL while it works).
+        self.prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="minillm-prepare")
 
     def model_card(self) -> dict:
         return {"id": self.settings.served_model_name, "object": "model", "created": self.created,
@@ -65,11 +70,11 @@ class OpenAIServer:
         params, given = sampling_params(req, self.defaults)
         thinking = enable_thinking(req) if chat else None
         prompts = [messages_json(req)] if chat else _prompt_list(req.prompt)
-        prepared = [self._prepare(p, params, given, thinking, req) for p in prompts]
-        try:
-            self.engine.check_capacity()
-        except Overloaded as e:
-            raise APIError(503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        self._check_capacity(len(prompts), params.n)
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.gather(*(loop.run_in_executor(self.prepare_pool, self._prepare, p, params, given,
+                                                               thinking, req) for p in prompts))
+        self._check_capacity(len(prompts), params.n)   # the queue may have grown while we tokenized
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         rids = [rid] if len(prepared) == 1 else [f"{rid}-{i}" for i in range(len(prepared))]
         queue: asyncio.Queue = asyncio.Queue()
@@ -84,6 +89,15 @@ class OpenAIServer:
         if outputs is None:   # the client is gone; nobody reads this
             return Response(status_code=499)
         return JSONResponse(shape.response([outputs[r] for r in rids]))
+
+    def _check_capacity(self, num_prompts: int, n: int) -> None:
+        try:
+            self.engine.check_capacity(num_prompts * n)
+        except Overloaded as e:
+            raise APIError(503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as e:
+            param = "n" if n > self.engine.max_waiting or num_prompts == 1 else "prompt"
+            raise APIError(400, str(e), param=param, code="too_many_sequences") from None
 
     def _prepare(self, prompt, params, given: bool, thinking, req) -> tuple[list[int], object]:
         """Tokenize and check one prompt; an unset max_tokens becomes what max_model_len leaves (capped by the
@@ -182,6 +196,7 @@ def create_app(llm, defaults: dict, settings: ServerSettings) -> FastAPI:
         server.engine.start()
         yield
         await server.engine.stop(timeout=max(5.0, settings.drain_timeout_s))
+        server.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server

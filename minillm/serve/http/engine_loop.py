@@ -49,7 +49,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.stats = EngineStats(0, 0, 0.0, 0)   # published by the engine thread after every step
         self.draining = False
-        self._adding = 0                          # handed to the engine thread, not yet admitted
+        self._adding = 0                          # sequences handed to the engine thread, not yet admitted
         self._streams: dict[str, _Stream] = {}    # engine request id -> its stream, until its final output
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
@@ -68,12 +68,19 @@ class AsyncEngine:
     def snapshot(self) -> tuple[EngineStats, int]:
         return self.stats, self._adding
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, sequences: int = 1) -> None:
+        """Refuse a request of `sequences` sequences (prompts x n: each is one queue entry in the scheduler) that
+        would take the waiting queue past its bound: Overloaded (503, retry later), or ValueError (400) for one
+        that could never fit, however empty the queue."""
+        if sequences > self.max_waiting:
+            raise ValueError(f"the request is {sequences:,} sequences (prompts x n), more than the "
+                             f"{self.max_waiting:,} that may wait at once (--max-waiting)")
         if self.draining:
             raise Overloaded("the server is shutting down")
         waiting = self.stats.num_waiting + self._adding
-        if waiting >= self.max_waiting:
-            raise Overloaded(f"{waiting} requests are waiting (the bound is {self.max_waiting}); retry later")
+        if waiting + sequences > self.max_waiting:
+            raise Overloaded(f"{waiting:,} sequences are waiting and this request adds {sequences:,} (the bound, "
+                             f"--max-waiting, is {self.max_waiting:,}); retry later")
 
     async def add(self, rid: str, prompt_ids: list[int], params, priority: int, q: asyncio.Queue,
                   arrival: float) -> None:
@@ -81,7 +88,7 @@ class AsyncEngine:
         (ValueError: the engine refused it). Its StepOutputs then arrive on q."""
         fut = self._loop.create_future()
         self._streams[rid] = _Stream(q, arrival)
-        self._adding += 1
+        self._adding += _sequences(params)
         self._inbox.put(("add", rid, prompt_ids, params, priority, fut))
         try:
             await fut
@@ -114,8 +121,8 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     def _admitted(self, results: list) -> None:
-        for rid, fut, error in results:
-            self._adding -= 1
+        for rid, n, fut, error in results:
+            self._adding -= n
             if error is not None:
                 self._streams.pop(rid, None)
             if fut.done():        # its handler was cancelled meanwhile (and asked for an abort)
@@ -190,9 +197,9 @@ class AsyncEngine:
                 _, rid, ids, params, priority, fut = cmd
                 try:
                     self.llm.add_request(ids, params, request_id=rid, priority=priority)
-                    admitted.append((rid, fut, None))
+                    admitted.append((rid, _sequences(params), fut, None))
                 except Exception as e:  # noqa: BLE001 - ValueError is a refusal (400); anything else a 500
-                    admitted.append((rid, fut, e))
+                    admitted.append((rid, _sequences(params), fut, e))
             elif cmd[0] == "abort":
                 try:
                     self.llm.abort(cmd[1])
@@ -202,3 +209,8 @@ class AsyncEngine:
                 self._stopping = True
         if admitted:
             self._post(self._admitted, admitted)
+
+
+def _sequences(params) -> int:
+    """Queue entries a request takes in the scheduler: one per completion (None: the engine's defaults, n=1)."""
+    return 1 if params is None else params.n

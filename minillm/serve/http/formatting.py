@@ -3,6 +3,7 @@
 Completions and chat share one stream formatter; they differ in the chunk's object name and in how a delta is
 written (`text` vs `delta.content`, list-style vs content-style logprobs).
 
+Logprobs are always valid JSON: -inf is written as -9999.0 and NaN as null (see json_logprob).
 A streamed chunk carries the logprobs of the tokens it adds (StepOutput.logprobs); concatenating every chunk's
 logprobs gives the whole list, in order.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
+from minillm.serve.generate_jsonl import json_logprob
 from minillm.serve.generate_jsonl import usage as usage_counts
 
 DONE = "data: [DONE]\n\n"
@@ -51,15 +53,15 @@ def completion_logprobs(lps, token_text: TokenText) -> dict:
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text.text(t): v for t, v in lp.top.items()} for lp in lps],
+    return {"tokens": tokens, "token_logprobs": [json_logprob(lp.logprob) for lp in lps],
+            "top_logprobs": [{token_text.text(t): json_logprob(v) for t, v in lp.top.items()} for lp in lps],
             "text_offset": offsets}
 
 
 def chat_logprobs(lps, token_text: TokenText) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}

@@ -209,7 +209,7 @@ def prompt_error(message: str, req: _Common, max_tokens_given: bool) -> APIError
     named = message.split(" ", 1)[0].split("=", 1)[0]   # "n=10 is more ...", "stop_token_ids [..] are ..."
     if message.startswith("stop strings"):   # a model without a tokenizer cannot match stop strings
         param = "stop"
-    elif named in ("n", "logprobs", "stop_token_ids") and named in type(req).model_fields:
+    elif named in ("n", "logprobs", "stop_token_ids", "stop") and named in type(req).model_fields:
         param = "top_logprobs" if named == "logprobs" and isinstance(req, ChatRequest) else named
     elif "max_tokens" in message and max_tokens_given:
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
