@@ -66,6 +66,7 @@ def test_json_logprob_sentinels():
 def test_nonfinite_watch_warns_once_and_not_for_finite_logits(device, caplog):
     from minillm.sampling.sampler import NonFiniteWatch
     watch, good = NonFiniteWatch(), torch.zeros(4, 32, device=device)
+    watch.GPU_EVERY = 1   # check every step (the engine checks every 64th on a GPU)
     with caplog.at_level(logging.WARNING, logger="minillm"):
         for _ in range(3):
             watch.check(good)
