@@ -231,11 +231,13 @@ def test_every_readme_command_parses(args):
         cmd.make_context(name, rest, parent=ctx)
 
 
-def test_readme_installs_cpu_torch_before_the_project():
+def test_readme_installs_torch_before_the_project_with_the_cpu_build_as_alternative():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     setup = readme.split("## Set up", 1)[1].split("##", 1)[0]
     steps = [line.strip() for line in setup.splitlines() if line.startswith("    python")]
-    assert "download.pytorch.org/whl/cpu" in steps[0] and steps[1] == 'python -m pip install -e ".[dev]"'
+    assert steps[:3] == ['python -m pip install "torch>=2.11"', 'python -m pip install -e ".[dev]"',
+                         "python -m pytest -q"]   # as .ci/run installs it: a plain pip install
+    assert "download.pytorch.org/whl/cpu" in steps[3] and "CUDA build" in setup
     assert "hf download" in readme and "huggingface-cli" not in readme
 
 
@@ -273,3 +275,14 @@ def test_help_tidying_works_with_click_style_parameter_types():
     assert _type_label(types.SimpleNamespace(type=types.SimpleNamespace(name="integer range"))) == "integer"
     assert _type_label(types.SimpleNamespace(type=types.SimpleNamespace(name="choice", choices=["a", "b"]))) == "a|b"
     assert _type_label(types.SimpleNamespace(display_type=lambda ctx: "<float>")) == "float"
+
+
+def test_bench_outputs_default_to_an_ignored_scratch_folder():
+    """A README `bench` / `latency-sweep` line run in a checkout must not append to the tracked results/ files."""
+    repo = Path(__file__).resolve().parents[1]
+    for name, keys in (("bench", {"output"}), ("latency-sweep", {"output", "plot"})):
+        defaults = {p.name: Path(str(p.default)) for p in commands._load(name).params if p.name in keys}
+        assert set(defaults) == keys and all(d.parts[0] == "minillm-results" for d in defaults.values()), defaults
+    assert "/minillm-results/" in (repo / ".gitignore").read_text().splitlines()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "minillm-results/bench.jsonl"], cwd=repo)
+    assert ignored.returncode in (0, 128)   # 128: not a git checkout (an unpacked sdist); nothing to check then

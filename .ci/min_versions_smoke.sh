@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The dependency floors, tested: a fresh venv (no system site-packages) with torch 2.13.0 and every runtime
+# dependency at the version .ci/min-versions.txt pins (pyproject.toml's lower bounds), minillm installed from this
+# tree (not editable); then, from another directory, every command's --help, `generate` on the demo model and one
+# `serve` request. Exit 0 only if every step passed.
+# Usage: .ci/min_versions_smoke.sh   (MIN_VERSIONS_VENV picks the venv folder; default .venv-min)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+venv=${MIN_VERSIONS_VENV:-$repo/.venv-min}
+
+python3 -m venv --clear "$venv"
+py="$venv/bin/python"
+"$py" -m pip install -q "torch==2.13.0"
+"$py" -m pip install -q -c .ci/min-versions.txt "$repo"
+"$py" -m pip check
+"$py" - .ci/min-versions.txt <<'EOF'
+import sys
+from importlib.metadata import version
+pins = [line.split("==") for line in open(sys.argv[1]) if "==" in line and not line.startswith("#")]
+wrong = [f"{name} {version(name)} (floor {floor.strip()})" for name, floor in pins if version(name) != floor.strip()]
+print("floors installed:", ", ".join(f"{n}=={f.strip()}" for n, f in pins))
+sys.exit(f"not at the floor: {wrong}" if wrong else 0)
+EOF
+
+work=$(mktemp -d)
+server=
+trap '[ -n "$server" ] && kill "$server" 2>/dev/null; rm -rf "$work"' EXIT
+cd "$work"   # nothing may come from the source tree
+mll="$venv/bin/minillm"
+
+for cmd in "" generate serve-stdin bench latency-sweep check-kernels serve; do
+  "$mll" $cmd --help > help.txt || { cat help.txt; echo "FAILED: minillm $cmd --help"; exit 1; }
+done
+echo "ok      every command's --help"
+
+printf '%s\n' '{"id": "a", "prompt": "Hello", "max_tokens": 4, "temperature": 0}' > in.jsonl
+OMP_NUM_THREADS=1 "$mll" generate in.jsonl -o out.jsonl --device cpu
+"$py" -c "import json; line = json.loads(open('out.jsonl').readline()); assert line['id'] == 'a' and 'text' in str(line), line"
+echo "ok      generate on the demo model"
+
+OMP_NUM_THREADS=1 "$mll" serve --port 0 --device cpu 2> serve.err &
+server=$!
+"$py" - "$server" <<'EOF'
+import json, os, re, signal, sys, time, urllib.request
+pid, deadline = int(sys.argv[1]), time.time() + 120
+while not (m := re.search(r"ready on (http://\S+)", open("serve.err").read())):
+    if time.time() > deadline:
+        sys.exit("serve did not become ready:\n" + open("serve.err").read())
+    time.sleep(0.2)
+body = json.dumps({"model": "minillm-demo", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+req = urllib.request.Request(m.group(1) + "/v1/completions", body, {"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    answer = json.load(r)
+assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
+os.kill(pid, signal.SIGTERM)
+EOF
+rc=0; wait "$server" || rc=$?
+server=
+[ "$rc" -eq 0 ] || { cat serve.err; echo "FAILED: serve exited $rc after SIGTERM"; exit 1; }
+echo "ok      one serve request, then SIGTERM: exit 0"
