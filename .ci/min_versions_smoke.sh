@@ -59,3 +59,10 @@ rc=0; wait "$server" || rc=$?
 server=
 [ "$rc" -eq 0 ] || { cat serve.err; echo "FAILED: serve exited $rc after SIGTERM"; exit 1; }
 echo "ok      one serve request, then SIGTERM: exit 0"
+
+# The floor of typer beside the newest click (what pip gives a user who upgrades click alone).
+"$py" -m pip install -q --upgrade click
+for cmd in "" generate serve-stdin bench latency-sweep check-kernels serve; do
+  "$mll" $cmd --help > help.txt || { cat help.txt; echo "FAILED: minillm $cmd --help with the newest click"; exit 1; }
+done
+echo "ok      every command's --help with typer $("$py" -c 'import typer; print(typer.__version__)') and click $("$py" -c 'from importlib.metadata import version; print(version("click"))')"
