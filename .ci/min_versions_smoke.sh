@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The dependency floors, tested: a fresh venv (no system site-packages) with torch 2.13.0 and every runtime
 # dependency at the version .ci/min-versions.txt pins (pyproject.toml's lower bounds), minillm installed from this
-# tree (not editable); then, from another directory, every command's --help, `generate` on the demo model and one
-# `serve` request. Exit 0 only if every step passed.
+# tree (not editable); then, from another directory: every command's --help, `generate` on the demo model, `serve`
+# answering a completion, a streamed chat completion and /metrics, and `latency-sweep --target` against it. Exit 0
+# only if every step passed.
 # Usage: .ci/min_versions_smoke.sh   (MIN_VERSIONS_VENV picks the venv folder; default .venv-min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,24 +42,40 @@ echo "ok      generate on the demo model"
 
 OMP_NUM_THREADS=1 "$mll" serve --port 0 --device cpu 2> serve.err &
 server=$!
-"$py" - "$server" <<'EOF'
-import json, os, re, signal, sys, time, urllib.request
-pid, deadline = int(sys.argv[1]), time.time() + 120
+"$py" <<'EOF'
+import json, re, sys, time, urllib.request
+deadline = time.time() + 120
 while not (m := re.search(r"ready on (http://\S+)", open("serve.err").read())):
     if time.time() > deadline:
         sys.exit("serve did not become ready:\n" + open("serve.err").read())
     time.sleep(0.2)
-body = json.dumps({"model": "minillm-demo", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
-req = urllib.request.Request(m.group(1) + "/v1/completions", body, {"Content-Type": "application/json"})
-with urllib.request.urlopen(req, timeout=60) as r:
+url = m.group(1)
+def post(path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=60)
+with post("/v1/completions", {"model": "minillm-demo", "prompt": "Hello", "max_tokens": 4, "temperature": 0}) as r:
     answer = json.load(r)
 assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
-os.kill(pid, signal.SIGTERM)
+chat = {"model": "minillm-demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+with post("/v1/chat/completions", chat) as r:   # the chat template (jinja2) and SSE streaming
+    events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+assert events[-1] == "data: [DONE]" and len(events) >= 3, events
+with urllib.request.urlopen(url + "/metrics", timeout=30) as r:   # prometheus_client
+    assert "minillm_" in r.read().decode()
+open("url.txt", "w").write(url)
 EOF
+echo "ok      serve: a completion, a streamed chat completion, /metrics"
+# latency-sweep against the server: httpx on the client side, rich tables, the matplotlib figure.
+OMP_NUM_THREADS=1 "$mll" latency-sweep --target "$(cat url.txt)" --model demo --num-requests 2 --rates 8 \
+  --time-scale 0.01 --configs chunked-512 -o lat.jsonl --plot lat.png --no-progress > sweep.txt 2>&1 \
+  || { cat sweep.txt; echo "FAILED: latency-sweep --target"; exit 1; }
+[ -s lat.jsonl ] && [ -s lat.png ] || { cat sweep.txt; echo "FAILED: latency-sweep wrote no results"; exit 1; }
+echo "ok      latency-sweep --target the server (JSONL and PNG)"
+kill -TERM "$server"
 rc=0; wait "$server" || rc=$?
 server=
 [ "$rc" -eq 0 ] || { cat serve.err; echo "FAILED: serve exited $rc after SIGTERM"; exit 1; }
-echo "ok      one serve request, then SIGTERM: exit 0"
+echo "ok      serve exits 0 on SIGTERM"
 
 # The floor of typer beside the newest click (what pip gives a user who upgrades click alone).
 "$py" -m pip install -q --upgrade click

@@ -114,3 +114,23 @@ def test_every_kernel_source_is_in_the_build_key_and_the_package_data():
     files = [p for p in (REPO / "cuda").iterdir() if p.is_file()]
     assert files and all(p.suffix in SOURCE_SUFFIXES for p in files), [p.name for p in files]
     assert {g.removeprefix("*") for g in globs} == SOURCE_SUFFIXES == KERNEL_SUFFIXES
+
+
+@pytest.mark.slow
+def test_editable_install_finds_the_top_level_sources_and_configs(tmp_path):
+    """`pip install -e .` maps minillm.cuda and minillm.configs onto cuda/ and configs/ of the checkout."""
+    prefix = tmp_path / "prefix"
+    _pip("install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO), "--prefix", str(prefix), cwd=tmp_path)
+    (site_dir,) = prefix.glob("lib/python*/site-packages")
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    # -S: only this editable install's .pth runs (not one the current environment may hold); the dependencies
+    # come after it as plain paths.
+    probe = ("import site, sys; site.addsitedir(sys.argv[1]); sys.path += sys.argv[2:]; import minillm; "
+             "import minillm.ops.build as b, minillm.bench.suite as s; "
+             "print(minillm.__file__); print(b.CUDA_DIR); print(s.BENCH_SUITE)")
+    out = subprocess.run([sys.executable, "-S", "-c", probe, str(site_dir), *deps], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    where, cuda_dir, bench = out.stdout.split()
+    assert Path(where) == REPO / "minillm" / "__init__.py"
+    assert (Path(cuda_dir), Path(bench)) == (REPO / "cuda", REPO / "configs" / "bench.yaml")
