@@ -25,6 +25,7 @@ ENGINE_SECTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 SECTIONS = ENGINE_SECTIONS + ("sampling",)
 
+
 def _suggest(word: str, choices: Iterable[str]) -> str:
     if len(word) > 64:   # no key is this long; do not spend time comparing it
         return ""

@@ -1,7 +1,7 @@
 """Build and load the CUDA extension: every cuda/*.cu plus every cuda/*bindings.cpp, one library.
 
-The sources sit in the top-level cuda/ and install as minillm/cuda (package data), so an editable install, a
-plain `pip install .` and a wheel all build the same kernels. They are compiled at first use with torch.utils.cpp_extension (ninja) into a cache
+The sources ship inside the package (package data), so an editable install, a plain `pip install .` and a wheel
+all build the same kernels. They are compiled at first use with torch.utils.cpp_extension (ninja) into a cache
 folder keyed by everything that makes a build incompatible: the sources and flags, the torch and CUDA versions,
 the Python ABI and the GPU architecture (default ~/.cache/minillm/ext/<key>, or $MINILLM_EXT_DIR/<key>). An
 unchanged setup loads the cached library in milliseconds; anything else builds anew instead of loading a library
