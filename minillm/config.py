@@ -19,6 +19,39 @@ def _check(cond: bool, key: str, value, allowed: str) -> None:
         raise ConfigError(f"{key}={short_repr(value)} is not allowed: {allowed}")
 
 
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "None": "null"}
+
+
+def _type_ok(value, type_name: str) -> bool:
+    # bool is an int subclass in Python, so check it explicitly: `block_size: true` must be refused.
+    if type_name == "None":
+        return value is None
+    if type_name == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if type_name == "int":
+        return isinstance(value, int)
+    if type_name == "float":
+        return isinstance(value, (int, float))
+    if type_name == "str":
+        return isinstance(value, str)
+    raise AssertionError(f"config field type {type_name!r} has no checker")
+
+
+def check_types(section: str, obj) -> None:
+    """Every field of a config section has its annotated type exactly (the annotations are strings here, e.g.
+    "int | None"), whichever way it was built: YAML, --set, flags, LLM(**kw) or the dataclass itself."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        allowed = [part.strip() for part in str(f.type).split("|")]
+        if not any(_type_ok(value, t) for t in allowed):
+            from minillm.untrusted import short_repr
+            words = " or ".join(_TYPE_NAMES[t] for t in allowed)
+            raise ConfigError(f"{section}.{f.name}={short_repr(value)} has the wrong type: expected {words}")
+
+
 def _is_int(v, low: int, high: int | None = None) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
@@ -31,6 +64,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None = from the model's config (capped by max_position_embeddings)
 
     def validate(self) -> None:
+        check_types("model", self)
         _check(self.model is None or (isinstance(self.model, str) and self.model.strip() != ""), "model.model",
                self.model, "a model directory, a preset name, demo, or null (the demo model)")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype,
@@ -50,6 +84,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"          # auto = the model dtype (an fp8 cache comes later)
 
     def validate(self) -> None:
+        check_types("cache", self)
         _check(self.block_size in (8, 16, 32, 64), "cache.block_size", self.block_size, "one of 8, 16, 32, 64")
         _check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
                "cache.num_kv_blocks", self.num_kv_blocks, "an integer >= 1 or null")
@@ -68,6 +103,7 @@ class SchedulerConfig:
     policy: str = "fcfs"                    # fcfs | priority | static
 
     def validate(self) -> None:
+        check_types("scheduler", self)
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "scheduler.max_num_seqs",
                self.max_num_seqs, "an integer >= 1")
         _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
@@ -92,6 +128,7 @@ class RuntimeConfig:
     async_scheduling: bool = True
 
     def validate(self) -> None:
+        check_types("runtime", self)
         _check(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or (
             self.device.startswith("cuda:") and self.device[5:].isdigit())), "runtime.device", self.device,
             "auto, cpu, cuda or cuda:N")
@@ -127,6 +164,7 @@ class KernelConfig:
     pdl: bool = True
 
     def validate(self) -> None:
+        check_types("kernels", self)
         _check(self.backend in ("auto", "cuda", "torch"), "kernels.backend", self.backend,
                "one of auto, cuda, torch")
         _check(isinstance(self.decode_min_partitions, int) and 1 <= self.decode_min_partitions <= 32,
@@ -153,7 +191,10 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def validate(self) -> "EngineConfig":
-        for section in (self.model, self.cache, self.scheduler, self.runtime, self.kernels):
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if type(section).__name__ != f.type:   # e.g. EngineConfig(cache={...}) instead of a CacheConfig
+                raise ConfigError(f"EngineConfig.{f.name} must be a {f.type}, got {type(section).__name__}")
             section.validate()
         if self.kernels.backend == "torch" and self.runtime.attention == "cuda":
             raise ConfigError("runtime.attention='cuda' is not allowed with kernels.backend='torch' (no minillm "

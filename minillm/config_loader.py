@@ -25,9 +25,6 @@ ENGINE_SECTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 SECTIONS = ENGINE_SECTIONS + ("sampling",)
 
-_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "None": "null"}
-
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
     if len(word) > 64:   # no key is this long; do not spend time comparing it
@@ -39,31 +36,6 @@ def _suggest(word: str, choices: Iterable[str]) -> str:
 def _unknown(what: str, name: str, choices: Iterable[str]) -> ConfigError:
     choices = list(choices)
     return ConfigError(f"unknown {what} {short_repr(name)}{_suggest(name, choices)}; valid: {', '.join(choices)}")
-
-
-def _type_ok(value: Any, type_name: str) -> bool:
-    # bool is an int subclass in Python, so check it explicitly: `block_size: true` must be refused.
-    if type_name == "None":
-        return value is None
-    if type_name == "bool":
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    if type_name == "int":
-        return isinstance(value, int)
-    if type_name == "float":
-        return isinstance(value, (int, float))
-    if type_name == "str":
-        return isinstance(value, str)
-    raise AssertionError(f"config field type {type_name!r} has no checker")
-
-
-def _check_type(section: str, field: dataclasses.Field, value: Any) -> None:
-    """Field annotations are strings (postponed evaluation), e.g. "int | None": check against each part."""
-    allowed = [part.strip() for part in str(field.type).split("|")]
-    if not any(_type_ok(value, t) for t in allowed):
-        words = " or ".join(_TYPE_NAMES[t] for t in allowed)
-        raise ConfigError(f"{section}.{field.name}={short_repr(value)} has the wrong type: expected {words}")
 
 
 def _engine_field(section: str, key: str) -> dataclasses.Field:
@@ -163,13 +135,9 @@ def _flag_target(name: str) -> tuple[str, str]:
 
 
 def _build_engine(values: dict[str, dict[str, Any]]) -> EngineConfig:
+    # The sections' own validate() checks types and ranges, as it does for LLM(**kw) and hand-built configs.
     base = EngineConfig()
-    sections = {}
-    for section in ENGINE_SECTIONS:
-        given = values.get(section, {})
-        for key, value in given.items():
-            _check_type(section, _engine_field(section, key), value)
-        sections[section] = dataclasses.replace(getattr(base, section), **given)
+    sections = {s: dataclasses.replace(getattr(base, s), **values.get(s, {})) for s in ENGINE_SECTIONS}
     return EngineConfig(**sections).validate()
 
 

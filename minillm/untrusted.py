@@ -82,11 +82,34 @@ def json_depth(value: Any) -> int:
 
 # ---------------------------------------------------------------- YAML
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (two `sampling:` blocks), where PyYAML keeps the
+    last silently. A key that overrides one brought in by a `<<` merge is not a duplicate."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:   # an unhashable key: the base constructor names that problem
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found duplicate key {short_repr(key)}",
+                                                            key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(text: str) -> Any:
     """yaml.safe_load that refuses documents nested deeper than MAX_YAML_DEPTH or expanding (through aliases)
     to more than MAX_YAML_VALUES values, before any Python object is built. Raises yaml.YAMLError or
-    TooNested."""
-    loader = yaml.SafeLoader(text)
+    TooNested. A key given twice in one mapping is a yaml.YAMLError too."""
+    loader = _UniqueKeyLoader(text)
     try:
         try:
             node = loader.get_single_node()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile every minillm/cuda/*.cu (compile-only) for sm_90a and sm_80, as CI does on machines without a GPU.
+# Compile every cuda/*.cu (compile-only) for sm_90a and sm_80, as CI does on machines without a GPU.
 # The kernel sources include only CUDA headers, so no CUDA build of torch is needed. Exit non-zero on any failure.
 # Usage: scripts/compile_kernels.sh [-v]   (-v adds ptxas register/spill reports)
 set -euo pipefail
@@ -9,7 +9,7 @@ extra=()
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 status=0
-for src in minillm/cuda/*.cu; do
+for src in cuda/*.cu; do
   obj="$tmp/$(basename "${src%.cu}").o"
   # The -D flags are the ones torch's extension builder adds: they remove implicit half/bf16 conversions.
   if nvcc -c -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo \

@@ -231,9 +231,58 @@ def test_every_readme_command_parses(args):
         cmd.make_context(name, rest, parent=ctx)
 
 
-def test_readme_installs_cpu_torch_before_the_project():
+def test_readme_installs_torch_before_the_project_with_the_cpu_build_as_alternative():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     setup = readme.split("## Set up", 1)[1].split("##", 1)[0]
     steps = [line.strip() for line in setup.splitlines() if line.startswith("    python")]
-    assert "download.pytorch.org/whl/cpu" in steps[0] and steps[1] == 'python -m pip install -e ".[dev]"'
+    assert steps[:3] == ['python -m pip install "torch>=2.11"', 'python -m pip install -e ".[dev]"',
+                         "python -m pytest -q"]   # as .ci/run installs it: a plain pip install
+    assert "download.pytorch.org/whl/cpu" in steps[3] and "CUDA build" in setup
     assert "hf download" in readme and "huggingface-cli" not in readme
+
+
+# ---------------------------------------------------------------- serve's own flags
+
+@pytest.mark.parametrize("args, words", [
+    (["--log-level", "bogus"], ["--log-level='bogus'", "critical, error, warning, info, debug, trace"]),
+    (["--drain-timeout", "inf"], ["--drain-timeout=inf", "[0, 86400]"]),
+    (["--drain-timeout", "nan"], ["--drain-timeout=nan"]),
+    (["--drain-timeout", "-1"], ["--drain-timeout=-1.0"]),
+    (["--drain-timeout", "1e300"], ["--drain-timeout=1e+300"]),
+])
+def test_serve_refuses_bad_server_flags_before_the_model_loads(args, words):
+    # The model does not exist: a check that ran after loading would report the model instead.
+    result = run_cli("serve", "--model", "/nonexistent/model-dir", "--port", "0", *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("minillm: error: ") and "nonexistent" not in result.stderr
+    for word in words:
+        assert word in result.stderr
+
+
+def test_serve_log_level_is_case_blind_and_help_has_exit_codes():
+    from minillm.commands.serve import _check_server_flags
+    assert _check_server_flags("WARNING", 0.0) == "warning"
+    text = run_cli("serve", "--help").output
+    for word in ("Exit status", "0 stopped by SIGTERM", "2 usage", "130", "LEVEL"):
+        assert word in text
+
+
+def test_help_tidying_works_with_click_style_parameter_types():
+    """Older typer releases give options click's types and no display_type(): the tidying must read those."""
+    import types
+    from minillm.commands.common import _type_label
+    assert _type_label(types.SimpleNamespace(type=types.SimpleNamespace(name="integer"))) == "integer"
+    assert _type_label(types.SimpleNamespace(type=types.SimpleNamespace(name="integer range"))) == "integer"
+    assert _type_label(types.SimpleNamespace(type=types.SimpleNamespace(name="choice", choices=["a", "b"]))) == "a|b"
+    assert _type_label(types.SimpleNamespace(display_type=lambda ctx: "<float>")) == "float"
+
+
+def test_bench_outputs_default_to_an_ignored_scratch_folder():
+    """A README `bench` / `latency-sweep` line run in a checkout must not append to the tracked results/ files."""
+    repo = Path(__file__).resolve().parents[1]
+    for name, keys in (("bench", {"output"}), ("latency-sweep", {"output", "plot"})):
+        defaults = {p.name: Path(str(p.default)) for p in commands._load(name).params if p.name in keys}
+        assert set(defaults) == keys and all(d.parts[0] == "minillm-results" for d in defaults.values()), defaults
+    assert "/minillm-results/" in (repo / ".gitignore").read_text().splitlines()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "minillm-results/bench.jsonl"], cwd=repo)
+    assert ignored.returncode in (0, 128)   # 128: not a git checkout (an unpacked sdist); nothing to check then

@@ -11,6 +11,7 @@ import torch
 
 from minillm.model.arch import ModelArchConfig
 from minillm.ops import decode_gemm as dg
+from minillm.ops.build import CUDA_DIR
 
 # (hidden, heads, kv heads, head_dim, intermediate) of each model.
 MODELS = {
@@ -129,7 +130,7 @@ def test_model_is_near_the_floor_on_the_06b_shapes(n, k):
 
 
 def test_limits_match_the_cuda_header():
-    header = (Path(__file__).resolve().parents[1] / "minillm" / "cuda" / "decode_gemm.h").read_text()
+    header = (CUDA_DIR / "decode_gemm.h").read_text()
     consts = dict(re.findall(r"constexpr int (kDecodeGemm\w+) = (\d+);", header))
     assert {k: int(v) for k, v in consts.items()} == {"kDecodeGemmTileK": dg.TILE_K, "kDecodeGemmAlignN": dg.ALIGN_N,
                                                       "kDecodeGemmMaxRows": dg.MAX_ROWS,

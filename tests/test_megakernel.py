@@ -9,6 +9,7 @@ import torch
 
 from minillm.model.arch import ModelArchConfig
 from minillm.ops import megakernel as mk
+from minillm.ops.build import CUDA_DIR
 
 PRESETS = Path(mk.__file__).resolve().parents[1] / "presets"
 
@@ -309,7 +310,7 @@ def test_check_harness_catches_a_nan_row():
 def _bindings_schema():
     import re
 
-    src = (Path(mk.__file__).resolve().parents[1] / "cuda" / "megakernel_bindings.cpp").read_text()
+    src = (CUDA_DIR / "megakernel_bindings.cpp").read_text()
     body = re.search(r'm\.def\((.*?)\);', src, re.S).group(1)
     return torch._C.parse_schema("".join(re.findall(r'"(.*?)"', body)))
 
@@ -394,7 +395,7 @@ def test_binding_signature_matches_its_schema(tmp_path):
 
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
-    src = (Path(mk.__file__).resolve().parents[1] / "cuda" / "megakernel_bindings.cpp").read_text()
+    src = (CUDA_DIR / "megakernel_bindings.cpp").read_text()
     sig = re.search(r"void decode_megakernel\((.*?)\) \{", src, re.S).group(1)
     meta = re.search(r"void decode_megakernel_meta\((.*?)\) \{\}", src, re.S).group(1)
     schema = "".join(re.findall(r'"(.*?)"', re.search(r"m\.def\((.*?)\);", src, re.S).group(1)))

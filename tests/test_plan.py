@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minillm.ops.build import CUDA_DIR
 from minillm.cache.spec import KVCacheSpec
 from minillm.config import ConfigError, EngineConfig
 from minillm.model.loader import resolve_arch
@@ -20,7 +21,7 @@ from minillm.runner.plan import LINEAR_LAYERS, PATHS, DeviceInfo, ExecutionPlan,
 H200 = DeviceInfo("cuda", (9, 0), 132, 232448)
 A100 = DeviceInfo("cuda", (8, 0), 108, 166912)
 CPU = DeviceInfo("cpu")
-CUDA_SRC = Path(__file__).resolve().parents[1] / "minillm" / "cuda"
+CUDA_SRC = CUDA_DIR
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 from minillm.config import ConfigError, EngineConfig
-from minillm.fingerprint import REPO_ROOT
+from minillm.package_data import shipped_dir
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
-BENCH_SUITE = REPO_ROOT / "configs" / "bench.yaml"
-LATENCY_SUITE = REPO_ROOT / "configs" / "latency.yaml"
+BENCH_SUITE = shipped_dir("configs", "*.yaml") / "bench.yaml"
+LATENCY_SUITE = shipped_dir("configs", "*.yaml") / "latency.yaml"
 
 def read_suite(path: Path) -> dict:
     from minillm.config_loader import read_yaml_file

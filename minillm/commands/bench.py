@@ -15,6 +15,9 @@ NumRequestsOpt = Annotated[Optional[int], typer.Option("--num-requests", metavar
 WorkloadOpt = Annotated[Optional[Path], typer.Option("--workload", metavar="FILE",
                                                      help="Workload YAML instead of the reference.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
+# Results go to a scratch folder of the working directory unless -o/--plot say where: a run from a checkout must
+# not append to the tracked results/ files (those come from the GPU runs, which pass -o).
+SCRATCH = Path("minillm-results")
 CPU_SIZED_REQUESTS = 16   # the demo model on the first 16 reference requests: about a minute on 2 cores
 
 
@@ -29,19 +32,20 @@ def bench_command(
     suite: Annotated[Path, typer.Option("--suite", metavar="FILE", help="Base engine + --compare runs.",
                                         show_default="configs/bench.yaml")] = BENCH_SUITE,
     output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE",
-                                         help="JSONL file to append to.")] = Path("results/bench.jsonl"),
+                                         help="JSONL file to append to.")] = SCRATCH / "bench.jsonl",
     decode_sweep: Annotated[bool, typer.Option(
         "--decode-sweep", help="Instead: ms per decode step for B = 1..256 against the bandwidth floor "
-                               "(results/decode_steps.jsonl and decode_steps.png unless -o).")] = False,
+                               f"({SCRATCH}/decode_steps.jsonl and decode_steps.png unless -o).")] = False,
     progress: ProgressOpt = True, *, engine: EngineFlags,
 ) -> None:
     """Offline throughput on the reference workload, with % of the hardware floor.
 
     The reference workload and the floor are described in docs/architecture.md.
-    Without a GPU this runs the Qwen3-0.6B preset on the CPU, which takes
-    hours: it says so, and roughly how long, before it starts. A CPU-sized run
-    (about a minute) uses the small demo model, its token ids folded into the
-    model's vocabulary:
+    The model is the suite's unless --model names one: the Qwen3-0.6B preset
+    with random weights. Without a GPU that takes hours on the CPU: it says
+    so, and roughly how long, before it starts. A CPU-sized run (about a
+    minute) uses the small demo model, its token ids folded into the model's
+    vocabulary:
 
     \b
       minillm bench --model demo --num-requests 16
@@ -97,7 +101,7 @@ def _decode_sweep(suite: Path, engine: EngineFlags, output: Path) -> None:
         fail(str(e))
     if device_of(cfg) == "cpu":
         fail("--decode-sweep times decode steps on a GPU; none is visible")
-    out = Path("results/decode_steps.jsonl") if output == Path("results/bench.jsonl") else output
+    out = SCRATCH / "decode_steps.jsonl" if output == SCRATCH / "bench.jsonl" else output
     sweep_and_record(cfg, out)
     typer.echo(f"appended to {out}; figure {out.with_name('decode_steps.png')}")
 
@@ -166,8 +170,8 @@ def latency_sweep_command(
     suite: Annotated[Path, typer.Option("--suite", metavar="FILE", help="Base engine, rates, workload, configs.",
                                         show_default="configs/latency.yaml")] = LATENCY_SUITE,
     output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", help="JSONL file to append to.")]
-    = Path("results/latency.jsonl"),
-    plot: Annotated[Path, typer.Option("--plot", metavar="FILE", help="PNG to write.")] = Path("results/latency.png"),
+    = SCRATCH / "latency.jsonl",
+    plot: Annotated[Path, typer.Option("--plot", metavar="FILE", help="PNG to write.")] = SCRATCH / "latency.png",
     plot_only: Annotated[Optional[Path], typer.Option("--plot-only", metavar="FILE",
                                                       help="Redraw from a results JSONL.")] = None,
     target: Annotated[Optional[str], typer.Option("--target", metavar="URL", help="Replay against this "
@@ -177,9 +181,11 @@ def latency_sweep_command(
 ) -> None:
     """Online latency under Poisson arrivals: TTFT and ITL percentiles per config and rate.
 
-    The online reference workload is described in docs/architecture.md. On a
-    model with fewer positions or a smaller vocabulary (the demo model), the
-    workload is fitted to it first, and a note says what changed.
+    The online reference workload is described in docs/architecture.md. The
+    model is the suite's unless --model names one: the Qwen3-0.6B preset with
+    random weights. On a model with fewer positions or a smaller vocabulary
+    (the demo model), the workload is fitted to it first, and a note says
+    what changed.
     """
     from minillm.bench.plots import plot_latency
     from minillm.bench.report import append_jsonl, latency_table, print_table, read_jsonl

@@ -8,10 +8,11 @@ from typing import NoReturn
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
-# Placeholders for option values whose type says nothing better (click's own words); options with a more telling
-# name (N, FILE, DIR|PRESET, KEY=VALUE) set their metavar where they are declared.
+# Placeholders for option values whose type says nothing better; options with a more telling name (N, FILE,
+# DIR|PRESET, KEY=VALUE) set their metavar where they are declared. Newer typer releases describe a type in their
+# own words (int, list[str]), older ones through click's parameter types (integer, text): both are listed.
 _TYPE_WORDS = {"int": "INTEGER", "float": "NUMBER", "str": "TEXT", "path": "PATH", "list[str]": "TEXT",
-               "list[int]": "INTEGER", "list[path]": "PATH"}
+               "list[int]": "INTEGER", "list[path]": "PATH", "integer": "INTEGER", "text": "TEXT", "filename": "FILE"}
 
 
 EXIT_CODES = ("Exit status: 0 every line answered; 1 some lines got an error answer (all others were still "
@@ -56,8 +57,20 @@ def _tidy(param) -> None:
         if param.is_flag:
             param.metavar = ""   # a flag takes no value: show none, not `<bool>`
         else:
-            label = param.display_type(None).strip("<>")
+            label = _type_label(param)
             param.metavar = _TYPE_WORDS.get(label, label.upper())
+
+
+def _type_label(param) -> str:
+    """The option's value type in one word, asked in whichever way the installed typer supports."""
+    display = getattr(param, "display_type", None)   # newer typer: its own type descriptors, no click types
+    if display is not None:
+        return display(None).strip("<>")
+    kind = getattr(param, "type", None)
+    choices = getattr(kind, "choices", None)
+    if choices:
+        return "|".join(str(c) for c in choices)
+    return (getattr(kind, "name", None) or "text").split()[0]   # click's "integer range" -> integer
 
 
 def tidy_help_option(option):

@@ -56,8 +56,8 @@ _ENGINE_PARAMS = [
         "--config", "-c", metavar="FILE",
         help="YAML config (sections model, cache, scheduler, runtime, kernels, sampling).")]),
     _P("model", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
-        metavar="DIR|PRESET", help="HF checkpoint directory, preset name, or demo (the default: the embedded "
-                                   "demo model).")]),
+        metavar="DIR|PRESET", help="HF checkpoint directory, preset name, or demo (default: the config's, else "
+                                   "the embedded demo model).")]),
     _P("device", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
         metavar="DEVICE", help="auto | cpu | cuda | cuda:N")]),
     _P("dtype", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(

@@ -8,6 +8,7 @@ aborted and the process exits 0 (a second SIGINT skips the wait: exit 130).
 # NOTE: no `from __future__ import annotations`: engine_options reads this signature with the aliases below.
 import contextlib
 import importlib.util
+import math
 import signal
 import socket
 from typing import Annotated, Optional
@@ -22,8 +23,11 @@ from minillm.serve.http.app import create_app
 from minillm.serve.http.server_config import uvicorn_config
 from minillm.serve.http.settings import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING,
                                          ServerSettings)
+from minillm.untrusted import short_repr
 
 DEMO_MODEL_NAME = "minillm-demo"
+MAX_DRAIN_TIMEOUT_S = 86400
+LOG_LEVELS = tuple(uvicorn.config.LOG_LEVELS)   # critical, error, warning, info, debug, trace
 _CUT_OFF_AFTER_S = 5.0   # after the drain deadline's aborts, how long streams may take to end before being cut
 
 
@@ -41,11 +45,13 @@ def serve_command(
     drain_timeout: Annotated[float, typer.Option(
         help="Seconds requests in flight may run on after SIGTERM/SIGINT before they are aborted.")]
     = DEFAULT_DRAIN_TIMEOUT_S,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level: critical|error|warning|info|debug.")] = "info",
+    log_level: Annotated[str, typer.Option(metavar="LEVEL", help=f"uvicorn log level: {'|'.join(LOG_LEVELS)}.")]
+    = "info",
     *, engine: EngineFlags,
 ) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health,
     /metrics."""
+    log_level = _check_server_flags(log_level, drain_timeout)
     cfg, sampling = engine.load()
     try:
         settings = ServerSettings(served_model_name or cfg.model.model or DEMO_MODEL_NAME, host, port, api_key,
@@ -66,6 +72,23 @@ def serve_command(
     server = _Server(config, on_signal=lambda: engine.call_soon(engine.begin_drain, drain_timeout), ready=ready)
     server.run(sockets=[sock])
     raise typer.Exit(130 if server.force_exit else 0)
+
+
+serve_command._epilog = ("Exit status: 0 stopped by SIGTERM or SIGINT (requests still running at --drain-timeout "
+                         "are aborted, each with its final chunk); 1 an unexpected error; 2 usage or configuration "
+                         "error, a port that cannot be bound or a model that cannot be loaded, before any request "
+                         "is accepted; 130 a second SIGINT cut the drain short.")
+
+
+def _check_server_flags(log_level: str, drain_timeout: float) -> str:
+    """Refuse the server's own bad flags before the model loads (exit 2); returns the log level uvicorn takes."""
+    level = log_level.strip().lower()
+    if level not in LOG_LEVELS:
+        fail(f"--log-level={short_repr(log_level)} is not allowed: one of {', '.join(LOG_LEVELS)}")
+    # A bound, not only finiteness: timers overflow long before float does (1e300 s).
+    if not (math.isfinite(drain_timeout) and 0 <= drain_timeout <= MAX_DRAIN_TIMEOUT_S):
+        fail(f"--drain-timeout={drain_timeout} is not allowed: seconds in [0, {MAX_DRAIN_TIMEOUT_S}]")
+    return level
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -15,7 +15,7 @@ import torch
 from minillm.ops.build import load_extension
 from minillm.ops.coverage import KernelCoverage
 
-# What the KV write, paged decode and paged prefill launchers accept together (minillm/cuda/attention_bindings.cpp,
+# What the KV write, paged decode and paged prefill launchers accept together (cuda/attention_bindings.cpp,
 # paged_decode.cu: dispatch_shape and kMaxGroup; paged_prefill takes any power-of-two block size, decode only
 # these). The decode path sizes its workspace from host values and never syncs, so it can be captured.
 COVERAGE = KernelCoverage("paged_attention", dtypes=("bfloat16", "float16"), head_dims=(64, 128),
@@ -54,7 +54,7 @@ def _num_sms(device_index: int) -> int:
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
                           min_partitions: int = MIN_PARTITIONS, ctas_per_sm: int = CTAS_PER_SM_TARGET) -> int:
     """The decode kernel's split-K argument: 0 for v1 (one CTA per sequence x KV head), or -P to cut every
-    sequence into P equal partitions (see minillm/cuda/paged_decode.cu).
+    sequence into P equal partitions (see cuda/paged_decode.cu).
 
     P depends on the batch size only, never on the contexts, so a CUDA graph captured for a batch-size bucket
     launches the same grid as eager mode and no CTA is launched for a partition past a short context.

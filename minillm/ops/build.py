@@ -1,4 +1,4 @@
-"""Build and load the CUDA extension: every minillm/cuda/*.cu plus every minillm/cuda/*bindings.cpp, one library.
+"""Build and load the CUDA extension: every cuda/*.cu plus every cuda/*bindings.cpp, one library.
 
 The sources ship inside the package (package data), so an editable install, a plain `pip install .` and a wheel
 all build the same kernels. They are compiled at first use with torch.utils.cpp_extension (ninja) into a cache
@@ -19,7 +19,9 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"   # shipped as package data
+from minillm.package_data import shipped_dir
+
+CUDA_DIR = shipped_dir("cuda", "*.cu")   # the top-level cuda/, installed as minillm/cuda
 EXT_NAME = "minillm_ops"
 
 NVCC_FLAGS = [

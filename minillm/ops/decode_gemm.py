@@ -1,4 +1,4 @@
-"""The decode GEMM (minillm/cuda/decode_gemm.cu): y = x W^T for decode batches (M <= 64) on Hopper.
+"""The decode GEMM (cuda/decode_gemm.cu): y = x W^T for decode batches (M <= 64) on Hopper.
 
 It loads the weight straight into mma.sync registers, the first batches before the programmatic-dependent-launch
 wait, so weight bytes move while the kernel before it finishes; cuBLAS takes no part in PDL. Where it applies is

@@ -1,4 +1,4 @@
-"""Linear layers: the skinny GEMM kernel (minillm/cuda/skinny_gemm.cu) for decode-sized batches, cuBLAS otherwise.
+"""Linear layers: the skinny GEMM kernel (cuda/skinny_gemm.cu) for decode-sized batches, cuBLAS otherwise.
 
 At decode batch sizes a [M, K] x [K, N] product has few output tiles, and cuBLAS spends 5.5-8 us on weights that
 HBM delivers in 1-3 us; the kernel splits K over a thread-block cluster instead. Measured on the H200 (b80198d,
@@ -21,7 +21,7 @@ from minillm.ops.coverage import KernelCoverage
 
 MAX_ROWS = 16            # measured faster than cuBLAS up to here (see above)
 MAX_N = 2048             # ... and on outputs this narrow (16 tiles); wider ones have tiles enough for cuBLAS
-TILE_N, TILE_K = 128, 64  # the kernel's output-column tile and K stage (minillm/cuda/gemm.h)
+TILE_N, TILE_K = 128, 64  # the kernel's output-column tile and K stage (cuda/gemm.h)
 SPLITS = (8, 4, 2, 1)    # K splits = CTAs of one cluster (8 is the portable cluster size)
 
 

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) of minillm's kernels (minillm/cuda/launch.h).
+"""Programmatic dependent launch (PDL) of minillm's kernels (cuda/launch.h).
 
 On Hopper a kernel launched with PDL may be scheduled while the kernel before it in the stream still runs; every
 minillm kernel starts by waiting for that grid to finish (`griddepcontrol.wait`) and then lets the next one be

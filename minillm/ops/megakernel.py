@@ -1,4 +1,4 @@
-"""The persistent decode kernel ("megakernel", minillm/cuda/decode_megakernel.cu) from Python.
+"""The persistent decode kernel ("megakernel", cuda/decode_megakernel.cu) from Python.
 
 One launch runs every decoder layer of a decode step for up to 16 sequences (one new token each): embedding,
 norms, QKV, q/k norm + RoPE, the KV-cache write, paged attention, o_proj, SwiGLU MLP and the final norm. The LM head
@@ -48,7 +48,7 @@ ACT_PAD = 8            # elements of padding per row of the shared A tile (decod
 # ---- weight and activation layouts -------------------------------------------------------------------------------
 
 def pack_granules(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> flat [N * K] in granule order (minillm/cuda/megakernel.h): granule g (rows 8g..8g+7) is K/32
+    """[N, K] -> flat [N * K] in granule order (cuda/megakernel.h): granule g (rows 8g..8g+7) is K/32
     blocks of 32 lanes x 8 elements; lane l = 4r + q of block p holds W[8g + r][32p + 8t + 2q + e] at position
     2t + e, i.e. the B operands of mma k-steps 2p (t = 0, 1) and 2p + 1 (t = 2, 3)."""
     n, k = w.shape

@@ -2,7 +2,7 @@
 
 token[r] = argmax_c(logits[r, c] * inv_temperature[r] - log(E[r, c])) with E ~ Exp(1) is a draw from
 softmax(logits[r] * inv_temperature[r]) (the Gumbel-max trick); rows with inv_temperature 0 take the plain
-argmax. With cuda=True and CUDA tensors this is one kernel (minillm/cuda/sampling.cu) that reads each
+argmax. With cuda=True and CUDA tensors this is one kernel (cuda/sampling.cu) that reads each
 logit once; elsewhere the numpy reference below runs. Logits may be float32, bfloat16 or float16 (the lm_head
 output as it is): both paths widen each value to float32 exactly first, so a value gives the same token
 whichever of the three dtypes holds it.

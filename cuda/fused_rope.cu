@@ -9,7 +9,7 @@
 // Variants: dtype (fp32, fp16, bf16) x access width (16-byte vectors; scalars when unaligned) x K (1, 2, 4)
 // x with/without the q/k norm. Rounding follows minillm/ops/fused_ops.py: the normed head is rounded to the
 // activation dtype, RoPE runs in fp32 on it (products rounded separately, no FMA) and is rounded once.
-// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/fused_rope.cu
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_rope.cu
 #include <cmath>
 
 #include "fused.h"

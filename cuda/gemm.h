@@ -1,4 +1,4 @@
-// Plain C++ launcher of the skinny GEMM (decode-sized linear layers). No torch types: minillm/cuda/fused_bindings.cpp
+// Plain C++ launcher of the skinny GEMM (decode-sized linear layers). No torch types: cuda/fused_bindings.cpp
 // turns tensors into these arguments. Returns cudaSuccess, cudaErrorInvalidValue for an unsupported shape, or the
 // launch error.
 #pragma once

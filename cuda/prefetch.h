@@ -1,4 +1,4 @@
-// Plain C++ launcher of the L2 weight prefetch (minillm/cuda/l2_prefetch.cu); fused_bindings.cpp turns tensors into
+// Plain C++ launcher of the L2 weight prefetch (cuda/l2_prefetch.cu); fused_bindings.cpp turns tensors into
 // this list. Returns cudaSuccess, cudaErrorInvalidValue for a misaligned or oversized list, or the launch error.
 #pragma once
 

@@ -6,7 +6,7 @@
 // power of two); short rows share a 128-thread CTA (blockDim.y rows) so small hidden sizes still fill it.
 // Arithmetic follows minillm/ops/fused_ops.py: fp32 math, the sum rounded to the activation dtype before
 // the norm, y = round((x * inv_rms) * w).
-// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/fused_norm.cu
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_norm.cu
 #include "fused.h"
 #include "launch.h"
 

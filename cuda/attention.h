@@ -1,5 +1,5 @@
 // Plain C++ launchers of the attention kernels (raw pointers, sizes, strides, stream). No torch types here:
-// minillm/cuda/attention_bindings.cpp turns tensors into these arguments. Strides are in elements. Every launcher
+// cuda/attention_bindings.cpp turns tensors into these arguments. Strides are in elements. Every launcher
 // returns cudaSuccess, cudaErrorInvalidValue for an unsupported configuration, or the launch error.
 //
 // KV cache layout (per layer): k_cache, v_cache contiguous [num_blocks, block_size, num_kv_heads, head_dim];

@@ -1,6 +1,6 @@
 // Plain C++ launcher of the persistent decode kernel ("megakernel", decode_megakernel.cu): every decoder layer of
 // one decode step (one new token for each of up to kMegaMaxBatch sequences) in a single cooperative launch.
-// No torch types: minillm/cuda/megakernel_bindings.cpp turns tensors into this struct.
+// No torch types: cuda/megakernel_bindings.cpp turns tensors into this struct.
 //
 // Weight layout ("granule" order, built once by minillm/ops/megakernel.py): a linear weight [N, K] is cut into
 // granules of 8 rows; a granule is stored as K/32 blocks of 512 bytes, block p holding for lane l = 4r + q the

@@ -33,7 +33,7 @@
 // CUDA graph capture hands out memory of the graph's private pool, fixed across replays); its tickets are
 // zeroed by a cudaMemsetAsync on the launch stream (a memset node when captured), so any launch or replay
 // starts from zero tickets whatever the memory held before.
-// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/sampling.cu
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/sampling.cu
 #include <algorithm>
 #include <atomic>
 #include <cmath>

@@ -4,7 +4,7 @@
 // the intermediate size is not a multiple of the vector). One CTA per row walks the row in vectors, so the two
 // halves are read once and the output written once. Rounding follows torch's F.silu(gate) * up in the
 // activation dtype: silu is computed in fp32 and rounded, then the product is rounded.
-// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v minillm/cuda/fused_act.cu
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_act.cu
 #include "fused.h"
 #include "launch.h"
 
