@@ -17,7 +17,7 @@ from minillm.cache.spec import KVCacheSpec
 from minillm.config import ConfigError, EngineConfig
 from minillm.device import resolve_device, resolve_dtype
 from minillm.contract import ModelRunnerOutput, SchedulerOutput
-from minillm.model.loader import load_model
+from minillm.model.loader import load_model, read_kv_scales
 from minillm.ops.choice import resolve_kernels
 from minillm.ops.launch import pdl_launches
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
@@ -45,6 +45,18 @@ class InFlight:
         return PrevTokens(self.token_ids, self.req_ids)
 
 
+def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype, kernels) -> KVCacheSpec:
+    """The KV-cache spec, with an fp8 cache's scales from the checkpoint (1.0 where it has none)."""
+    from minillm.ops.kv_quant import FP8_DTYPES
+    fp8 = cfg.cache.kv_cache_dtype in FP8_DTYPES
+    if fp8 and kernels.attention == "cuda" and kernels.attention_mode == "unified":
+        raise ConfigError(f"cache.kv_cache_dtype={cfg.cache.kv_cache_dtype} cannot run with "
+                          "runtime.attention_mode=unified: the paged prefill kernel reads bf16/fp16 caches only "
+                          "(use attention_mode split, or runtime.attention torch)")
+    scales = read_kv_scales(model_dir, arch) if fp8 else None
+    return KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, dtype, scales)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -55,7 +67,7 @@ class ModelRunner:
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
                                                            self.device, self.attn_backend, seed=cfg.runtime.seed,
                                                            kernels=self.kernels)
-        self.kv_spec = KVCacheSpec.for_model(self.arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, self.dtype)
+        self.kv_spec = _kv_spec(cfg, self.arch, self.model_dir, self.dtype, self.kernels)
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
@@ -107,6 +119,8 @@ class ModelRunner:
 
         reason = mkops.unsupported_reason(self.arch, self.dtype, self.cfg.cache.block_size, rows,
                                           **mkops.device_limits(self.device))
+        if reason is None and self.kv_spec.quantized:
+            reason = f"it reads bf16/fp16 caches only, not {self.cfg.cache.kv_cache_dtype}"
         if reason is not None:
             log.info("decode megakernel not used: %s", reason)
             self.kernels = dataclasses.replace(self.kernels, megakernel_max_batch=0)   # results lines say so
