@@ -7,7 +7,8 @@ cpu mode (the embedded demo model):
     model with an fp32 cache (ppl_fp32);
   - greedy agreement: --prompts prompts (the first --prompt-tokens tokens of held-out docstrings), --tokens greedy
     tokens each, bf16 model with bf16 vs fp8 cache: greedy_agreement = mean over prompts of the length of the
-    common prefix / tokens; greedy_identical = fraction of prompts whose continuations are equal.
+    common prefix / tokens; greedy_identical = fraction of prompts whose continuations are equal; the same two
+    for the bf16 engine against the fp32 one (*_bf16_vs_fp32), the yardstick.
 gpu mode (the Qwen3-0.6B shape with dummy weights, bf16): one sequence of random token ids run through the model in
   prefill chunks; kl_mean[ctx] = mean KL(bf16 || fp8) of the next-token distributions of the last --kl-rows
   positions before ctx, for ctx in 512, 4096, 16384.
@@ -148,12 +149,15 @@ def cpu_mode(args) -> dict:
            f"demo model's training), {sum(len(w) for w in windows)} tokens in windows of {args.window}",
            "kv_cache_dtype": args.kv}
     rec["ppl_fp32"] = perplexity(engine("float32", "auto"), windows, args.chunk)
+    base = greedy(engines[("float32", "auto")], prompts, args.tokens)
     rec["ppl_bf16"] = perplexity(engine("bfloat16", "auto"), windows, args.chunk)
     ref = greedy(engines[("bfloat16", "auto")], prompts, args.tokens)
     rec["ppl_fp8"] = perplexity(engine("bfloat16", args.kv), windows, args.chunk)
     test = greedy(engines[("bfloat16", args.kv)], prompts, args.tokens)
     rec["ppl_fp8_vs_bf16"] = rec["ppl_fp8"] / rec["ppl_bf16"] - 1
     rec["greedy_agreement"], rec["greedy_identical"] = agreement(ref, test)
+    # the yardstick: how far bf16 itself (model and cache) is from fp32 on the same prompts
+    rec["greedy_agreement_bf16_vs_fp32"], rec["greedy_identical_bf16_vs_fp32"] = agreement(base, ref)
     rec.update(prompts=len(prompts), tokens_per_prompt=args.tokens, prompt_tokens=args.prompt_tokens,
                kv_scales="1.0 (the demo checkpoint has none)", seconds=round(time.time() - t0, 1))
     return rec
