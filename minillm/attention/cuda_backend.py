@@ -10,6 +10,10 @@ mode "unified": every row goes through the prefill kernel (a decode row is a pre
 Shapes the kernels do not cover (head dim other than 64/128, GQA group above 8, block size other than 16/32,
 dtypes other than bf16/fp16) warn once and run on the torch backend: never a wrong answer.
 
+An fp8 cache (the KVCacheSpec's dtype): the KV write (fused or not) quantizes and the decode kernel reads fp8,
+both with the layer's scales from the spec. The prefill kernel reads bf16/fp16 caches only, so prefill rows of an
+fp8 cache run on the torch reference (correct, slow; minillm/ops/kv_quant.py FP8_KERNEL_COVERAGE).
+
 The decode path does no host sync and sizes its split-K workspace from host-side maxima (meta.max_seq_len),
 so it can be captured in a CUDA graph.
 """
@@ -22,6 +26,7 @@ import torch
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.ops import attention_ops as ops
+from minillm.ops.kv_quant import is_fp8
 
 MODES = ("split", "unified")
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -45,8 +50,8 @@ def _reason(is_cuda: bool, head_dim: int, num_q_heads: int, num_kv_heads: int, b
         return f"head_dim={head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
     if block_size not in SUPPORTED_BLOCK_SIZES:
         return f"block_size={block_size} (supported: {SUPPORTED_BLOCK_SIZES})"
-    if dtype not in SUPPORTED_DTYPES or cache_dtype != dtype:
-        return f"dtype q={dtype} cache={cache_dtype} (supported: bfloat16, float16, both the same)"
+    if dtype not in SUPPORTED_DTYPES or not (cache_dtype == dtype or is_fp8(cache_dtype)):
+        return f"dtype q={dtype} cache={cache_dtype} (supported: bfloat16, float16; the cache the same or fp8)"
     if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= MAX_GQA_GROUP:
         return f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads} (group must be 1..{MAX_GQA_GROUP})"
     return None
@@ -92,6 +97,8 @@ class CudaAttentionBackend:
                          k_cache.dtype)
         if reason is not None:
             return None
+        if is_fp8(k_cache.dtype):
+            return (k_cache, v_cache, meta.slot_mapping, *self.kv_spec.layer_scales(k_cache))
         return k_cache, v_cache, meta.slot_mapping
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
@@ -101,18 +108,33 @@ class CudaAttentionBackend:
         reason = unsupported_reason(q, k_cache)
         if reason is not None:
             return self._torch_forward(reason, q, k, v, k_cache, v_cache, meta, scale)
+        fp8 = is_fp8(k_cache.dtype)
+        ks, vs = self.kv_spec.layer_scales(k_cache) if fp8 else (None, None)
         if k is not None:
-            ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         nd = meta.num_decodes if self.mode == "split" else 0
         if nd > 0:
             ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                              scale, meta.max_seq_len, min_partitions=self.min_partitions,
-                             ctas_per_sm=self.ctas_per_sm)
-        if meta.num_seqs > nd:
+                             ctas_per_sm=self.ctas_per_sm, k_scale=ks, v_scale=vs)
+        if meta.num_seqs > nd and fp8:
+            self._fp8_prefill_rows(out, q, k_cache, v_cache, meta, scale, ks, vs)
+        elif meta.num_seqs > nd:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd)
         return out
+
+    def _fp8_prefill_rows(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale, ks, vs) -> None:
+        """Prefill rows over an fp8 cache (already written): the torch reference, dequantizing what it reads."""
+        from minillm.ops.reference import paged_attention_ref
+        nd = meta.num_decodes
+        qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
+        lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+        lo, hi = qsl[nd], qsl[meta.num_seqs]
+        rows = paged_attention_ref(q[lo:hi], k_cache, v_cache, meta.block_tables[nd:meta.num_seqs],
+                                   lens[nd:meta.num_seqs], [x - lo for x in qsl[nd:meta.num_seqs + 1]], scale, ks, vs)
+        out[lo:hi] = rows.to(out.dtype)
 
     def _torch_forward(self, reason: str, *args) -> torch.Tensor:
         if reason not in self._warned:

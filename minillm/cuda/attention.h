@@ -20,6 +20,14 @@ cudaError_t launch_kv_write(const void* k, const void* v, int64_t k_stride_t, in
                             const int64_t* slot_mapping, int num_tokens, int num_heads, int head_dim,
                             cudaStream_t stream);
 
+// The same into an fp8 cache (cache_dtype kFloat8E4M3 / kFloat8E5M2; k/v bf16 or fp16): every element is
+// stored as fp8(x * (1 / scale[head])), saturating; k_scale / v_scale are fp32 [num_heads] on the device.
+cudaError_t launch_kv_write_fp8(const void* k, const void* v, int64_t k_stride_t, int64_t k_stride_h,
+                                int64_t v_stride_t, int64_t v_stride_h, void* k_cache, void* v_cache,
+                                const int64_t* slot_mapping, const float* k_scale, const float* v_scale,
+                                int num_tokens, int num_heads, int head_dim, ScalarType dtype,
+                                ScalarType cache_dtype, cudaStream_t stream);
+
 struct PagedAttnArgs {
   void* out;                 // [rows, Hq, D]
   int64_t out_stride_t, out_stride_h;
@@ -33,6 +41,11 @@ struct PagedAttnArgs {
   int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
   float scale;
   ScalarType dtype;               // kBFloat16 or kFloat16
+  // The cache's element type: dtype itself, or kFloat8E4M3 / kFloat8E5M2 with fp32 [num_kv_heads] scales
+  // (decode only; the value read is stored * scale). The bindings always set it.
+  ScalarType cache_dtype;
+  const float* k_scale;
+  const float* v_scale;
 };
 
 // Decode: one query row per sequence (row s of q belongs to sequence s).
