@@ -191,3 +191,20 @@ def test_fp8_with_unified_cuda_attention_is_refused():
     with pytest.raises(ConfigError, match="attention_mode=unified"):
         _kv_spec(cfg, None, None, torch.bfloat16, kernels)
     assert FP8_KERNEL_COVERAGE["paged_prefill"] is False and FP8_KERNEL_COVERAGE["torch"] is True
+
+
+# ---------------------------------------------------------------- the floor counts the cache's real bytes
+
+def test_fp8_floor_reads_half_the_kv_bytes_and_states_the_bf16_one():
+    from minillm.bench.floor import DeviceRates, ModelShape, floor_record, kv_elem_bytes, workload_work
+    shape = ModelShape(151936, 1024, 3072, 28, 16, 8, 128)
+    assert (kv_elem_bytes("fp8", "bfloat16"), kv_elem_bytes("auto", "bfloat16"), kv_elem_bytes("fp8_e5m2", "float32")) \
+        == (1, 2, 1)
+    bf16 = workload_work(shape, [100, 300], [50, 20], 2, 256)
+    fp8 = workload_work(shape, [100, 300], [50, 20], 2, 256, kv_elem_bytes("fp8", "bfloat16"))
+    assert fp8.kv_bytes * 2 == bf16.kv_bytes and fp8.weight_bytes == bf16.weight_bytes
+    rec = floor_record(fp8, DeviceRates(4e12, 7e14, 0.0), 1.0, bf16)
+    assert rec["kv_bytes_model_dtype_kv"] == bf16.kv_bytes
+    assert rec["floor_s"] < rec["floor_s_model_dtype_kv"]
+    assert rec["floor_s_model_dtype_kv"] - rec["floor_s"] == pytest.approx(fp8.kv_bytes / 4e12)
+    assert "floor_s_model_dtype_kv" not in floor_record(bf16, DeviceRates(4e12, 7e14, 0.0), 1.0, bf16)
