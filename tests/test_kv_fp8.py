@@ -208,3 +208,14 @@ def test_fp8_floor_reads_half_the_kv_bytes_and_states_the_bf16_one():
     assert rec["floor_s"] < rec["floor_s_model_dtype_kv"]
     assert rec["floor_s_model_dtype_kv"] - rec["floor_s"] == pytest.approx(fp8.kv_bytes / 4e12)
     assert "floor_s_model_dtype_kv" not in floor_record(bf16, DeviceRates(4e12, 7e14, 0.0), 1.0, bf16)
+
+
+def test_the_fp8_check_batch_keeps_its_nan_poison_and_saturates_on_write():
+    from minillm.ops.kv_quant_check import fp8_batch
+    b, ks, vs = fp8_batch([21, 40], [21, 9], 4, 2, 64, 16, torch.bfloat16, E4M3, device="cpu")
+    assert b.k_cache.dtype == E4M3 and torch.isnan(b.k_cache.float()).any()
+    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping, ks, vs)
+    first = dequantize(b.k_cache.view(-1, 2, 64)[b.slot_mapping[0]], ks)[0, :4]
+    assert first.tolist() == pytest.approx([448 * ks[0].item(), -448 * ks[0].item()] * 2)
+    assert sorted(FP8_KERNEL_COVERAGE) == sorted(["kv_write", "qk_norm_rope_cache", "paged_decode", "paged_prefill",
+                                                  "decode_megakernel", "torch"])
