@@ -182,15 +182,9 @@ def test_unknown_kv_cache_dtype_exits_2(tmp_path):
     assert result.exit_code == 2 and "cache.kv_cache_dtype='fp4'" in result.stderr and "fp8_e5m2" in result.stderr
 
 
-def test_fp8_with_unified_cuda_attention_is_refused():
-    from types import SimpleNamespace
-    from minillm.config import EngineConfig
-    from minillm.runner.model_runner import _kv_spec
-    cfg = EngineConfig.from_kwargs(kv_cache_dtype="fp8")
-    kernels = SimpleNamespace(attention="cuda", attention_mode="unified")
-    with pytest.raises(ConfigError, match="attention_mode=unified"):
-        _kv_spec(cfg, None, None, torch.bfloat16, kernels)
-    assert FP8_KERNEL_COVERAGE["paged_prefill"] is False and FP8_KERNEL_COVERAGE["torch"] is True
+def test_the_coverage_statement_names_the_megakernel_as_the_one_kernel_without_fp8():
+    from minillm.ops.kv_quant import kernels_refusing_fp8
+    assert kernels_refusing_fp8() == ["decode_megakernel"]
 
 
 # ---------------------------------------------------------------- the floor counts the cache's real bytes

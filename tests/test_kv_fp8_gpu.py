@@ -21,8 +21,9 @@ def test_every_fp8_kernel_case_passes(ext):
     assert rows and not failed, failed[:5]
 
 
+@pytest.mark.parametrize("mode", ["split", "unified"])
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
-def test_cuda_backend_matches_torch_backend_on_a_mixed_batch(ext, kv):
+def test_cuda_backend_matches_torch_backend_on_a_mixed_batch(ext, kv, mode):
     from minillm.attention.cuda_backend import CudaAttentionBackend
     from minillm.attention.torch_backend import TorchAttentionBackend
     from minillm.cache.spec import KVCacheSpec
@@ -32,7 +33,7 @@ def test_cuda_backend_matches_torch_backend_on_a_mixed_batch(ext, kv):
     b = make_paged_batch(ctx, ql, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=4)
     spec = KVCacheSpec(1, 8, 128, 16, FP8_DTYPES[kv], scales=(0.01 + 0.02 * torch.rand(1, 2, 8)))
     outs = []
-    for backend in (CudaAttentionBackend("split"), TorchAttentionBackend()):
+    for backend in (CudaAttentionBackend(mode), TorchAttentionBackend()):
         backend.bind_kv_cache(spec)
         (kc, vc), = spec.allocate(b.k_cache.shape[0], "cuda")
         ks, vs = spec.layer_scales(kc)

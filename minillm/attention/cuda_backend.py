@@ -10,9 +10,8 @@ mode "unified": every row goes through the prefill kernel (a decode row is a pre
 Shapes the kernels do not cover (head dim other than 64/128, GQA group above 8, block size other than 16/32,
 dtypes other than bf16/fp16) warn once and run on the torch backend: never a wrong answer.
 
-An fp8 cache (the KVCacheSpec's dtype): the KV write (fused or not) quantizes and the decode kernel reads fp8,
-both with the layer's scales from the spec. The prefill kernel reads bf16/fp16 caches only, so prefill rows of an
-fp8 cache run on the torch reference (correct, slow; minillm/ops/kv_quant.py FP8_KERNEL_COVERAGE).
+An fp8 cache (the KVCacheSpec's dtype): the KV write (fused or not) quantizes and the decode and prefill kernels
+read fp8, all with the layer's scales from the spec (minillm/ops/kv_quant.py FP8_KERNEL_COVERAGE).
 
 The decode path does no host sync and sizes its split-K workspace from host-side maxima (meta.max_seq_len),
 so it can be captured in a CUDA graph.
@@ -118,23 +117,11 @@ class CudaAttentionBackend:
             ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                              scale, meta.max_seq_len, min_partitions=self.min_partitions,
                              ctas_per_sm=self.ctas_per_sm, k_scale=ks, v_scale=vs)
-        if meta.num_seqs > nd and fp8:
-            self._fp8_prefill_rows(out, q, k_cache, v_cache, meta, scale, ks, vs)
-        elif meta.num_seqs > nd:
+        if meta.num_seqs > nd:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd)
+                              scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd,
+                              k_scale=ks, v_scale=vs)
         return out
-
-    def _fp8_prefill_rows(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale, ks, vs) -> None:
-        """Prefill rows over an fp8 cache (already written): the torch reference, dequantizing what it reads."""
-        from minillm.ops.reference import paged_attention_ref
-        nd = meta.num_decodes
-        qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
-        lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
-        lo, hi = qsl[nd], qsl[meta.num_seqs]
-        rows = paged_attention_ref(q[lo:hi], k_cache, v_cache, meta.block_tables[nd:meta.num_seqs],
-                                   lens[nd:meta.num_seqs], [x - lo for x in qsl[nd:meta.num_seqs + 1]], scale, ks, vs)
-        out[lo:hi] = rows.to(out.dtype)
 
     def _torch_forward(self, reason: str, *args) -> torch.Tensor:
         if reason not in self._warned:

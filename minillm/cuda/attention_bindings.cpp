@@ -175,10 +175,30 @@ void launch_decode(minillm::PagedAttnArgs a, const Tensor& q, const Tensor& bloc
                 "paged_decode");
 }
 
+void launch_prefill(minillm::PagedAttnArgs a, const Tensor& seq_lens, const Tensor& query_start_loc,
+                    int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, const Tensor& q);
+
 void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
                    int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, double scale) {
-  minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  launch_prefill(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), seq_lens, query_start_loc,
+                 seq_begin, num_seqs, max_query_len, q);
+}
+
+void paged_prefill_fp8(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                       const Tensor& k_scale, const Tensor& v_scale, int64_t seq_begin, int64_t num_seqs,
+                       int64_t max_query_len, double scale) {
+  minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale, true);
+  check_scales(k_scale, k_cache, "k_scale");
+  check_scales(v_scale, v_cache, "v_scale");
+  a.k_scale = k_scale.data_ptr<float>();
+  a.v_scale = v_scale.data_ptr<float>();
+  launch_prefill(a, seq_lens, query_start_loc, seq_begin, num_seqs, max_query_len, q);
+}
+
+void launch_prefill(minillm::PagedAttnArgs a, const Tensor& seq_lens, const Tensor& query_start_loc,
+                    int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, const Tensor& q) {
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int32");
   TORCH_CHECK(seq_begin >= 0 && seq_begin + num_seqs <= seq_lens.size(0) &&
@@ -199,6 +219,9 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor seq_lens, float scale, int partition_size, int max_seq_len) -> ()");
   m.def("kv_write_fp8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor k_scale, Tensor v_scale) -> ()");
+  m.def("paged_prefill_fp8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor k_scale, Tensor v_scale, int seq_begin, int num_seqs, "
+        "int max_query_len, float scale) -> ()");
   m.def("paged_decode_fp8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor k_scale, Tensor v_scale, float scale, int partition_size, int max_seq_len) -> ()");
   m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -211,4 +234,5 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("paged_prefill", &paged_prefill);
   m.impl("kv_write_fp8", &kv_write_fp8);
   m.impl("paged_decode_fp8", &paged_decode_fp8);
+  m.impl("paged_prefill_fp8", &paged_prefill_fp8);
 }

@@ -94,14 +94,21 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                  scale: float, max_query_len: int, seq_begin: int = 0, num_seqs: int | None = None) -> torch.Tensor:
+                  scale: float, max_query_len: int, seq_begin: int = 0, num_seqs: int | None = None, *,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the query rows of sequences [seq_begin, seq_begin + num_seqs) in one launch.
 
     Rows of sequence s are q[query_start_loc[s]:query_start_loc[s+1]] and sit at the last positions of its
     seq_lens[s]-token context (prefix hits and later prefill chunks attend to the cached tokens before them).
+    k_scale / v_scale (fp32 [Hkv]): the caches are fp8, read as stored * scale.
     """
     if num_seqs is None:
         num_seqs = seq_lens.shape[0] - seq_begin
-    load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
+    if k_scale is None:
+        load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                       int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
+    else:
+        load_extension().paged_prefill_fp8(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                           k_scale, v_scale, int(seq_begin), int(num_seqs), int(max_query_len),
+                                           float(scale))
     return out

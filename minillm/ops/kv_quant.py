@@ -19,7 +19,7 @@ FP8_KERNEL_COVERAGE = {
     "kv_write": True,            # minillm/cuda/kv_write.cu
     "qk_norm_rope_cache": True,  # minillm/cuda/fused_rope.cu (RoPE fused with the KV write)
     "paged_decode": True,        # minillm/cuda/paged_decode.cu (v1 and split-K)
-    "paged_prefill": False,      # minillm/cuda/paged_prefill.cu: bf16/fp16 caches only so far
+    "paged_prefill": True,       # minillm/cuda/paged_prefill.cu (split and unified modes)
     "decode_megakernel": False,  # minillm/cuda/decode_megakernel.cu
     "torch": True,               # minillm/ops/reference.py, the torch attention backend
 }

@@ -1,10 +1,10 @@
 """`check-kernels` cases for fp8 KV caches (needs a GPU): every kernel that accepts an fp8 cache against the fp32
 reference of the dequantized cache, on NaN-poisoned caches with random block tables and per-KV-head scales.
 
-Cases: kv_write_fp8 and the fused qk_norm_rope KV write (whole caches compared bit for bit with the reference's
-quantize, untouched NaN slots unchanged, values past the fp8 range saturated), paged decode v1 / split-K / equal
-partitions (out against paged_attention_ref over the dequantized cache), the CUDA backend on a mixed batch
-against the torch backend. Rows have the shape of minillm/ops/check.py's (case, max_abs_err, tol, passed);
+Cases: kv_write_fp8 against the reference's quantize and the fused qk_norm_rope KV write against the unfused
+kernels (whole caches bit for bit, untouched NaN slots unchanged, values past the fp8 range saturated), paged decode
+v1 / split-K / equal partitions and paged prefill (ragged, prefix hits, chunks), each against paged_attention_ref
+over the dequantized cache. Rows have the shape of minillm/ops/check.py's (case, max_abs_err, tol, passed);
 run_fp8_timings adds the decode kernel's bandwidth in fp8 bytes.
 """
 from __future__ import annotations
@@ -97,6 +97,27 @@ def _case_decode(d, hq, hkv, bs, act, cache, ctx, part, seed) -> float:
     return float("nan") if torch.isnan(diff).any() else float(diff.max())
 
 
+def _prefill_batches():
+    yield "ragged", [1, 15, 16, 17, 63, 64, 65, 129], [1, 15, 16, 17, 63, 64, 65, 129]
+    yield "prefix_hit", [80, 300, 33], [16, 45, 1]
+    yield "chunked", [512, 700], [256, 188]
+
+
+def _case_prefill(d, hq, hkv, bs, act, cache, ctx, ql, seed) -> float:
+    from minillm.ops import attention_ops as ops
+    from minillm.ops.reference import kv_write_ref
+
+    b, ks, vs = fp8_batch(ctx, ql, hq, hkv, d, bs, act, cache, seed=seed)
+    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping, ks, vs)
+    ref = paged_attention_ref(b.q, dequantize(b.k_cache, ks), dequantize(b.v_cache, vs), b.block_tables,
+                              b.seq_lens_list, b.query_start_list, d ** -0.5)
+    out = torch.full_like(b.q, float("nan"))
+    ops.paged_prefill(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, d ** -0.5,
+                      max(ql), k_scale=ks, v_scale=vs)
+    diff = (out.float() - ref).abs()
+    return float("nan") if torch.isnan(diff).any() else float(diff.max())
+
+
 def run_fp8_cases(quick: bool = False) -> list[dict]:
     """One row per case: {case, max_abs_err, tol, passed}."""
     rows = []
@@ -113,6 +134,10 @@ def run_fp8_cases(quick: bool = False) -> list[dict]:
                 for label, ctx, part in _decode_batches():
                     err = _case_decode(d, hq, hkv, bs, act, cache, ctx, part, 3)
                     rows.append(dict(case=f"decode {label} {tag}", max_abs_err=err, tol=TOL[dt],
+                                     passed=err <= TOL[dt]))
+                for label, ctx, ql in _prefill_batches():
+                    err = _case_prefill(d, hq, hkv, bs, act, cache, ctx, ql, 4)
+                    rows.append(dict(case=f"prefill {label} {tag}", max_abs_err=err, tol=TOL[dt],
                                      passed=err <= TOL[dt]))
     return rows
 

@@ -45,14 +45,10 @@ class InFlight:
         return PrevTokens(self.token_ids, self.req_ids)
 
 
-def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype, kernels) -> KVCacheSpec:
+def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype) -> KVCacheSpec:
     """The KV-cache spec, with an fp8 cache's scales from the checkpoint (1.0 where it has none)."""
     from minillm.ops.kv_quant import FP8_DTYPES
     fp8 = cfg.cache.kv_cache_dtype in FP8_DTYPES
-    if fp8 and kernels.attention == "cuda" and kernels.attention_mode == "unified":
-        raise ConfigError(f"cache.kv_cache_dtype={cfg.cache.kv_cache_dtype} cannot run with "
-                          "runtime.attention_mode=unified: the paged prefill kernel reads bf16/fp16 caches only "
-                          "(use attention_mode split, or runtime.attention torch)")
     scales = read_kv_scales(model_dir, arch) if fp8 else None
     return KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, dtype, scales)
 
@@ -67,7 +63,7 @@ class ModelRunner:
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
                                                            self.device, self.attn_backend, seed=cfg.runtime.seed,
                                                            kernels=self.kernels)
-        self.kv_spec = _kv_spec(cfg, self.arch, self.model_dir, self.dtype, self.kernels)
+        self.kv_spec = _kv_spec(cfg, self.arch, self.model_dir, self.dtype)
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
