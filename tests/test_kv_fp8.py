@@ -213,3 +213,12 @@ def test_the_fp8_check_batch_keeps_its_nan_poison_and_saturates_on_write():
     assert first.tolist() == pytest.approx([448 * ks[0].item(), -448 * ks[0].item()] * 2)
     assert sorted(FP8_KERNEL_COVERAGE) == sorted(["kv_write", "qk_norm_rope_cache", "paged_decode", "paged_prefill",
                                                   "decode_megakernel", "torch"])
+
+
+def test_an_fp8_pool_holds_twice_the_tokens_of_a_bf16_one():
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(dtype="bfloat16", device="cpu", kv_cache_dtype=kv)   # the demo model; the CPU pool is byte-capped
+        blocks[kv] = llm.engine.runner.num_blocks
+        assert llm.engine.runner.kv_caches[0][0].dtype == (E4M3 if kv == "fp8" else torch.bfloat16)
+    assert blocks["fp8"] == 2 * blocks["auto"]

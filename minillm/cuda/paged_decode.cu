@@ -123,6 +123,13 @@ __device__ __forceinline__ void widen_chunk(T* stage, const uint8_t* slot, int l
   }
 }
 
+// fp8: a warp's staging slot (the widened chunk), after every warp's ring of fp8 slots.
+template <typename T, int D>
+__device__ __forceinline__ T* stage_slot(uint4* smem, int warp) {
+  return reinterpret_cast<T*>(reinterpret_cast<uint8_t*>(smem) + kWarps * kStages * stage_elems<D>()) +
+         warp * stage_elems<D>();
+}
+
 template <typename T, int D, int BS, int CF>
 __device__ __forceinline__ void issue_any(CacheElem<T, CF>* slot, const CacheElem<T, CF>* kc, const CacheElem<T, CF>* vc,
                                           int blk, int tok0, int end, int lane, int64_t tok_stride) {
@@ -172,7 +179,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
   using C = CacheElem<T, CF>;
-  const float sl2 = a.scale * kLog2e * (CF == kCacheNative ? 1.f : a.k_scale[kvh]);
+  float sl2 = a.scale * kLog2e;
+  if constexpr (CF != kCacheNative) sl2 *= a.k_scale[kvh];
 
   const int64_t tok_stride = (int64_t)a.num_kv_heads * D;  // elements between consecutive slots
   const int* bt = a.block_tables + s * a.bt_stride;
@@ -182,9 +190,6 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   // Each warp streams every kWarps-th chunk of the partition through its own ring of kStages slots.
   C* ring = reinterpret_cast<C*>(ring_smem) + warp * kStages * SLOT;
-  // fp8: the warp's staging slot, after every warp's ring.
-  T* stage = reinterpret_cast<T*>(reinterpret_cast<uint8_t*>(ring_smem) + kWarps * kStages * SLOT * sizeof(C)) +
-             warp * SLOT;
   const int ch0 = first + warp;
   const int mine = ch0 < last ? (last - ch0 + kWarps - 1) / kWarps : 0;  // chunks of this warp
   // The ring's first chunks are in flight before pdl_wait (they overlap the end of the kernel before this one),
@@ -228,13 +233,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // this lane's copies of chunk i have landed ...
-    if constexpr (CF != kCacheNative) widen_chunk<T, D, CF>(stage, ring + (i % kStages) * SLOT, lane);
+    if constexpr (CF != kCacheNative) widen_chunk<T, D, CF>(stage_slot<T, D>(ring_smem, warp), ring + (i % kStages) * SLOT, lane);
     __syncwarp();                  // ... and, after this, every lane's
     const T* sK;
     if constexpr (CF == kCacheNative)
       sK = ring + (i % kStages) * SLOT;
     else
-      sK = stage;
+      sK = stage_slot<T, D>(ring_smem, warp);
     const T* sV = sK + kChunk * D;
     const int tok0 = (ch0 + i * kWarps) * kChunk;
 
@@ -294,7 +299,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncthreads();
 
-  const float vscale = CF == kCacheNative ? 1.f : a.v_scale[kvh];
   for (int i = threadIdx.x; i < group * D; i += kWarps * 32) {
     const int g = i / D, d = i % D;
     float mmax = -CUDART_INF_F;
@@ -307,7 +311,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       lsum += sm_l[w * kMaxGroup + g] * f;
       o_d += sm_acc[(w * kMaxGroup + g) * D + d] * f;
     }
-    if constexpr (CF != kCacheNative) o_d *= vscale;
+    if constexpr (CF != kCacheNative) o_d *= a.v_scale[kvh];
     const int h = kvh * group + g;
     if (psz == 0) {
       T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
