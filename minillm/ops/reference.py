@@ -18,11 +18,21 @@ from minillm.ops.kv_quant import dequantize, is_fp8, quantize
 
 
 def _stored(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x as the cache stores it; fp8 as its bytes (uint8), since not every device indexes float8 tensors."""
     if is_fp8(cache.dtype):
         if scale is None:
             raise ValueError("an fp8 KV cache needs its k_scale / v_scale")
-        return quantize(x, scale, cache.dtype)
+        return quantize(x, scale, cache.dtype).view(torch.uint8)
     return x.to(cache.dtype)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache viewed as uint8 for indexing (gathers and scatters move bytes); any other cache as it is."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
+def _typed(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return rows.view(cache.dtype) if is_fp8(cache.dtype) else rows
 
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,8 +43,8 @@ def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping[: k.shape[0]].long()
     keep = slots >= 0
-    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = _stored(k[keep], k_cache, k_scale)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = _stored(v[keep], v_cache, v_scale)
+    _bytes(k_cache).view(-1, num_kv_heads, head_dim)[slots[keep]] = _stored(k[keep], k_cache, k_scale)
+    _bytes(v_cache).view(-1, num_kv_heads, head_dim)[slots[keep]] = _stored(v[keep], v_cache, v_scale)
 
 
 def _read(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -47,14 +57,14 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     block_size = cache.shape[1]
     pos = torch.arange(length, device=cache.device)
     blocks = block_table.to(cache.device).long()[pos // block_size]
-    return _read(cache[blocks, pos % block_size], scale)
+    return _read(_typed(_bytes(cache)[blocks, pos % block_size], cache), scale)
 
 
 def gather_kv_batch(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[B, max_blocks] block ids -> the first `num_tokens` cache rows of each sequence, [B, num_tokens, H, D] in the
     cache dtype (positions past a sequence's own length hold whatever its table points at: mask them)."""
     num_blocks = -(-num_tokens // cache.shape[1])
-    blocks = cache[block_tables[:, :num_blocks].long()]          # [B, nb, block_size, H, D]
+    blocks = _typed(_bytes(cache)[block_tables[:, :num_blocks].long()], cache)   # [B, nb, block_size, H, D]
     b, nb, bs, h, d = blocks.shape
     return blocks.reshape(b, nb * bs, h, d)[:, :num_tokens]
 
