@@ -41,8 +41,12 @@ struct PagedAttnArgs {
   int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
   float scale;
   ScalarType dtype;               // kBFloat16 or kFloat16
-  // The cache's element type: dtype itself, or kFloat8E4M3 / kFloat8E5M2 with fp32 [num_kv_heads] scales
-  // (decode only; the value read is stored * scale). The bindings always set it.
+};
+
+// An fp8 cache (kv_fp8.cuh): its element type (kFloat8E4M3 / kFloat8E5M2) and fp32 [num_kv_heads] scales; a value
+// is read as stored * scale. Kept out of PagedAttnArgs: a larger argument struct alone costs the head-dim-64 decode
+// kernel 26 registers. Null = the cache holds the activation dtype.
+struct KvQuant {
   ScalarType cache_dtype;
   const float* k_scale;
   const float* v_scale;
@@ -55,12 +59,12 @@ struct PagedAttnArgs {
 // max in log2 units) and a reduce kernel merges them into `out`. num_partitions must cover the longest context.
 // partition_size = -P (P = num_partitions): split-K with every sequence cut into P equal partitions.
 cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                                float* ws_max, float* ws_sum, cudaStream_t stream);
+                                float* ws_max, float* ws_sum, cudaStream_t stream, const KvQuant* quant = nullptr);
 
 // Prefill / chunked prefill / prefix hits, causal, tensor cores: sequences [seq_begin, seq_begin + a.num_seqs)
 // of the batch (block_tables, seq_lens and query_start_loc are indexed with the absolute sequence index);
 // query i of sequence s sits at position seq_len - query_len + i. One launch for all of them.
 cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
-                                 int max_query_len, cudaStream_t stream);
+                                 int max_query_len, cudaStream_t stream, const KvQuant* quant = nullptr);
 
 }  // namespace minillm

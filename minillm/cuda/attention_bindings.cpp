@@ -125,33 +125,37 @@ minillm::PagedAttnArgs make_args(Tensor& out, const Tensor& q, const Tensor& k_c
   a.block_size = (int)k_cache.size(1);
   a.scale = (float)scale;
   a.dtype = dtype_code(q);
-  a.cache_dtype = cache_code(k_cache, q);
   return a;
 }
 
-void launch_decode(minillm::PagedAttnArgs a, const Tensor& q, const Tensor& block_tables, const Tensor& seq_lens,
-                   int64_t partition_size, int64_t max_seq_len);
+void launch_decode(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& q,
+                   const Tensor& block_tables, const Tensor& seq_lens, int64_t partition_size, int64_t max_seq_len);
+
+// The KvQuant of fp8 caches with their scales (checked).
+minillm::KvQuant quant_args(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_scale,
+                            const Tensor& v_scale) {
+  check_scales(k_scale, k_cache, "k_scale");
+  check_scales(v_scale, v_cache, "v_scale");
+  return {cache_code(k_cache, q), k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
+}
 
 void paged_decode(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                   const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t partition_size,
                   int64_t max_seq_len) {
-  launch_decode(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), q, block_tables, seq_lens,
-                partition_size, max_seq_len);
+  launch_decode(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), nullptr, q, block_tables,
+                seq_lens, partition_size, max_seq_len);
 }
 
 void paged_decode_fp8(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& block_tables, const Tensor& seq_lens, const Tensor& k_scale, const Tensor& v_scale,
                       double scale, int64_t partition_size, int64_t max_seq_len) {
-  minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale, true);
-  check_scales(k_scale, k_cache, "k_scale");
-  check_scales(v_scale, v_cache, "v_scale");
-  a.k_scale = k_scale.data_ptr<float>();
-  a.v_scale = v_scale.data_ptr<float>();
-  launch_decode(a, q, block_tables, seq_lens, partition_size, max_seq_len);
+  const minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale, true);
+  const minillm::KvQuant quant = quant_args(q, k_cache, v_cache, k_scale, v_scale);
+  launch_decode(a, &quant, q, block_tables, seq_lens, partition_size, max_seq_len);
 }
 
-void launch_decode(minillm::PagedAttnArgs a, const Tensor& q, const Tensor& block_tables, const Tensor& seq_lens,
-                   int64_t partition_size, int64_t max_seq_len) {
+void launch_decode(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& q,
+                   const Tensor& block_tables, const Tensor& seq_lens, int64_t partition_size, int64_t max_seq_len) {
   a.num_seqs = (int)q.size(0);
   TORCH_CHECK(block_tables.size(0) >= a.num_seqs && seq_lens.size(0) >= a.num_seqs,
               "decode: block_tables/seq_lens have fewer rows than q");
@@ -171,34 +175,33 @@ void launch_decode(minillm::PagedAttnArgs a, const Tensor& q, const Tensor& bloc
   float* ws_max = ws_out ? ws_out + rows * a.head_dim : nullptr;
   float* ws_sum = ws_out ? ws_max + rows : nullptr;
   check_cuda_ok(minillm::launch_paged_decode(a, (int)partition_size, num_partitions, ws_out, ws_max, ws_sum,
-                                             at::cuda::getCurrentCUDAStream()),
+                                             at::cuda::getCurrentCUDAStream(), quant),
                 "paged_decode");
 }
 
-void launch_prefill(minillm::PagedAttnArgs a, const Tensor& seq_lens, const Tensor& query_start_loc,
-                    int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, const Tensor& q);
+void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& seq_lens,
+                    const Tensor& query_start_loc, int64_t seq_begin, int64_t num_seqs, int64_t max_query_len,
+                    const Tensor& q);
 
 void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
                    int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, double scale) {
-  launch_prefill(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), seq_lens, query_start_loc,
-                 seq_begin, num_seqs, max_query_len, q);
+  launch_prefill(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), nullptr, seq_lens,
+                 query_start_loc, seq_begin, num_seqs, max_query_len, q);
 }
 
 void paged_prefill_fp8(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                        const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
                        const Tensor& k_scale, const Tensor& v_scale, int64_t seq_begin, int64_t num_seqs,
                        int64_t max_query_len, double scale) {
-  minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale, true);
-  check_scales(k_scale, k_cache, "k_scale");
-  check_scales(v_scale, v_cache, "v_scale");
-  a.k_scale = k_scale.data_ptr<float>();
-  a.v_scale = v_scale.data_ptr<float>();
-  launch_prefill(a, seq_lens, query_start_loc, seq_begin, num_seqs, max_query_len, q);
+  const minillm::PagedAttnArgs a = make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale, true);
+  const minillm::KvQuant quant = quant_args(q, k_cache, v_cache, k_scale, v_scale);
+  launch_prefill(a, &quant, seq_lens, query_start_loc, seq_begin, num_seqs, max_query_len, q);
 }
 
-void launch_prefill(minillm::PagedAttnArgs a, const Tensor& seq_lens, const Tensor& query_start_loc,
-                    int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, const Tensor& q) {
+void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& seq_lens,
+                    const Tensor& query_start_loc, int64_t seq_begin, int64_t num_seqs, int64_t max_query_len,
+                    const Tensor& q) {
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int32");
   TORCH_CHECK(seq_begin >= 0 && seq_begin + num_seqs <= seq_lens.size(0) &&
@@ -207,7 +210,7 @@ void launch_prefill(minillm::PagedAttnArgs a, const Tensor& seq_lens, const Tens
   a.num_seqs = (int)num_seqs;
   const at::cuda::CUDAGuard guard(q.device());
   check_cuda_ok(minillm::launch_paged_prefill(a, query_start_loc.data_ptr<int>(), (int)seq_begin, (int)max_query_len,
-                                              at::cuda::getCurrentCUDAStream()),
+                                              at::cuda::getCurrentCUDAStream(), quant),
                 "paged_prefill");
 }
 

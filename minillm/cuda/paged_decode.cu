@@ -148,7 +148,8 @@ __device__ __forceinline__ uint32_t q_pair(const T* q, bool valid) {
 template <typename T, int D, int BS, int CF>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
-                        float* __restrict__ ws_max, float* __restrict__ ws_sum) {
+                        float* __restrict__ ws_max, float* __restrict__ ws_sum, const float* __restrict__ k_scale,
+                        const float* __restrict__ v_scale) {
   // Launched with PDL (launch.h), this kernel reads only what is older than the kernel before it (the step's
   // inputs, the block tables, the cached tokens) until its pdl_wait below; everything else comes after it.
   constexpr int CH = D / 8, KS = D / 16, DT = D / 8, SLOT = stage_elems<D>();
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
   using C = CacheElem<T, CF>;
   float sl2 = a.scale * kLog2e;
-  if constexpr (CF != kCacheNative) sl2 *= a.k_scale[kvh];
+  if constexpr (CF != kCacheNative) sl2 *= k_scale[kvh];
 
   const int64_t tok_stride = (int64_t)a.num_kv_heads * D;  // elements between consecutive slots
   const int* bt = a.block_tables + s * a.bt_stride;
@@ -311,7 +312,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       lsum += sm_l[w * kMaxGroup + g] * f;
       o_d += sm_acc[(w * kMaxGroup + g) * D + d] * f;
     }
-    if constexpr (CF != kCacheNative) o_d *= a.v_scale[kvh];
+    if constexpr (CF != kCacheNative) o_d *= v_scale[kvh];
     const int h = kvh * group + g;
     if (psz == 0) {
       T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
@@ -370,10 +371,10 @@ __global__ void __launch_bounds__(kReduceWarps * 32)
 
 template <typename T, int D, int BS, int CF>
 cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                         float* ws_max, float* ws_sum, cudaStream_t stream) {
+                         float* ws_max, float* ws_sum, cudaStream_t stream, const float* ks, const float* vs) {
   static_assert(kWarps * (kMaxGroup * D + 2 * kMaxGroup) * 4 <= smem_bytes<D, CF>(), "merge buffer must fit the ring");
   if (a.num_q_heads / a.num_kv_heads > kMaxGroup) return cudaErrorInvalidValue;
-  if (CF != kCacheNative && (a.k_scale == nullptr || a.v_scale == nullptr)) return cudaErrorInvalidValue;
+  if (CF != kCacheNative && (ks == nullptr || vs == nullptr)) return cudaErrorInvalidValue;
   const dim3 grid(partition_size != 0 ? num_partitions : 1, a.num_kv_heads, a.num_seqs);
   constexpr int smem = smem_bytes<D, CF>();
   // Above 48 KB of dynamic shared memory a kernel must opt in. Set on every launch, so that it holds on whichever
@@ -382,7 +383,7 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
   const cudaError_t err = launch_kernel(paged_decode_kernel<T, D, BS, CF>, grid, dim3(kWarps * 32), smem, stream, a,
-                                        partition_size, ws_out, ws_max, ws_sum);
+                                        partition_size, ws_out, ws_max, ws_sum, ks, vs);
   if (err != cudaSuccess || partition_size == 0) return err;
   const dim3 reduce_grid((a.num_q_heads + kReduceWarps - 1) / kReduceWarps, a.num_seqs);
   return launch_kernel(decode_reduce_kernel<T, D>, reduce_grid, dim3(kReduceWarps * 32), 0, stream, a,
@@ -392,21 +393,21 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
 
 template <typename T, int CF>
 cudaError_t dispatch_shape(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
-                           cudaStream_t st) {
-  if (a.head_dim == 128 && a.block_size == 16) return launch_typed<T, 128, 16, CF>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 128 && a.block_size == 32) return launch_typed<T, 128, 32, CF>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 64 && a.block_size == 16) return launch_typed<T, 64, 16, CF>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 64 && a.block_size == 32) return launch_typed<T, 64, 32, CF>(a, ps, np, wo, wm, wsum, st);
+                           cudaStream_t st, const float* ks, const float* vs) {
+  if (a.head_dim == 128 && a.block_size == 16) return launch_typed<T, 128, 16, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
+  if (a.head_dim == 128 && a.block_size == 32) return launch_typed<T, 128, 32, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
+  if (a.head_dim == 64 && a.block_size == 16) return launch_typed<T, 64, 16, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
+  if (a.head_dim == 64 && a.block_size == 32) return launch_typed<T, 64, 32, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
   return cudaErrorInvalidValue;
 }
 
 template <typename T>
 cudaError_t dispatch_cache(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
-                           cudaStream_t st) {
-  switch (cache_format_of(a.cache_dtype, a.dtype)) {
-    case kCacheNative: return dispatch_shape<T, kCacheNative>(a, ps, np, wo, wm, wsum, st);
-    case kCacheE4M3: return dispatch_shape<T, kCacheE4M3>(a, ps, np, wo, wm, wsum, st);
-    case kCacheE5M2: return dispatch_shape<T, kCacheE5M2>(a, ps, np, wo, wm, wsum, st);
+                           cudaStream_t st, const KvQuant* q) {
+  if (q == nullptr) return dispatch_shape<T, kCacheNative>(a, ps, np, wo, wm, wsum, st, nullptr, nullptr);
+  switch (cache_format_of(q->cache_dtype, a.dtype)) {
+    case kCacheE4M3: return dispatch_shape<T, kCacheE4M3>(a, ps, np, wo, wm, wsum, st, q->k_scale, q->v_scale);
+    case kCacheE5M2: return dispatch_shape<T, kCacheE5M2>(a, ps, np, wo, wm, wsum, st, q->k_scale, q->v_scale);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -414,7 +415,7 @@ cudaError_t dispatch_cache(const PagedAttnArgs& a, int ps, int np, float* wo, fl
 }  // namespace
 
 cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                                float* ws_max, float* ws_sum, cudaStream_t stream) {
+                                float* ws_max, float* ws_sum, cudaStream_t stream, const KvQuant* quant) {
   const bool fixed_ok = partition_size >= 0 && partition_size % 256 == 0;
   const bool equal_ok = partition_size < 0 && num_partitions == -partition_size;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !(fixed_ok || equal_ok) ||
@@ -422,9 +423,9 @@ cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int 
     return cudaErrorInvalidValue;
   if (a.num_seqs == 0) return cudaSuccess;
   if (a.dtype == ScalarType::kBFloat16)
-    return dispatch_cache<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
+    return dispatch_cache<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream, quant);
   if (a.dtype == ScalarType::kFloat16)
-    return dispatch_cache<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
+    return dispatch_cache<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream, quant);
   return cudaErrorInvalidValue;
 }
 

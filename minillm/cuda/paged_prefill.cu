@@ -110,7 +110,8 @@ __device__ __forceinline__ void widen_tile8(T* dst, const uint8_t* raw, int r0, 
 
 template <typename T, int D, int CF>
 __global__ void __launch_bounds__(kThreads)
-    paged_prefill_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin) {
+    paged_prefill_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin,
+                         const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
   pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   constexpr int CH = D / 8, KS = D / 16, NT = kBN / 8, DT = D / 8;
   constexpr bool F8 = CF != kCacheNative;
@@ -180,7 +181,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
-  const float sl2 = a.scale * kLog2e * (F8 ? a.k_scale[kvh] : 1.f);
+  float sl2 = a.scale * kLog2e;
+  if constexpr (F8) sl2 *= k_scale[kvh];
   const int row_pos0 = pos0 + m0 + warp * 16 + lane / 4;  // position of this thread's first row
 
   for (int j = 0; j < n_tiles; ++j) {
@@ -254,7 +256,8 @@ __global__ void __launch_bounds__(kThreads)
     const float l = warp_sum_xor(lrow[r], 1, 4);
     const int row = m0 + warp * 16 + lane / 4 + r * 8;
     if (row >= qlen) continue;
-    const float inv = (F8 ? a.v_scale[kvh] : 1.f) / l;
+    float inv = 1.f / l;
+    if constexpr (F8) inv = v_scale[kvh] / l;
     T* op = static_cast<T*>(a.out) + (int64_t)(q0 + row) * a.out_stride_t + h * a.out_stride_h + (lane % 4) * 2;
 #pragma unroll
     for (int i = 0; i < DT; ++i)
@@ -264,23 +267,24 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, int D, int CF>
 cudaError_t launch_cf(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const float* ks, const float* vs) {
   constexpr int smem = CF == kCacheNative ? smem_bytes<D>() : smem_bytes_fp8<D>();
   // Above 48 KB of dynamic shared memory a kernel must opt in; once per instantiation is enough.
   static const cudaError_t attr = cudaFuncSetAttribute(
       paged_prefill_kernel<T, D, CF>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid((max_query_len + kBM - 1) / kBM, a.num_q_heads, a.num_seqs);
-  return launch_kernel(paged_prefill_kernel<T, D, CF>, grid, dim3(kThreads), smem, stream, a, qsl, seq_begin);
+  return launch_kernel(paged_prefill_kernel<T, D, CF>, grid, dim3(kThreads), smem, stream, a, qsl, seq_begin, ks,
+                       vs);
 }
 
 template <typename T, int D>
 cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
-                         cudaStream_t stream) {
-  switch (cache_format_of(a.cache_dtype, a.dtype)) {
-    case kCacheNative: return launch_cf<T, D, kCacheNative>(a, qsl, seq_begin, max_query_len, stream);
-    case kCacheE4M3: return launch_cf<T, D, kCacheE4M3>(a, qsl, seq_begin, max_query_len, stream);
-    case kCacheE5M2: return launch_cf<T, D, kCacheE5M2>(a, qsl, seq_begin, max_query_len, stream);
+                         cudaStream_t stream, const KvQuant* q) {
+  if (q == nullptr) return launch_cf<T, D, kCacheNative>(a, qsl, seq_begin, max_query_len, stream, nullptr, nullptr);
+  switch (cache_format_of(q->cache_dtype, a.dtype)) {
+    case kCacheE4M3: return launch_cf<T, D, kCacheE4M3>(a, qsl, seq_begin, max_query_len, stream, q->k_scale, q->v_scale);
+    case kCacheE5M2: return launch_cf<T, D, kCacheE5M2>(a, qsl, seq_begin, max_query_len, stream, q->k_scale, q->v_scale);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -288,21 +292,20 @@ cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, 
 }  // namespace
 
 cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
-                                 int max_query_len, cudaStream_t stream) {
+                                 int max_query_len, cudaStream_t stream, const KvQuant* quant) {
   const bool pow2_block = a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !pow2_block || max_query_len < 0)
     return cudaErrorInvalidValue;
-  const bool fp8 = a.cache_dtype == ScalarType::kFloat8E4M3 || a.cache_dtype == ScalarType::kFloat8E5M2;
-  if (fp8 && (a.k_scale == nullptr || a.v_scale == nullptr)) return cudaErrorInvalidValue;
+  if (quant != nullptr && (quant->k_scale == nullptr || quant->v_scale == nullptr)) return cudaErrorInvalidValue;
   if (a.num_seqs == 0 || max_query_len == 0) return cudaSuccess;
   const bool bf16 = a.dtype == ScalarType::kBFloat16;
   if (a.dtype != ScalarType::kBFloat16 && a.dtype != ScalarType::kFloat16) return cudaErrorInvalidValue;
   if (a.head_dim == 128)
-    return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream)
-                : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream);
+    return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream, quant)
+                : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream, quant);
   if (a.head_dim == 64)
-    return bf16 ? launch_typed<__nv_bfloat16, 64>(a, query_start_loc, seq_begin, max_query_len, stream)
-                : launch_typed<__half, 64>(a, query_start_loc, seq_begin, max_query_len, stream);
+    return bf16 ? launch_typed<__nv_bfloat16, 64>(a, query_start_loc, seq_begin, max_query_len, stream, quant)
+                : launch_typed<__half, 64>(a, query_start_loc, seq_begin, max_query_len, stream, quant);
   return cudaErrorInvalidValue;
 }
 
