@@ -85,8 +85,8 @@ class KVCacheSpec:
 
     def scales_on(self, device) -> torch.Tensor:
         """The scales on `device` (moved there once; a CUDA graph keeps reading that copy)."""
-        dev = torch.device(device)
-        if self.scales.device != dev:
+        dev, have = torch.device(device), self.scales.device
+        if have.type != dev.type or (dev.index is not None and have.index != dev.index):
             object.__setattr__(self, "scales", self.scales.to(dev))
         return self.scales
 
