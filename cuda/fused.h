@@ -67,6 +67,11 @@ struct QkNormRopeArgs {
   void* k_cache;                 // nullable, together with v_cache and slot_mapping
   void* v_cache;
   const int64_t* slot_mapping;  // [>= num_tokens]
+  // An fp8 cache (kv_fp8.cuh): k/v heads are stored as fp8(round_to_dtype(x) * (1 / scale[kv head])), bit for
+  // bit kv_write_fp8 of the unfused k/v. Both scales null: the cache holds the activation dtype.
+  const float* k_scale;  // fp32 [num_kv_heads], nullable together with v_scale
+  const float* v_scale;
+  ScalarType cache_dtype;  // kFloat8E4M3 or kFloat8E5M2 when the scales are given
 };
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ScalarType dtype, cudaStream_t stream);
 

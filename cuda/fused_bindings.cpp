@@ -215,16 +215,33 @@ void check_kv_cache(const Tensor& cache, const Tensor& qkv, const char* name, in
 }
 
 // qk_norm_rope with the KV-cache write fused in: k and v rows go to their slots of k_cache / v_cache (slot -1:
-// not stored) instead of to fresh tensors. Returns q only.
-Tensor qk_norm_rope_cache(const Tensor& qkv_in, const Tensor& positions_in, const Tensor& cos_sin_cache,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight,
-                          double eps, Tensor& k_cache, Tensor& v_cache, const Tensor& slot_mapping) {
+// not stored) instead of to fresh tensors. Returns q only. k_scale / v_scale given: the caches are fp8
+// (float8_e4m3fn / float8_e5m2) and the rows are quantized with those fp32 [num_kv_heads] scales.
+Tensor rope_into_cache(const Tensor& qkv_in, const Tensor& positions_in, const Tensor& cos_sin_cache,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight,
+                       double eps, Tensor& k_cache, Tensor& v_cache, const Tensor& slot_mapping,
+                       const Tensor* k_scale, const Tensor* v_scale) {
   const RopeInputs in = check_rope_inputs(qkv_in, positions_in, cos_sin_cache, num_heads, num_kv_heads, head_dim,
                                           q_norm_weight, k_norm_weight);
   const int64_t tokens = in.qkv.size(0);
-  check_kv_cache(k_cache, in.qkv, "k_cache", num_kv_heads, head_dim);
-  check_kv_cache(v_cache, in.qkv, "v_cache", num_kv_heads, head_dim);
+  if (k_scale == nullptr) {
+    check_kv_cache(k_cache, in.qkv, "k_cache", num_kv_heads, head_dim);
+    check_kv_cache(v_cache, in.qkv, "v_cache", num_kv_heads, head_dim);
+  } else {
+    for (const Tensor* c : {&k_cache, &v_cache}) {
+      MINILLM_CHECK(c->is_cuda() && c->device() == in.qkv.device(), "fp8 caches must be on qkv's device");
+      MINILLM_CHECK(c->scalar_type() == at::kFloat8_e4m3fn || c->scalar_type() == at::kFloat8_e5m2,
+                    "fp8 caches must be float8_e4m3fn or float8_e5m2, got ", c->scalar_type());
+      MINILLM_CHECK(c->dim() == 4 && c->size(2) == num_kv_heads && c->size(3) == head_dim && c->is_contiguous(),
+                    "fp8 caches must be contiguous [num_blocks, block_size, ", num_kv_heads, ", ", head_dim, "]");
+    }
+    MINILLM_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+    for (const Tensor* t : {k_scale, v_scale})
+      MINILLM_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == num_kv_heads &&
+                        t->is_contiguous() && t->device() == in.qkv.device(),
+                    "k_scale / v_scale must be contiguous float32 [num_kv_heads] on qkv's device");
+  }
   MINILLM_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
               v_cache.sizes());
   MINILLM_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
@@ -240,8 +257,31 @@ Tensor qk_norm_rope_cache(const Tensor& qkv_in, const Tensor& positions_in, cons
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
   a.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  if (k_scale != nullptr) {
+    a.k_scale = k_scale->data_ptr<float>();
+    a.v_scale = v_scale->data_ptr<float>();
+    a.cache_dtype = k_cache.scalar_type() == at::kFloat8_e5m2 ? minillm::ScalarType::kFloat8E5M2
+                                                               : minillm::ScalarType::kFloat8E4M3;
+  }
   check_launch(minillm::launch_qk_norm_rope(a, in.dtype, at::cuda::getCurrentCUDAStream()), "qk_norm_rope_cache");
   return q;
+}
+
+Tensor qk_norm_rope_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cos_sin_cache,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight,
+                          double eps, Tensor& k_cache, Tensor& v_cache, const Tensor& slot_mapping) {
+  return rope_into_cache(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
+                         k_norm_weight, eps, k_cache, v_cache, slot_mapping, nullptr, nullptr);
+}
+
+Tensor qk_norm_rope_cache_fp8(const Tensor& qkv, const Tensor& positions, const Tensor& cos_sin_cache,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight,
+                              double eps, Tensor& k_cache, Tensor& v_cache, const Tensor& slot_mapping,
+                              const Tensor& k_scale, const Tensor& v_scale) {
+  return rope_into_cache(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
+                         k_norm_weight, eps, k_cache, v_cache, slot_mapping, &k_scale, &v_scale);
 }
 
 // Device scratch of the sampler's split rows (partial results and tickets; none when a CTA covers each row).
@@ -367,6 +407,12 @@ Tensor qk_norm_rope_cache_meta(const Tensor& qkv, const Tensor&, const Tensor&, 
   return at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
 }
 
+Tensor qk_norm_rope_cache_fp8_meta(const Tensor& qkv, const Tensor&, const Tensor&, int64_t num_heads, int64_t,
+                                   int64_t head_dim, const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                   double, Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  return at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
+}
+
 Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t, int64_t) {
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
@@ -386,6 +432,9 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("qk_norm_rope_cache(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, int num_kv_heads, "
         "int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+  m.def("qk_norm_rope_cache_fp8(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, "
+        "int num_kv_heads, int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
   m.def("l2_prefetch(Tensor[] tensors) -> ()");
@@ -398,6 +447,7 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("qk_norm_rope", &qk_norm_rope);
   m.impl("qk_norm_rope_cache", &qk_norm_rope_cache);
+  m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8);
   m.impl("sample_exponential_race", &sample_exponential_race);
   m.impl("skinny_gemm", &skinny_gemm);
   m.impl("l2_prefetch", &l2_prefetch);
@@ -409,6 +459,7 @@ TORCH_LIBRARY_IMPL(minillm, Meta, m) {
   m.impl("silu_and_mul", &silu_and_mul_meta);
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("qk_norm_rope_cache", &qk_norm_rope_cache_meta);
+  m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8_meta);
   m.impl("sample_exponential_race", &sample_exponential_race_meta);
   m.impl("skinny_gemm", &skinny_gemm_meta);
 }

@@ -9,10 +9,14 @@
 // Variants: dtype (fp32, fp16, bf16) x access width (16-byte vectors; scalars when unaligned) x K (1, 2, 4)
 // x with/without the q/k norm. Rounding follows minillm/ops/fused_ops.py: the normed head is rounded to the
 // activation dtype, RoPE runs in fp32 on it (products rounded separately, no FMA) and is rounded once.
+// An fp8 cache (CF, kv_fp8.cuh) gets k/v heads rounded to the activation dtype, multiplied by 1 / scale and
+// quantized, the bits kv_write_fp8 would store from the unfused k/v; CF = kCacheNative is the code above, unchanged.
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a -Xptxas -v cuda/fused_rope.cu
 #include <cmath>
+#include <type_traits>
 
 #include "fused.h"
+#include "kv_fp8.cuh"
 #include "launch.h"
 
 namespace minillm {
@@ -76,8 +80,28 @@ __device__ __forceinline__ T* head_dst(const QkNormRopeArgs& a, int64_t token, i
   return static_cast<T*>(is_k ? a.k_cache : a.v_cache) + (slot * a.num_kv_heads + kv_head) * a.head_dim;
 }
 
+// fp8 cache: the byte address of a live token's k or v head in its cache row, null when its slot is negative.
+__device__ __forceinline__ uint8_t* cache_dst_fp8(const QkNormRopeArgs& a, int64_t token, int head) {
+  const bool is_k = head < a.num_heads + a.num_kv_heads;
+  const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
+  const int64_t slot = a.slot_mapping[token];
+  if (slot < 0) return nullptr;
+  return static_cast<uint8_t*>(is_k ? a.k_cache : a.v_cache) + (slot * a.num_kv_heads + kv_head) * a.head_dim;
+}
+
+// N values rounded to T (what the unfused path hands kv_write), times inv, quantized: N bytes in one store.
+template <typename T, int N, int CF>
+__device__ __forceinline__ void store_fp8(uint8_t* p, const float (&in)[N], float inv) {
+  struct alignas(N) Bytes {
+    uint8_t b[N];
+  } r;
+#pragma unroll
+  for (int i = 0; i < N; ++i) r.b[i] = quantize_fp8<CF>(to_float(from_float<T>(in[i])) * inv);
+  *reinterpret_cast<Bytes*>(p) = r;
+}
+
 // tph: threads per head (a power of two, chosen by launch_k).
-template <typename T, int VEC, int K, bool NORM>
+template <typename T, int VEC, int K, bool NORM, int CF>
 __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const QkNormRopeArgs a, int tph) {
   pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   const int heads = a.num_heads + 2 * a.num_kv_heads;
@@ -88,7 +112,17 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const QkNormR
   // Groups past the last token, and k/v heads of a token whose slot is skipped, have no destination: they
   // still run the (warp-wide) norm reduction but load and store nothing.
   const bool live = token < a.num_tokens;
-  T* const dst = live ? head_dst<T>(a, token, head) : nullptr;
+  T* dst = nullptr;
+  uint8_t* dst8 = nullptr;  // fp8 cache only: this k/v head's cache row
+  if constexpr (CF == kCacheNative) {
+    dst = live ? head_dst<T>(a, token, head) : nullptr;
+  } else if (live) {
+    if (head < a.num_heads)
+      dst = head_dst<T>(a, token, head);
+    else
+      dst8 = cache_dst_fp8(a, token, head);
+  }
+  const bool has_dst = dst != nullptr || dst8 != nullptr;
   const int half = a.head_dim / 2;
   const T* src = static_cast<const T*>(a.qkv) + token * a.qkv_row_stride + static_cast<int64_t>(head) * a.head_dim;
   float lo[K][VEC], hi[K][VEC];
@@ -96,7 +130,7 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const QkNormR
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const int c = (lane + j * tph) * VEC;
-    valid[j] = dst != nullptr && c < half;
+    valid[j] = has_dst && c < half;
     if (valid[j]) {
       load_vec<T, VEC>(src + c, lo[j]);
       load_vec<T, VEC>(src + half + c, hi[j]);
@@ -111,7 +145,15 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const QkNormR
                          static_cast<const T*>(head < a.num_heads ? a.q_norm_weight : a.k_norm_weight), lane, tph,
                          half, a.eps);
   }
-  const int64_t pos = dst != nullptr ? a.positions[token] : 0;
+  const int64_t pos = has_dst ? a.positions[token] : 0;
+  float inv = 1.f;
+  if constexpr (CF != kCacheNative) {
+    if (dst8 != nullptr) {
+      const bool is_k = head < a.num_heads + a.num_kv_heads;
+      const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
+      inv = 1.f / (is_k ? a.k_scale : a.v_scale)[kv_head];
+    }
+  }
   const bool pos_ok = pos >= 0 && pos < a.max_positions;
   const float* cs = a.cos_sin + (pos_ok ? pos : 0) * a.head_dim;
 #pragma unroll
@@ -129,23 +171,38 @@ __global__ void __launch_bounds__(kCtaThreads) qk_norm_rope_kernel(const QkNormR
         hi[j][e] = pos_ok ? __fadd_rn(__fmul_rn(x2, cos_v[e]), __fmul_rn(x1, sin_v[e])) : NAN;
       }
     }
+    if constexpr (CF != kCacheNative) {
+      if (dst8 != nullptr) {
+        store_fp8<T, VEC, CF>(dst8 + c, lo[j], inv);
+        store_fp8<T, VEC, CF>(dst8 + half + c, hi[j], inv);
+        continue;
+      }
+    }
     store_vec<T, VEC>(dst + c, lo[j]);
     store_vec<T, VEC>(dst + half + c, hi[j]);
   }
 }
 
-template <typename T, int VEC, int K>
+template <typename T, int VEC, int K, int CF = kCacheNative>
 cudaError_t launch_k(const QkNormRopeArgs& a, bool norm, cudaStream_t stream) {
   const int pairs = a.head_dim / 2 / VEC;
   if constexpr (K < 4) {
-    if (pairs > 32 * K) return launch_k<T, VEC, K * 2>(a, norm, stream);
+    if (pairs > 32 * K) return launch_k<T, VEC, K * 2, CF>(a, norm, stream);
   }
   if (pairs > 32 * K) return cudaErrorInvalidValue;
   const int tph = next_pow2((pairs + K - 1) / K);
   const int64_t groups = a.num_tokens * (a.num_heads + 2 * a.num_kv_heads);
   const int64_t grid = (groups * tph + kCtaThreads - 1) / kCtaThreads;
-  return launch_kernel(norm ? qk_norm_rope_kernel<T, VEC, K, true> : qk_norm_rope_kernel<T, VEC, K, false>,
+  return launch_kernel(norm ? qk_norm_rope_kernel<T, VEC, K, true, CF> : qk_norm_rope_kernel<T, VEC, K, false, CF>,
                        dim3(grid), dim3(kCtaThreads), 0, stream, a, tph);
+}
+
+// The cache format of a launch: native without scales, else the fp8 the caches hold (-1: not allowed).
+int rope_cache_format(const QkNormRopeArgs& p, ScalarType dtype) {
+  if (p.k_scale == nullptr && p.v_scale == nullptr) return kCacheNative;
+  const bool ok = p.k_scale != nullptr && p.v_scale != nullptr && p.slot_mapping != nullptr &&
+                  dtype != ScalarType::kFloat32;
+  return ok ? cache_format_of(p.cache_dtype, dtype) : -1;
 }
 
 }  // namespace
@@ -159,6 +216,8 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ScalarType dtype, cudaS
       p.head_dim > kMaxHeadDim || norm != (p.k_norm_weight != nullptr) || p.max_positions <= 0 || !outputs_ok) {
     return cudaErrorInvalidValue;
   }
+  const int cf = rope_cache_format(p, dtype);
+  if (cf < 0 || (cf != kCacheNative && p.k_scale == nullptr)) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -169,6 +228,12 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& p, ScalarType dtype, cudaS
                                       p.k_cache, p.v_cache},
                                      {p.qkv_row_stride, p.head_dim / 2}) == kVec &&
                      p.head_dim % 4 == 0;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (cf == kCacheE4M3)
+        return vec ? launch_k<T, kVec, 1, kCacheE4M3>(p, norm, stream) : launch_k<T, 1, 1, kCacheE4M3>(p, norm, stream);
+      if (cf == kCacheE5M2)
+        return vec ? launch_k<T, kVec, 1, kCacheE5M2>(p, norm, stream) : launch_k<T, 1, 1, kCacheE5M2>(p, norm, stream);
+    }
     return vec ? launch_k<T, kVec, 1>(p, norm, stream) : launch_k<T, 1, 1>(p, norm, stream);
   });
 }

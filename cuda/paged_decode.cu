@@ -24,10 +24,18 @@
 // (Merging the partitions in the last CTA of each (sequence, KV head), with a ticket counter, instead of the
 // reduce kernel was tried: every CTA then holds its SM slot through a fence and an atomic round trip, and the
 // kernel got ~25% slower in the offline bench, far more than the ~5 us reduce launch it saves; docs/perf-log.md.)
+//
+// An fp8 cache (CF = kCacheE4M3 / kCacheE5M2, kv_fp8.cuh) streams fp8 bytes through the same ring (half the
+// bytes per chunk); each lane widens the pieces it copied itself into one bf16/fp16 staging slot per warp (exact),
+// and the mma code above reads that slot unchanged. The K scale goes into the fp32 softmax scale, the V scale
+// onto the fp32 output: P V stays a bf16/fp16 mma with fp32 accumulation, never an fp8 one.
 #include <math_constants.h>
+
+#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
+#include "kv_fp8.cuh"
 #include "launch.h"
 
 namespace minillm {
@@ -57,6 +65,16 @@ constexpr int stage_elems() { return 2 * kChunk * D; }  // one ring slot: the ch
 template <int D>
 constexpr int ring_bytes() { return kWarps * kStages * stage_elems<D>() * 2; }  // 2-byte elements
 
+// fp8: kStages slots of fp8 bytes per warp, then one 2-byte staging slot per warp (the widened chunk).
+template <int D, int CF>
+constexpr int smem_bytes() {
+  return CF == kCacheNative ? ring_bytes<D>() : kWarps * kStages * stage_elems<D>() + kWarps * stage_elems<D>() * 2;
+}
+
+// The cache's element type: T itself, or fp8 bytes.
+template <typename T, int CF>
+using CacheElem = std::conditional_t<CF == kCacheNative, T, uint8_t>;
+
 // Start the copy of one chunk of K and V (kChunk tokens from tok0, cache block `blk`) into a swizzled ring slot.
 // Lane piece p = lane + 32 i is 16 bytes: row p / CH (K rows, then V rows), column p % CH. Tokens past `end` are
 // zero-filled, never read: their slots may hold another sequence's data or NaN, and a zero V times a zero weight
@@ -75,16 +93,63 @@ __device__ __forceinline__ void issue_chunk(T* slot, const T* kc, const T* vc, i
   }
 }
 
+// fp8: the same chunk as 16-byte pieces of 16 bytes, unswizzled (row p / CH8, column p % CH8), zero past `end`.
+template <int D, int BS>
+__device__ __forceinline__ void issue_chunk_fp8(uint8_t* slot, const uint8_t* kc, const uint8_t* vc, int blk, int tok0,
+                                                int end, int lane, int64_t tok_stride) {
+  constexpr int CH8 = D / 16, PIECES = 2 * kChunk * CH8 / 32;
+  const int64_t slot0 = (int64_t)blk * BS + tok0 % BS;
+#pragma unroll
+  for (int i = 0; i < PIECES; ++i) {
+    const int p = lane + 32 * i, row = p / CH8, c = p % CH8, t = row % kChunk;
+    const bool valid = tok0 + t < end;
+    const uint8_t* base = row < kChunk ? kc : vc;
+    cp_async16(slot + row * D + c * 16, valid ? base + (slot0 + t) * tok_stride + c * 16 : base, valid ? 16 : 0);
+  }
+}
+
+// Widen the pieces this lane copied (issue_chunk_fp8's assignment, so no other lane's copy is waited for) into the
+// swizzled 2-byte layout issue_chunk would have produced.
+template <typename T, int D, int CF>
+__device__ __forceinline__ void widen_chunk(T* stage, const uint8_t* slot, int lane) {
+  constexpr int CH = D / 8, CH8 = D / 16, PIECES = 2 * kChunk * CH8 / 32;
+#pragma unroll
+  for (int i = 0; i < PIECES; ++i) {
+    const int p = lane + 32 * i, row = p / CH8, c = p % CH8;
+    uint4 lo, hi;
+    fp8x16_to_pairs<T, CF>(*reinterpret_cast<const uint4*>(slot + row * D + c * 16), lo, hi);
+    *reinterpret_cast<uint4*>(stage + swz<CH>(row, 2 * c)) = lo;
+    *reinterpret_cast<uint4*>(stage + swz<CH>(row, 2 * c + 1)) = hi;
+  }
+}
+
+// fp8: a warp's staging slot (the widened chunk), after every warp's ring of fp8 slots.
+template <typename T, int D>
+__device__ __forceinline__ T* stage_slot(uint4* smem, int warp) {
+  return reinterpret_cast<T*>(reinterpret_cast<uint8_t*>(smem) + kWarps * kStages * stage_elems<D>()) +
+         warp * stage_elems<D>();
+}
+
+template <typename T, int D, int BS, int CF>
+__device__ __forceinline__ void issue_any(CacheElem<T, CF>* slot, const CacheElem<T, CF>* kc, const CacheElem<T, CF>* vc,
+                                          int blk, int tok0, int end, int lane, int64_t tok_stride) {
+  if constexpr (CF == kCacheNative)
+    issue_chunk<T, D, BS>(slot, kc, vc, blk, tok0, end, lane, tok_stride);
+  else
+    issue_chunk_fp8<D, BS>(slot, kc, vc, blk, tok0, end, lane, tok_stride);
+}
+
 // 32 bits (two elements) of q, or zero for a padding row of the A operand.
 template <typename T>
 __device__ __forceinline__ uint32_t q_pair(const T* q, bool valid) {
   return valid ? *reinterpret_cast<const uint32_t*>(q) : 0u;
 }
 
-template <typename T, int D, int BS>
+template <typename T, int D, int BS, int CF>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_decode_kernel(PagedAttnArgs a, int partition_size, float* __restrict__ ws_out,
-                        float* __restrict__ ws_max, float* __restrict__ ws_sum) {
+                        float* __restrict__ ws_max, float* __restrict__ ws_sum, const float* __restrict__ k_scale,
+                        const float* __restrict__ v_scale) {
   // Launched with PDL (launch.h), this kernel reads only what is older than the kernel before it (the step's
   // inputs, the block tables, the cached tokens) until its pdl_wait below; everything else comes after it.
   constexpr int CH = D / 8, KS = D / 16, DT = D / 8, SLOT = stage_elems<D>();
@@ -114,16 +179,18 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
-  const float sl2 = a.scale * kLog2e;
+  using C = CacheElem<T, CF>;
+  float sl2 = a.scale * kLog2e;
+  if constexpr (CF != kCacheNative) sl2 *= k_scale[kvh];
 
   const int64_t tok_stride = (int64_t)a.num_kv_heads * D;  // elements between consecutive slots
   const int* bt = a.block_tables + s * a.bt_stride;
-  const T* kc = static_cast<const T*>(a.k_cache) + kvh * D;
-  const T* vc = static_cast<const T*>(a.v_cache) + kvh * D;
+  const C* kc = static_cast<const C*>(a.k_cache) + kvh * D;
+  const C* vc = static_cast<const C*>(a.v_cache) + kvh * D;
   const int first = start / kChunk, last = (end + kChunk - 1) / kChunk;
 
   // Each warp streams every kWarps-th chunk of the partition through its own ring of kStages slots.
-  T* ring = reinterpret_cast<T*>(ring_smem) + warp * kStages * SLOT;
+  C* ring = reinterpret_cast<C*>(ring_smem) + warp * kStages * SLOT;
   const int ch0 = first + warp;
   const int mine = ch0 < last ? (last - ch0 + kWarps - 1) / kWarps : 0;  // chunks of this warp
   // The ring's first chunks are in flight before pdl_wait (they overlap the end of the kernel before this one),
@@ -132,13 +199,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   int pre = 0;
   for (; pre < kStages - 1 && pre < mine && ch0 + pre * kWarps < fresh; ++pre) {
     const int tok = (ch0 + pre * kWarps) * kChunk;
-    issue_chunk<T, D, BS>(ring + pre * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
+    issue_any<T, D, BS, CF>(ring + pre * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     cp_async_commit();
   }
   pdl_enter();
   for (int i = pre; i < kStages - 1; ++i) {
     const int tok = (ch0 + i * kWarps) * kChunk;
-    if (i < mine) issue_chunk<T, D, BS>(ring + i * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
+    if (i < mine) issue_any<T, D, BS, CF>(ring + i * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     cp_async_commit();  // empty groups too: the wait count below stays uniform
   }
 
@@ -163,12 +230,17 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncwarp();  // every lane has read chunk i - 1 out of the slot refilled here
     if (j < mine) {
       const int tok = (ch0 + j * kWarps) * kChunk;
-      issue_chunk<T, D, BS>(ring + (j % kStages) * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
+      issue_any<T, D, BS, CF>(ring + (j % kStages) * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     }
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // this lane's copies of chunk i have landed ...
+    if constexpr (CF != kCacheNative) widen_chunk<T, D, CF>(stage_slot<T, D>(ring_smem, warp), ring + (i % kStages) * SLOT, lane);
     __syncwarp();                  // ... and, after this, every lane's
-    const T* sK = ring + (i % kStages) * SLOT;
+    const T* sK;
+    if constexpr (CF == kCacheNative)
+      sK = ring + (i % kStages) * SLOT;
+    else
+      sK = stage_slot<T, D>(ring_smem, warp);
     const T* sV = sK + kChunk * D;
     const int tok0 = (ch0 + i * kWarps) * kChunk;
 
@@ -240,6 +312,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       lsum += sm_l[w * kMaxGroup + g] * f;
       o_d += sm_acc[(w * kMaxGroup + g) * D + d] * f;
     }
+    if constexpr (CF != kCacheNative) o_d *= v_scale[kvh];
     const int h = kvh * group + g;
     if (psz == 0) {
       T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;
@@ -296,20 +369,21 @@ __global__ void __launch_bounds__(kReduceWarps * 32)
   for (int i = 0; i < DPL; ++i) op[i] = DType<T>::from_float(valid > 0 ? o[i] / lsum : 0.f);
 }
 
-template <typename T, int D, int BS>
+template <typename T, int D, int BS, int CF>
 cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                         float* ws_max, float* ws_sum, cudaStream_t stream) {
-  static_assert(kWarps * (kMaxGroup * D + 2 * kMaxGroup) * 4 <= ring_bytes<D>(), "merge buffer must fit the ring");
+                         float* ws_max, float* ws_sum, cudaStream_t stream, const float* ks, const float* vs) {
+  static_assert(kWarps * (kMaxGroup * D + 2 * kMaxGroup) * 4 <= smem_bytes<D, CF>(), "merge buffer must fit the ring");
   if (a.num_q_heads / a.num_kv_heads > kMaxGroup) return cudaErrorInvalidValue;
+  if (CF != kCacheNative && (ks == nullptr || vs == nullptr)) return cudaErrorInvalidValue;
   const dim3 grid(partition_size != 0 ? num_partitions : 1, a.num_kv_heads, a.num_seqs);
-  constexpr int smem = ring_bytes<D>();
+  constexpr int smem = smem_bytes<D, CF>();
   // Above 48 KB of dynamic shared memory a kernel must opt in. Set on every launch, so that it holds on whichever
   // device is current; it is a function attribute, not a stream operation, so launches can still be captured.
-  const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS>,
+  const cudaError_t opt_in = cudaFuncSetAttribute(paged_decode_kernel<T, D, BS, CF>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  const cudaError_t err = launch_kernel(paged_decode_kernel<T, D, BS>, grid, dim3(kWarps * 32), smem, stream, a,
-                                        partition_size, ws_out, ws_max, ws_sum);
+  const cudaError_t err = launch_kernel(paged_decode_kernel<T, D, BS, CF>, grid, dim3(kWarps * 32), smem, stream, a,
+                                        partition_size, ws_out, ws_max, ws_sum, ks, vs);
   if (err != cudaSuccess || partition_size == 0) return err;
   const dim3 reduce_grid((a.num_q_heads + kReduceWarps - 1) / kReduceWarps, a.num_seqs);
   return launch_kernel(decode_reduce_kernel<T, D>, reduce_grid, dim3(kReduceWarps * 32), 0, stream, a,
@@ -317,20 +391,31 @@ cudaError_t launch_typed(const PagedAttnArgs& a, int partition_size, int num_par
                        static_cast<const float*>(ws_max), static_cast<const float*>(ws_sum));
 }
 
-template <typename T>
+template <typename T, int CF>
 cudaError_t dispatch_shape(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
-                           cudaStream_t st) {
-  if (a.head_dim == 128 && a.block_size == 16) return launch_typed<T, 128, 16>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 128 && a.block_size == 32) return launch_typed<T, 128, 32>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 64 && a.block_size == 16) return launch_typed<T, 64, 16>(a, ps, np, wo, wm, wsum, st);
-  if (a.head_dim == 64 && a.block_size == 32) return launch_typed<T, 64, 32>(a, ps, np, wo, wm, wsum, st);
+                           cudaStream_t st, const float* ks, const float* vs) {
+  if (a.head_dim == 128 && a.block_size == 16) return launch_typed<T, 128, 16, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
+  if (a.head_dim == 128 && a.block_size == 32) return launch_typed<T, 128, 32, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
+  if (a.head_dim == 64 && a.block_size == 16) return launch_typed<T, 64, 16, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
+  if (a.head_dim == 64 && a.block_size == 32) return launch_typed<T, 64, 32, CF>(a, ps, np, wo, wm, wsum, st, ks, vs);
   return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t dispatch_cache(const PagedAttnArgs& a, int ps, int np, float* wo, float* wm, float* wsum,
+                           cudaStream_t st, const KvQuant* q) {
+  if (q == nullptr) return dispatch_shape<T, kCacheNative>(a, ps, np, wo, wm, wsum, st, nullptr, nullptr);
+  switch (cache_format_of(q->cache_dtype, a.dtype)) {
+    case kCacheE4M3: return dispatch_shape<T, kCacheE4M3>(a, ps, np, wo, wm, wsum, st, q->k_scale, q->v_scale);
+    case kCacheE5M2: return dispatch_shape<T, kCacheE5M2>(a, ps, np, wo, wm, wsum, st, q->k_scale, q->v_scale);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int num_partitions, float* ws_out,
-                                float* ws_max, float* ws_sum, cudaStream_t stream) {
+                                float* ws_max, float* ws_sum, cudaStream_t stream, const KvQuant* quant) {
   const bool fixed_ok = partition_size >= 0 && partition_size % 256 == 0;
   const bool equal_ok = partition_size < 0 && num_partitions == -partition_size;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !(fixed_ok || equal_ok) ||
@@ -338,9 +423,9 @@ cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int 
     return cudaErrorInvalidValue;
   if (a.num_seqs == 0) return cudaSuccess;
   if (a.dtype == ScalarType::kBFloat16)
-    return dispatch_shape<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
+    return dispatch_cache<__nv_bfloat16>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream, quant);
   if (a.dtype == ScalarType::kFloat16)
-    return dispatch_shape<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream);
+    return dispatch_cache<__half>(a, partition_size, num_partitions, ws_out, ws_max, ws_sum, stream, quant);
   return cudaErrorInvalidValue;
 }
 

@@ -9,10 +9,17 @@
 // hits and later chunks of a chunked prefill attend to the cached keys before them with no special case.
 // Keys past what a tile can see are zero-filled, never read: unowned cache slots may hold NaN.
 // Variants: head dim 64 and 128, bf16 and fp16; any power-of-two block size (runtime), GQA by kv head = q head / group.
+// An fp8 cache (CF, kv_fp8.cuh): K and V tiles stream in as fp8 bytes into their own double buffer; once a tile
+// has landed, each thread widens the pieces it copied itself (exact) into the 2-byte tile the mma code reads, before
+// the barrier that code already has. K scale in the fp32 softmax scale, V scale on the fp32 output: P V stays a
+// bf16/fp16 mma with fp32 accumulation.
 #include <math_constants.h>
+
+#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
+#include "kv_fp8.cuh"
 #include "launch.h"
 
 namespace minillm {
@@ -58,15 +65,63 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int (
   }
 }
 
-template <typename T, int D>
+// fp8 tiles: 16-byte pieces of 16 elements, unswizzled rows of D bytes.
+template <int D>
+struct TileCopy8 {
+  static constexpr int CH = D / 16, PASS = kThreads / CH, ROWS = kBN / PASS;
+};
+
+template <int D>
+constexpr int smem_bytes_fp8() { return smem_bytes<D>() + 4 * kBN * D; }  // + 2 stages of fp8 K and V
+
+template <int D>
+__device__ __forceinline__ void tile_slots8(int (&slot)[TileCopy8<D>::ROWS], const int* bt, int bs_log2, int n0,
+                                            int n_end, int r0) {
+#pragma unroll
+  for (int i = 0; i < TileCopy8<D>::ROWS; ++i) {
+    const int pos = n0 + r0 + i * TileCopy8<D>::PASS;
+    slot[i] = pos < n_end ? (bt[pos >> bs_log2] << bs_log2) | (pos & ((1 << bs_log2) - 1)) : -1;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void load_kv_tile8(uint8_t* dst, const uint8_t* cache, const int (&slot)[TileCopy8<D>::ROWS],
+                                              int64_t tok_stride, int r0, int c) {
+#pragma unroll
+  for (int i = 0; i < TileCopy8<D>::ROWS; ++i) {
+    const bool valid = slot[i] >= 0;
+    const uint8_t* src = valid ? cache + (int64_t)slot[i] * tok_stride + c * 16 : cache;
+    cp_async16(dst + (r0 + i * TileCopy8<D>::PASS) * D + c * 16, src, valid ? 16 : 0);
+  }
+}
+
+// The pieces this thread copied with load_kv_tile8, widened into the swizzled 2-byte tile.
+template <typename T, int D, int CF>
+__device__ __forceinline__ void widen_tile8(T* dst, const uint8_t* raw, int r0, int c) {
+#pragma unroll
+  for (int i = 0; i < TileCopy8<D>::ROWS; ++i) {
+    const int row = r0 + i * TileCopy8<D>::PASS;
+    uint4 lo, hi;
+    fp8x16_to_pairs<T, CF>(*reinterpret_cast<const uint4*>(raw + row * D + c * 16), lo, hi);
+    *reinterpret_cast<uint4*>(dst + swz<D / 8>(row, 2 * c)) = lo;
+    *reinterpret_cast<uint4*>(dst + swz<D / 8>(row, 2 * c + 1)) = hi;
+  }
+}
+
+template <typename T, int D, int CF>
 __global__ void __launch_bounds__(kThreads)
-    paged_prefill_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin) {
+    paged_prefill_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin,
+                         const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
   pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
   constexpr int CH = D / 8, KS = D / 16, NT = kBN / 8, DT = D / 8;
+  constexpr bool F8 = CF != kCacheNative;
+  using C = std::conditional_t<F8, uint8_t, T>;
   extern __shared__ uint4 smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kBM * D;
   T* sV = sK + 2 * kBN * D;
+  uint8_t* sK8 = reinterpret_cast<uint8_t*>(sV + 2 * kBN * D);  // fp8 only
+  uint8_t* sV8 = sK8 + 2 * kBN * D;
 
   const int s = seq_begin + blockIdx.z, h = blockIdx.y;
   const int q0 = qsl[s], qlen = qsl[s + 1] - q0, ctx = a.seq_lens[s];
@@ -79,8 +134,8 @@ __global__ void __launch_bounds__(kThreads)
   const int n_tiles = (n_end + kBN - 1) / kBN;
   const int64_t tok_stride = (int64_t)a.num_kv_heads * D;
   const int* bt = a.block_tables + s * a.bt_stride;
-  const T* kc = static_cast<const T*>(a.k_cache) + kvh * D;
-  const T* vc = static_cast<const T*>(a.v_cache) + kvh * D;
+  const C* kc = static_cast<const C*>(a.k_cache) + kvh * D;
+  const C* vc = static_cast<const C*>(a.v_cache) + kvh * D;
 
   {  // Q tile; rows past the query length are zero-filled.
     const T* qb = static_cast<const T*>(a.q) + h * a.q_stride_h;
@@ -91,16 +146,31 @@ __global__ void __launch_bounds__(kThreads)
       cp_async16(sQ + swz<CH>(r, c), src, valid ? 16 : 0);
     }
   }
-  const int cr0 = threadIdx.x / CH, cc = threadIdx.x % CH;  // this thread's rows and column in tile copies
+  constexpr int CCH = F8 ? TileCopy8<D>::CH : CH;
+  const int cr0 = threadIdx.x / CCH, cc = threadIdx.x % CCH;  // this thread's rows and column in tile copies
   const int bs_log2 = __ffs(a.block_size) - 1;
-  int slot[TileCopy<D>::ROWS];
-  tile_slots<D>(slot, bt, bs_log2, 0, n_end, cr0);
-  load_kv_tile<T, D>(sK, kc, slot, tok_stride, cr0, cc);
+  // The tile copies of either cache format: slots, K/V loads into stage `st`, and (fp8) widening after landing.
+  int slot[F8 ? TileCopy8<D>::ROWS : TileCopy<D>::ROWS];
+  auto slots_at = [&](int n0) {
+    if constexpr (F8) tile_slots8<D>(slot, bt, bs_log2, n0, n_end, cr0);
+    else tile_slots<D>(slot, bt, bs_log2, n0, n_end, cr0);
+  };
+  auto load_k = [&](int st) {
+    if constexpr (F8) load_kv_tile8<D>(sK8 + st * kBN * D, kc, slot, tok_stride, cr0, cc);
+    else load_kv_tile<T, D>(sK + st * kBN * D, kc, slot, tok_stride, cr0, cc);
+  };
+  auto load_v = [&](int st) {
+    if constexpr (F8) load_kv_tile8<D>(sV8 + st * kBN * D, vc, slot, tok_stride, cr0, cc);
+    else load_kv_tile<T, D>(sV + st * kBN * D, vc, slot, tok_stride, cr0, cc);
+  };
+  slots_at(0);
+  load_k(0);
   cp_async_commit();
-  load_kv_tile<T, D>(sV, vc, slot, tok_stride, cr0, cc);
+  load_v(0);
   cp_async_commit();
-  if (n_tiles > 1) tile_slots<D>(slot, bt, bs_log2, kBN, n_end, cr0);
+  if (n_tiles > 1) slots_at(kBN);
   cp_async_wait<1>();
+  if constexpr (F8) widen_tile8<T, D, CF>(sK, sK8, cr0, cc);
   __syncthreads();
 
   uint32_t qa[KS][4];
@@ -111,7 +181,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
-  const float sl2 = a.scale * kLog2e;
+  float sl2 = a.scale * kLog2e;
+  if constexpr (F8) sl2 *= k_scale[kvh];
   const int row_pos0 = pos0 + m0 + warp * 16 + lane / 4;  // position of this thread's first row
 
   for (int j = 0; j < n_tiles; ++j) {
@@ -119,10 +190,11 @@ __global__ void __launch_bounds__(kThreads)
     const T* sVj = sV + (j & 1) * kBN * D;
     if (j > 0) {
       cp_async_wait<1>();  // K_j landed (V_j may still be in flight)
+      if constexpr (F8) widen_tile8<T, D, CF>(sK + (j & 1) * kBN * D, sK8 + (j & 1) * kBN * D, cr0, cc);
       __syncthreads();
     }
     // Every warp finished tile j-1 before the barrier above, so the other K stage is free to refill.
-    if (j + 1 < n_tiles) load_kv_tile<T, D>(sK + ((j + 1) & 1) * kBN * D, kc, slot, tok_stride, cr0, cc);
+    if (j + 1 < n_tiles) load_k((j + 1) & 1);
     cp_async_commit();  // an empty group at the end keeps the wait counts uniform
 
     float sc[NT][4];
@@ -155,10 +227,11 @@ __global__ void __launch_bounds__(kThreads)
     online_softmax_row<NT, DT>(sc, o, mrow[1], lrow[1], sl2, 1);
 
     cp_async_wait<1>();  // V_j landed (K_{j+1} may still be in flight)
+    if constexpr (F8) widen_tile8<T, D, CF>(sV + (j & 1) * kBN * D, sV8 + (j & 1) * kBN * D, cr0, cc);
     __syncthreads();
-    if (j + 1 < n_tiles) load_kv_tile<T, D>(sV + ((j + 1) & 1) * kBN * D, vc, slot, tok_stride, cr0, cc);
+    if (j + 1 < n_tiles) load_v((j + 1) & 1);
     cp_async_commit();
-    if (j + 2 < n_tiles) tile_slots<D>(slot, bt, bs_log2, (j + 2) * kBN, n_end, cr0);  // lands during P*V
+    if (j + 2 < n_tiles) slots_at((j + 2) * kBN);  // lands during P*V
 
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) {
@@ -183,7 +256,8 @@ __global__ void __launch_bounds__(kThreads)
     const float l = warp_sum_xor(lrow[r], 1, 4);
     const int row = m0 + warp * 16 + lane / 4 + r * 8;
     if (row >= qlen) continue;
-    const float inv = 1.f / l;
+    float inv = 1.f / l;
+    if constexpr (F8) inv = v_scale[kvh] / l;
     T* op = static_cast<T*>(a.out) + (int64_t)(q0 + row) * a.out_stride_t + h * a.out_stride_h + (lane % 4) * 2;
 #pragma unroll
     for (int i = 0; i < DT; ++i)
@@ -191,33 +265,47 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int D>
-cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
-                         cudaStream_t stream) {
+template <typename T, int D, int CF>
+cudaError_t launch_cf(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
+                      cudaStream_t stream, const float* ks, const float* vs) {
+  constexpr int smem = CF == kCacheNative ? smem_bytes<D>() : smem_bytes_fp8<D>();
   // Above 48 KB of dynamic shared memory a kernel must opt in; once per instantiation is enough.
   static const cudaError_t attr = cudaFuncSetAttribute(
-      paged_prefill_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>());
+      paged_prefill_kernel<T, D, CF>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid((max_query_len + kBM - 1) / kBM, a.num_q_heads, a.num_seqs);
-  return launch_kernel(paged_prefill_kernel<T, D>, grid, dim3(kThreads), smem_bytes<D>(), stream, a, qsl, seq_begin);
+  return launch_kernel(paged_prefill_kernel<T, D, CF>, grid, dim3(kThreads), smem, stream, a, qsl, seq_begin, ks,
+                       vs);
+}
+
+template <typename T, int D>
+cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
+                         cudaStream_t stream, const KvQuant* q) {
+  if (q == nullptr) return launch_cf<T, D, kCacheNative>(a, qsl, seq_begin, max_query_len, stream, nullptr, nullptr);
+  switch (cache_format_of(q->cache_dtype, a.dtype)) {
+    case kCacheE4M3: return launch_cf<T, D, kCacheE4M3>(a, qsl, seq_begin, max_query_len, stream, q->k_scale, q->v_scale);
+    case kCacheE5M2: return launch_cf<T, D, kCacheE5M2>(a, qsl, seq_begin, max_query_len, stream, q->k_scale, q->v_scale);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
-                                 int max_query_len, cudaStream_t stream) {
+                                 int max_query_len, cudaStream_t stream, const KvQuant* quant) {
   const bool pow2_block = a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !pow2_block || max_query_len < 0)
     return cudaErrorInvalidValue;
+  if (quant != nullptr && (quant->k_scale == nullptr || quant->v_scale == nullptr)) return cudaErrorInvalidValue;
   if (a.num_seqs == 0 || max_query_len == 0) return cudaSuccess;
   const bool bf16 = a.dtype == ScalarType::kBFloat16;
   if (a.dtype != ScalarType::kBFloat16 && a.dtype != ScalarType::kFloat16) return cudaErrorInvalidValue;
   if (a.head_dim == 128)
-    return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream)
-                : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream);
+    return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream, quant)
+                : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream, quant);
   if (a.head_dim == 64)
-    return bf16 ? launch_typed<__nv_bfloat16, 64>(a, query_start_loc, seq_begin, max_query_len, stream)
-                : launch_typed<__half, 64>(a, query_start_loc, seq_begin, max_query_len, stream);
+    return bf16 ? launch_typed<__nv_bfloat16, 64>(a, query_start_loc, seq_begin, max_query_len, stream, quant)
+                : launch_typed<__half, 64>(a, query_start_loc, seq_begin, max_query_len, stream, quant);
   return cudaErrorInvalidValue;
 }
 

@@ -81,7 +81,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None      # None = size from gpu_memory_utilization (GPU) or a CPU default
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"          # auto = the model dtype (an fp8 cache comes later)
+    kv_cache_dtype: str = "auto"          # auto = the model dtype; fp8 (= e4m3fn), fp8_e5m2: docs/kv-fp8.md
 
     def validate(self) -> None:
         check_types("cache", self)
@@ -91,7 +91,7 @@ class CacheConfig:
         _check(isinstance(self.gpu_memory_utilization, (int, float)) and 0.05 <= self.gpu_memory_utilization <= 0.99,
                "cache.gpu_memory_utilization", self.gpu_memory_utilization, "a number in [0.05, 0.99]")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "cache.kv_cache_dtype", self.kv_cache_dtype,
-               f"one of {', '.join(KV_CACHE_DTYPES)} (auto = the model dtype; an fp8 cache is not supported yet)")
+               f"one of {', '.join(KV_CACHE_DTYPES)} (auto = the model dtype; fp8 = e4m3fn)")
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class KernelConfig:
                "kernels.megakernel_min_chunks", self.megakernel_min_chunks, "an integer in [1, 64]")
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def _engine(path, **kw) -> LLM:
 def test_yarn_cuda_kernels_bf16_match_hf_fp32_up_to_near_ties(yarn_ckpt):
     hf = HF(yarn_ckpt)
     llm = _engine(yarn_ckpt, dtype="bfloat16", kernels="cuda")
-    assert llm.model_arch.rope.rope_type == "yarn" and llm.engine.runner.kernels.cuda
+    assert llm.model_arch.rope.rope_type == "yarn" and llm.engine.runner.plan.fused_ops.on
     outs = llm.generate(prompts(), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS,
                                                   logprobs=0), use_tqdm=False)
     for prompt, out in zip(prompts(), outs):

@@ -11,6 +11,9 @@ Which shapes the kernels cover is declared once (minillm/ops/attention_ops.py: C
 (minillm/runner/plan.py) builds this backend only where they do, so forward() makes no per-call decision.
 bind_kv_cache refuses a cache outside the coverage once, at start-up; the C++ launchers check again.
 
+An fp8 cache (the KVCacheSpec's dtype): the KV write (fused or not) quantizes and the decode and prefill kernels
+read fp8, all with the layer's scales from the spec (minillm/ops/kv_quant.py FP8_KERNEL_COVERAGE).
+
 The decode path does no host sync and sizes its split-K workspace from host-side maxima (meta.max_seq_len),
 so it can be captured in a CUDA graph.
 """
@@ -20,6 +23,7 @@ import torch
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.ops import attention_ops as ops
+from minillm.ops.kv_quant import is_fp8
 
 MODES = ("split", "unified")
 
@@ -41,9 +45,10 @@ class CudaAttentionBackend:
         here, once (the plan never builds this backend for one), rather than discovered per call."""
         if spec.layout != "nhd":
             raise ValueError(f"the CUDA attention kernels read the 'nhd' KV layout, not {spec.layout!r}")
-        dtype = str(spec.dtype).removeprefix("torch.")
+        kv_dtype = str(spec.dtype).removeprefix("torch.")
+        dtype = ops.COVERAGE.dtypes[0] if is_fp8(spec.dtype) else kv_dtype   # an fp8 cache serves either
         reason = ops.COVERAGE.reason(dtype=dtype, capability=ops.COVERAGE.min_capability, head_dim=spec.head_dim,
-                                     block_size=spec.block_size)
+                                     block_size=spec.block_size, kv_dtype=kv_dtype)
         if reason is not None:
             raise ValueError(f"the CUDA attention kernels do not cover this KV cache: {reason}")
         self.kv_spec = spec
@@ -58,21 +63,25 @@ class CudaAttentionBackend:
         """
         if not self.fuse_kv_write:
             return None
+        if is_fp8(k_cache.dtype):
+            return (k_cache, v_cache, meta.slot_mapping, *self.kv_spec.layer_scales(k_cache))
         return k_cache, v_cache, meta.slot_mapping
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D] in q's dtype (rows past meta.num_tokens unset).
         k = v = None: the cache already holds this step's k/v (qk_norm_rope wrote it, fused_kv_write_target)."""
+        ks, vs = self.kv_spec.layer_scales(k_cache) if is_fp8(k_cache.dtype) else (None, None)
         if k is not None:
-            ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         nd = meta.num_decodes if self.mode == "split" else 0
         if nd > 0:
             ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                              scale, meta.max_seq_len, min_partitions=self.min_partitions,
-                             ctas_per_sm=self.ctas_per_sm)
+                             ctas_per_sm=self.ctas_per_sm, k_scale=ks, v_scale=vs)
         if meta.num_seqs > nd:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd)
+                              scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd,
+                              k_scale=ks, v_scale=vs)
         return out

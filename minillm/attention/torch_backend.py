@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch: the CPU path and the `kernels.backend=torch` path on a GPU. The math is the
 kernels' reference itself (minillm/ops/reference.py): the KV write, then decode rows (one query each) attended
 together in one batched call padded to the longest decode context, then each prefill chunk on its own. Scores,
-softmax and the weighted sum run in fp32; the output takes q's dtype.
+softmax and the weighted sum run in fp32; the output takes q's dtype. An fp8 cache (the spec's dtype) is
+quantized on write and dequantized on read with the layer's scales from the spec.
 """
 from __future__ import annotations
 
@@ -36,17 +37,19 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         n, nd = meta.num_tokens, meta.num_decodes
-        kv_write_ref(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+        ks, vs = self.kv_spec.layer_scales(k_cache) if self.kv_spec is not None else (None, None)
+        kv_write_ref(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n], ks, vs)
         # Rows past num_tokens are CUDA-graph padding: they stay zero.
         out = torch.zeros_like(q)
         qsl, seq_lens = _host_lists(meta)
         if nd:
-            out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd], seq_lens[:nd], scale)
+            out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd], seq_lens[:nd], scale,
+                                          ks, vs)
         if meta.num_seqs > nd:
             # Prefill rows only: the reference starts at the first prefill sequence's rows.
             lo = qsl[nd]
             rows = paged_attention_ref(q[lo:n], k_cache, v_cache, meta.block_tables[nd:], seq_lens[nd:],
-                                       [x - lo for x in qsl[nd:]], scale)
+                                       [x - lo for x in qsl[nd:]], scale, ks, vs)
             out[lo:n] = rows
         return out
 

@@ -16,7 +16,7 @@ import dataclasses
 import random
 import time
 
-from minillm.bench.floor import DeviceRates, ModelShape, dtype_bytes
+from minillm.bench.floor import DeviceRates, ModelShape, dtype_bytes, kv_elem_bytes
 from minillm.sampling_params import SamplingParams
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -32,15 +32,15 @@ def sweep_config(cfg, max_batch: int, prompt_len: int = PROMPT_LEN, out_tokens: 
 
 
 def step_floor_ms(shape: ModelShape, dtype: str, batch: int, prompt_len: int, out_tokens: int,
-                  copy_bytes_per_s: float | None) -> float | None:
+                  copy_bytes_per_s: float | None, kv_cache_dtype: str = "auto") -> float | None:
     """Bytes a mean decode step of the method must read, over the copy bandwidth."""
     if not copy_bytes_per_s:
         return None
-    b = dtype_bytes(dtype)
+    b, kv_b = dtype_bytes(dtype), kv_elem_bytes(kv_cache_dtype, dtype)
     steps = out_tokens - 1
     # steps 1..steps produce outputs 1..steps, reading prompt_len + k token-KVs of each row
     kv_tokens = batch * sum(prompt_len + k for k in range(1, steps + 1)) / steps
-    return (shape.step_weight_bytes(b, batch) + kv_tokens * shape.kv_bytes_per_token(b)) / copy_bytes_per_s * 1e3
+    return (shape.step_weight_bytes(b, batch) + kv_tokens * shape.kv_bytes_per_token(kv_b)) / copy_bytes_per_s * 1e3
 
 
 def _timed_generate(llm, batch: int, max_tokens: int, seed: int, prompt_len: int) -> float:
@@ -74,8 +74,10 @@ def measure_batch(llm, batch: int, rates: DeviceRates, prompt_len: int = PROMPT_
         diffs.append((full - one) / (out_tokens - 1) * 1e3)
     ms = sorted(diffs)[len(diffs) // 2]
     shape = ModelShape.from_arch(llm.model_arch)
-    floor = step_floor_ms(shape, str(llm.dtype), batch, prompt_len, out_tokens, rates.copy_bytes_per_s)
-    return {"kind": "decode_step", "batch_size": batch, "ms_per_step": ms, "ms_per_step_runs": diffs,
+    kv_dtype = llm.config.cache.kv_cache_dtype
+    floor = step_floor_ms(shape, str(llm.dtype), batch, prompt_len, out_tokens, rates.copy_bytes_per_s, kv_dtype)
+    model_kv_floor = step_floor_ms(shape, str(llm.dtype), batch, prompt_len, out_tokens, rates.copy_bytes_per_s)
+    return {"kind": "decode_step", "kv_cache_dtype": kv_dtype, "floor_ms_model_dtype_kv": model_kv_floor, "batch_size": batch, "ms_per_step": ms, "ms_per_step_runs": diffs,
             "floor_ms": floor, "fraction_of_floor": floor / ms if floor else None, "prompt_len": prompt_len,
             "out_tokens": out_tokens, "copy_bytes_per_s": rates.copy_bytes_per_s, "dtype": str(llm.dtype),
             "kernels": _kernels(llm), "config": dataclasses.asdict(llm.config)}

@@ -4,7 +4,9 @@ floor seconds = (KV bytes + weight bytes) / measured copy bandwidth + prefill FL
 
 - KV bytes: the step that produces output token k (k = 0 .. max_tokens-1) of a request with a P-token prompt
   must read the K and V of the P + k tokens before it, so a request reads
-  sum_k (P + k) = M*P + M*(M-1)/2 token-KVs, each 2 x layers x kv_heads x head_dim x dtype bytes.
+  sum_k (P + k) = M*P + M*(M-1)/2 token-KVs, each 2 x layers x kv_heads x head_dim x the cache's element bytes
+  (the model dtype's, or 1 for an fp8 cache: kv_elem_bytes). An fp8 run also states the floor it would have with
+  a cache in the model dtype (floor_record's *_model_dtype_kv fields), so both are on its line.
 - Weight bytes: every forward step reads all weights once (the LM head included; the embedding table is only
   gathered, a few rows per step, so it is not counted unless it is tied and doubles as the LM head).
   The number of steps is the fewest any schedule can use: at least max(max_tokens) (a request gains at most
@@ -30,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_KV_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,13 @@ def dtype_bytes(dtype) -> int:
     return _DTYPE_BYTES[name]
 
 
+def kv_elem_bytes(kv_cache_dtype: str, model_dtype) -> int:
+    """Bytes per cached K or V element under cache.kv_cache_dtype (auto = the model dtype)."""
+    if kv_cache_dtype in _KV_FP8:
+        return 1
+    return dtype_bytes(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
 @dataclass(frozen=True)
 class FloorWork:
     """What a workload must move and compute, independent of the engine."""
@@ -146,7 +156,8 @@ class FloorWork:
 
 
 def workload_work(shape: ModelShape, prompt_lens: list[int], max_tokens: list[int], dtype_bytes_: int,
-                  max_num_seqs: int) -> FloorWork:
+                  max_num_seqs: int, kv_bytes_: int | None = None) -> FloorWork:
+    """kv_bytes_: the cache's element bytes (None = dtype_bytes_, a cache in the model dtype)."""
     if len(prompt_lens) != len(max_tokens) or not prompt_lens:
         raise ValueError("prompt_lens and max_tokens must be non-empty lists of the same length")
     if max_num_seqs < 1:
@@ -158,7 +169,8 @@ def workload_work(shape: ModelShape, prompt_lens: list[int], max_tokens: list[in
     prefill_flops = (2 * shape.layer_matmul_params * sum(prompt_lens)
                      + 2 * shape.lm_head_params * len(prompt_lens) + 4 * q_width * attn_pairs)
     mean_batch = -(-sum(max_tokens) // num_steps)   # only MoE weights depend on it
-    return FloorWork(kv_bytes=token_kvs * shape.kv_bytes_per_token(dtype_bytes_),
+    kv_elem = dtype_bytes_ if kv_bytes_ is None else kv_bytes_
+    return FloorWork(kv_bytes=token_kvs * shape.kv_bytes_per_token(kv_elem),
                      weight_bytes=num_steps * shape.step_weight_bytes(dtype_bytes_, mean_batch),
                      num_steps=num_steps, prefill_flops=prefill_flops)
 
@@ -227,9 +239,16 @@ def measure_device(device) -> DeviceRates:
     return DeviceRates(bw, rate, time.perf_counter() - t0)
 
 
-def floor_record(work: FloorWork, rates: DeviceRates, wall_s: float | None) -> dict:
-    """The floor fields of a results line; floor_s and fraction are null where rates were not measured."""
+def floor_record(work: FloorWork, rates: DeviceRates, wall_s: float | None,
+                 model_dtype_kv_work: FloorWork | None = None) -> dict:
+    """The floor fields of a results line; floor_s and fraction are null where rates were not measured.
+    model_dtype_kv_work: the same workload with the cache in the model dtype (an fp8 run), stated alongside."""
     floor_s = floor_seconds(work, rates.copy_bytes_per_s, rates.gemm_flops_per_s)
     fraction = floor_s / wall_s if floor_s is not None and wall_s else None
-    return {**asdict(work), "copy_bytes_per_s": rates.copy_bytes_per_s, "gemm_flops_per_s": rates.gemm_flops_per_s,
-            "floor_s": floor_s, "fraction_of_floor": fraction}
+    rec = {**asdict(work), "copy_bytes_per_s": rates.copy_bytes_per_s, "gemm_flops_per_s": rates.gemm_flops_per_s,
+           "floor_s": floor_s, "fraction_of_floor": fraction}
+    if model_dtype_kv_work is not None and model_dtype_kv_work != work:
+        other = floor_seconds(model_dtype_kv_work, rates.copy_bytes_per_s, rates.gemm_flops_per_s)
+        rec.update(kv_bytes_model_dtype_kv=model_dtype_kv_work.kv_bytes, floor_s_model_dtype_kv=other,
+                   fraction_of_floor_model_dtype_kv=other / wall_s if other is not None and wall_s else None)
+    return rec

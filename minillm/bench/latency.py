@@ -64,7 +64,8 @@ def run_sweep_config(cfg, label: str, workload: Workload, rates: list[float], ti
             lines.append({"kind": "latency", "engine": "minillm", "transport": "in-process", "label": label,
                           "rate": rate, "time_scale": time_scale, "budget": budget_of(cfg),
                           "chunked": cfg.scheduler.enable_chunked_prefill,
-                          "attention_mode": cfg.runtime.attention_mode, "config": dataclasses.asdict(cfg),
+                          "attention_mode": cfg.runtime.attention_mode,
+                          "kv_cache_dtype": cfg.cache.kv_cache_dtype, "config": dataclasses.asdict(cfg),
                           "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
                           "kernels": llm.engine.runner.plan.record(), **summary})
     finally:

@@ -11,7 +11,8 @@ import random
 import statistics
 import time
 
-from minillm.bench.floor import DeviceRates, FloorWork, ModelShape, dtype_bytes, floor_record, workload_work
+from minillm.bench.floor import (DeviceRates, FloorWork, ModelShape, dtype_bytes, floor_record, kv_elem_bytes,
+                                 workload_work)
 from minillm.bench.workloads import Workload
 from minillm.engine.profile import StepProfile
 from minillm.progress import progress_bar
@@ -81,11 +82,12 @@ def timed_pass(llm, workload: Workload, show_progress: bool) -> tuple[float, int
     return wall, tokens, llm.num_preemptions - preempt0
 
 
-def floor_work(llm, workload: Workload, max_num_seqs: int) -> tuple[FloorWork, str]:
-    """What `workload` must move and compute on this engine's model and dtype (docs/architecture.md section 7),
-    and the dtype's name."""
+def floor_work(llm, workload: Workload, max_num_seqs: int, kv_cache_dtype: str = "auto") -> tuple[FloorWork, str]:
+    """What `workload` must move and compute on this engine's model, dtype and KV-cache dtype
+    (docs/architecture.md section 7), and the dtype's name."""
     work = workload_work(ModelShape.from_arch(llm.model_arch), [len(p) for p in workload.prompts],
-                         workload.max_tokens, dtype_bytes(llm.dtype), max_num_seqs)
+                         workload.max_tokens, dtype_bytes(llm.dtype), max_num_seqs,
+                         kv_elem_bytes(kv_cache_dtype, llm.dtype))
     return work, str(llm.dtype)
 
 
@@ -106,16 +108,17 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
                                    f"{workload.output_tokens} (is max_model_len too small?)")
             walls.append(wall)
             preemptions += preempted
-        work, dtype = floor_work(llm, workload, cfg.scheduler.max_num_seqs)
+        work, dtype = floor_work(llm, workload, cfg.scheduler.max_num_seqs, cfg.cache.kv_cache_dtype)
+        model_kv_work, _ = floor_work(llm, workload, cfg.scheduler.max_num_seqs)
         kernels = llm.engine.runner.plan.record()
     finally:
         del llm
         free_device_memory()
     wall = statistics.median(walls)
     return {"kind": "bench", "engine": "minillm", "label": label, "config": dataclasses.asdict(cfg), "dtype": dtype,
-            "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
+            "kv_cache_dtype": cfg.cache.kv_cache_dtype, "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
             "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,
             "output_tok_s": workload.output_tokens / wall,
             "total_tok_s": (workload.input_tokens + workload.output_tokens) / wall,
-            "preemptions": preemptions, "floor": floor_record(work, rates, wall), "kernels": kernels,
+            "preemptions": preemptions, "floor": floor_record(work, rates, wall, model_kv_work), "kernels": kernels,
             "step_profile": profile.summary()}

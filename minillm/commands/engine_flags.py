@@ -29,6 +29,7 @@ class EngineFlags:
     attention: Optional[str] = None
     attention_mode: Optional[str] = None
     kernels: Optional[str] = None
+    kv_cache_dtype: Optional[str] = None
     eager: bool = False
     set: Optional[list[str]] = None
 
@@ -38,7 +39,7 @@ class EngineFlags:
                 "max_num_batched_tokens": self.budget, "max_model_len": self.max_model_len,
                 "enable_chunked_prefill": self.chunked, "scheduling_policy": self.policy,
                 "attention": self.attention, "attention_mode": self.attention_mode, "kernels": self.kernels,
-                "enforce_eager": True if self.eager else None}
+                "kv_cache_dtype": self.kv_cache_dtype, "enforce_eager": True if self.eager else None}
 
     def load(self):
         """-> (EngineConfig, sampling defaults); a config error ends the command with exit 2."""
@@ -76,6 +77,8 @@ _ENGINE_PARAMS = [
         metavar="MODE", help="split | unified")]),
     _P("kernels", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
         metavar="BACKEND", help="auto | cuda | torch: minillm's CUDA kernels (kernels.backend).")]),
+    _P("kv_cache_dtype", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], typer.Option(
+        metavar="DTYPE", help="auto | bfloat16 | float16 | float32 | fp8 (e4m3fn) | fp8_e5m2 (cache.kv_cache_dtype).")]),
     _P("eager", _P.KEYWORD_ONLY, default=False, annotation=Annotated[bool, typer.Option(
         "--eager", help="No CUDA graphs (runtime.enforce_eager).")]),
     _P("set", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[list[str]], typer.Option(

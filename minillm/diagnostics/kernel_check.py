@@ -122,9 +122,10 @@ def run_cases(quick: bool) -> list[dict]:
                 seed += 1
                 err, tol = _case_attention(kind, shape, batch, seed)
                 rows.append(dict(case=f"{kind} {batch[0]} {tag}", max_abs_err=err, tol=tol, passed=err <= tol))
+    from minillm.diagnostics.kv_quant_check import run_fp8_cases
     from minillm.diagnostics.megakernel_check import run_megakernel_cases
 
-    return rows + run_megakernel_cases(quick)
+    return rows + run_fp8_cases(quick) + run_megakernel_cases(quick)
 
 
 def _time_graph(fn_list, reps: int = 10) -> float:
@@ -241,7 +242,9 @@ def run_timings(quick: bool) -> list[dict]:
     decode_shapes = [(256, 1024), (8, 4096)] + ([] if quick else [(64, 512), (32, 2048), (1, 8192)])
     for batch, ctx in decode_shapes:
         rows += _decode_timings(batch, ctx)
-    return rows + _prefill_timings(4096)
+    from minillm.diagnostics.kv_quant_check import run_fp8_timings
+
+    return rows + _prefill_timings(4096) + run_fp8_timings()
 
 
 def _print_cases(rows) -> None:

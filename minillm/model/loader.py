@@ -9,6 +9,7 @@ dtype "auto" means float32 on CPU (exact reference path) and bfloat16 on CUDA.
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,6 +37,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Weight dtypes a checkpoint may store. copy_ would cast an int8/int64/bool tensor to the model's dtype without a
 # word and serve garbage; quantized checkpoints need their scales, which this loader does not read.
 _WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# KV-cache scales of fp8 checkpoints (vLLM's and llm-compressor's names), read by read_kv_scales, not weights:
+# model.layers.{i}.self_attn.{k,v}_scale, ...self_attn.attn.{k,v}_scale, ...self_attn.{k,v}_proj.{k,v}_scale,
+# ...self_attn.{k,v}_proj.output_scale.
+_KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.|([kv])_proj\.)?(?:([kv])_scale|output_scale)$")
 
 
 def preset_names() -> list[str]:
@@ -171,7 +176,7 @@ def _checkpoint_targets(net: QwenForCausalLM, names=frozenset()
 
 def load_safetensors(net: QwenForCausalLM, files: dict[str, Path]) -> None:
     """Copy every checkpoint tensor into its (slice of a) parameter, converting dtype on the way."""
-    names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+    names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES) and _kv_scale_key(n) is None}
     targets = _checkpoint_targets(net, names)
     if net.arch.tie_word_embeddings:
         names.discard("lm_head.weight")   # some tied checkpoints still store the shared matrix twice
@@ -212,3 +217,46 @@ def init_dummy_weights(net: QwenForCausalLM, seed: int = 0) -> None:
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _kv_scale_key(name: str) -> tuple[int, int] | None:
+    """(layer, 0 for K / 1 for V) of a KV-cache scale tensor name, or None for any other tensor."""
+    m = _KV_SCALE_RE.match(name)
+    if m is None:
+        return None
+    proj, kind = m.group(2), m.group(3)
+    if kind is None and proj is None:      # self_attn.output_scale is no KV scale
+        return None
+    if proj is not None and kind is not None and proj != kind:   # k_proj.v_scale: not a name anyone writes
+        return None
+    return int(m.group(1)), 0 if (kind or proj) == "k" else 1
+
+
+def read_kv_scales(model_dir: Path | None, arch: ModelArchConfig) -> torch.Tensor | None:
+    """The checkpoint's KV-cache scales as fp32 [layers, 2 (K, V), KV heads], or None when it has none.
+
+    A scalar (or one-element) scale is per tensor and applies to every KV head; a [KV heads] one is per head.
+    Layers the checkpoint gives no scale keep 1.0. Any other shape, a layer index outside the model, or a
+    non-finite or non-positive value is a ConfigError naming the tensor."""
+    if model_dir is None:
+        return None
+    files = _weight_files(model_dir)
+    found = {n: key for n in files if (key := _kv_scale_key(n)) is not None}
+    if not found:
+        return None
+    heads, layers = arch.num_key_value_heads, arch.num_hidden_layers
+    scales = torch.ones(layers, 2, heads, dtype=torch.float32)
+    for name, (layer, kv) in sorted(found.items()):
+        with _open_weights(files[name]) as f:
+            t = f.get_tensor(name).float()
+        if layer >= layers:
+            raise ConfigError(f"KV-cache scale {name}: layer {layer} is outside the model's {layers} layers")
+        if t.numel() == 1:
+            t = t.reshape(1).expand(heads)
+        elif tuple(t.shape) != (heads,):
+            raise ConfigError(f"KV-cache scale {name} has shape {list(t.shape)}: expected a scalar (per tensor) "
+                              f"or [{heads}] (per KV head)")
+        if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            raise ConfigError(f"KV-cache scale {name} must be finite and > 0, got {t.tolist()[:8]}")
+        scales[layer, kv] = t
+    return scales

@@ -19,7 +19,8 @@ from minillm.ops.coverage import KernelCoverage
 # paged_decode.cu: dispatch_shape and kMaxGroup; paged_prefill takes any power-of-two block size, decode only
 # these). The decode path sizes its workspace from host values and never syncs, so it can be captured.
 COVERAGE = KernelCoverage("paged_attention", dtypes=("bfloat16", "float16"), head_dims=(64, 128),
-                          block_sizes=(16, 32), max_gqa_group=16, graph_safe=True)
+                          block_sizes=(16, 32), max_gqa_group=16, graph_safe=True,
+                          kv_dtypes=("float8_e4m3fn", "float8_e5m2"))   # fp8 caches: cuda/kv_fp8.cuh
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per
@@ -41,9 +42,14 @@ MIN_SPLIT_LEN = 256        # contexts this short are never split
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter k/v [T, Hkv, D] into the caches at slot_mapping[:T] (-1 = skip). Bit-exact copy."""
-    load_extension().kv_write(k, v, k_cache, v_cache, slot_mapping)
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter k/v [T, Hkv, D] into the caches at slot_mapping[:T] (-1 = skip). Bit-exact copy; into an fp8 cache,
+    quantized with the per-KV-head fp32 scales (bit for bit minillm/ops/kv_quant.py's quantize)."""
+    if k_scale is None:
+        load_extension().kv_write(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        load_extension().kv_write_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @lru_cache(maxsize=8)
@@ -69,12 +75,14 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                  partition_size: int | None = None, *, min_partitions: int = MIN_PARTITIONS,
-                 ctas_per_sm: int = CTAS_PER_SM_TARGET) -> torch.Tensor:
+                 ctas_per_sm: int = CTAS_PER_SM_TARGET, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[s] = attention of q[s] (one token per sequence) over its first seq_lens[s] cached tokens.
 
     partition_size None lets the dispatcher choose; 0 forces v1; a positive multiple of 256 forces split-K with
     fixed partitions of that many tokens; -P forces split-K with every sequence cut into P equal partitions.
     max_seq_len must bound every seq_lens entry (it sizes the fixed split-K workspace).
+    k_scale / v_scale (fp32 [Hkv]): the caches are fp8, read as stored * scale.
     """
     if partition_size is None:
         partition_size = decode_partition_size(q.shape[0], k_cache.shape[2], max_seq_len, _num_sms(q.device.index or 0),
@@ -83,21 +91,32 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not (fixed_ok or -MAX_EQUAL_PARTITIONS <= partition_size < 0):
         raise ValueError(f"partition_size must be 0, a positive multiple of {PARTITION_QUANTUM} or -P with "
                          f"1 <= P <= {MAX_EQUAL_PARTITIONS}, got {partition_size}")
-    load_extension().paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
-                                  int(partition_size), int(max_seq_len))
+    if k_scale is None:
+        load_extension().paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
+                                      int(partition_size), int(max_seq_len))
+    else:
+        load_extension().paged_decode_fp8(out, q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
+                                          float(scale), int(partition_size), int(max_seq_len))
     return out
 
 
 def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                  scale: float, max_query_len: int, seq_begin: int = 0, num_seqs: int | None = None) -> torch.Tensor:
+                  scale: float, max_query_len: int, seq_begin: int = 0, num_seqs: int | None = None, *,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the query rows of sequences [seq_begin, seq_begin + num_seqs) in one launch.
 
     Rows of sequence s are q[query_start_loc[s]:query_start_loc[s+1]] and sit at the last positions of its
     seq_lens[s]-token context (prefix hits and later prefill chunks attend to the cached tokens before them).
+    k_scale / v_scale (fp32 [Hkv]): the caches are fp8, read as stored * scale.
     """
     if num_seqs is None:
         num_seqs = seq_lens.shape[0] - seq_begin
-    load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
+    if k_scale is None:
+        load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                       int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
+    else:
+        load_extension().paged_prefill_fp8(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                           k_scale, v_scale, int(seq_begin), int(num_seqs), int(max_query_len),
+                                           float(scale))
     return out

@@ -24,7 +24,7 @@ class KernelCoverage:
     max_gqa_group: int | None = None             # query heads per KV head; None: any
     min_capability: tuple[int, int] = (8, 0)     # the oldest GPU generation (sm_80 is the build's floor)
     graph_safe: bool = True                      # no host sync and no data-dependent allocation per launch
-    kv_dtypes: tuple[str, ...] | None = None     # cache dtypes; None: the cache holds the activation dtype
+    kv_dtypes: tuple[str, ...] = ()              # quantised cache dtypes read besides the activation dtype
 
     def reason(self, *, dtype: str, capability: tuple[int, int], head_dim: int | None = None,
                num_q_heads: int | None = None, num_kv_heads: int | None = None, block_size: int | None = None,
@@ -35,8 +35,8 @@ class KernelCoverage:
                     f"sm_{capability[0]}{capability[1]}")
         if dtype not in self.dtypes:
             return f"dtype {dtype} (covered: {', '.join(self.dtypes)})"
-        if kv_dtype is not None and kv_dtype not in (self.kv_dtypes or (dtype,)):
-            return f"KV-cache dtype {kv_dtype} with dtype {dtype} (covered: {', '.join(self.kv_dtypes or (dtype,))})"
+        if kv_dtype is not None and kv_dtype not in (dtype, *self.kv_dtypes):
+            return f"KV-cache dtype {kv_dtype} with dtype {dtype} (covered: {', '.join((dtype, *self.kv_dtypes))})"
         if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
             return f"head_dim={head_dim} (covered: {', '.join(map(str, self.head_dims))})"
         if block_size is not None and self.block_sizes is not None and block_size not in self.block_sizes:

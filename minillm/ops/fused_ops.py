@@ -95,7 +95,7 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, q_norm_weight: torch.Tensor | None,
                  k_norm_weight: torch.Tensor | None, eps: float,
-                 kv_cache_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *, cuda: bool = False,
+                 kv_cache_out: tuple[torch.Tensor, ...] | None = None, *, cuda: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split packed qkv [T, (Hq + 2 Hkv) D] into q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]; apply the per-head
     RMSNorm to q and k when weights are given (Qwen3; Qwen2 has none), then RoPE at `positions`.
@@ -103,13 +103,15 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     kv_cache_out = (k_cache, v_cache, slot_mapping) fuses the KV-cache write: row t of k and v goes to flat
     slot slot_mapping[t] of the caches [num_blocks, block_size, Hkv, D] (slot -1: not stored), and the call
     returns (q, None, None). The caches then hold exactly what kv_write would copy from the returned k/v.
+    kv_cache_out = (k_cache, v_cache, slot_mapping, k_scale, v_scale): fp8 caches, quantized with those scales.
     """
     if cuda and qkv.is_cuda:
         if kv_cache_out is None:
             return torch.ops.minillm.qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads,
                                                   head_dim, q_norm_weight, k_norm_weight, eps)
-        q = torch.ops.minillm.qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
-                                                 q_norm_weight, k_norm_weight, eps, *kv_cache_out)
+        op = torch.ops.minillm.qk_norm_rope_cache if len(kv_cache_out) == 3 else torch.ops.minillm.qk_norm_rope_cache_fp8
+        q = op(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps,
+               *kv_cache_out)
         return q, None, None
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

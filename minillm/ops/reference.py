@@ -4,6 +4,9 @@
 Deliberately simple: explicit gathers through the block table, attention in fp32 with an explicit mask, keys a
 query may not see zeroed before they meet a weight, so a cache pre-filled with NaN exposes any kernel that reads
 an unowned slot. The cache layout is KVCacheSpec's (minillm/cache/spec.py).
+
+An fp8 cache takes per-KV-head k_scale / v_scale (fp32 [Hkv]): the write quantizes and every read dequantizes to
+fp32 (minillm/ops/kv_quant.py), so the attention arithmetic is that of the dequantized cache.
 """
 from __future__ import annotations
 
@@ -11,30 +14,57 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.ops.kv_quant import dequantize, is_fp8, quantize
+
+
+def _stored(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x as the cache stores it; fp8 as its bytes (uint8), since not every device indexes float8 tensors."""
+    if is_fp8(cache.dtype):
+        if scale is None:
+            raise ValueError("an fp8 KV cache needs its k_scale / v_scale")
+        return quantize(x, scale, cache.dtype).view(torch.uint8)
+    return x.to(cache.dtype)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache viewed as uint8 for indexing (gathers and scatters move bytes); any other cache as it is."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
+def _typed(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return rows.view(cache.dtype) if is_fp8(cache.dtype) else rows
+
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """In place: row t of k/v [T, Hkv, D] goes to flat slot slot_mapping[t] of the caches; -1 is skipped."""
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+    """In place: row t of k/v [T, Hkv, D] goes to flat slot slot_mapping[t] of the caches; -1 is skipped.
+    An fp8 cache stores quantize(row, scale) (the scales are ignored for any other cache)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping[: k.shape[0]].long()
     keep = slots >= 0
-    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = v[keep].to(v_cache.dtype)
+    _bytes(k_cache).view(-1, num_kv_heads, head_dim)[slots[keep]] = _stored(k[keep], k_cache, k_scale)
+    _bytes(v_cache).view(-1, num_kv_heads, head_dim)[slots[keep]] = _stored(v[keep], v_cache, v_scale)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """First `length` tokens of one sequence from a paged cache: [length, Hkv, D] in fp32."""
+def _read(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return dequantize(cache, scale if is_fp8(cache.dtype) else None)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """First `length` tokens of one sequence from a paged cache: [length, Hkv, D] in fp32 (dequantized)."""
     block_size = cache.shape[1]
     pos = torch.arange(length, device=cache.device)
     blocks = block_table.to(cache.device).long()[pos // block_size]
-    return cache[blocks, pos % block_size].float()
+    return _read(_typed(_bytes(cache)[blocks, pos % block_size], cache), scale)
 
 
 def gather_kv_batch(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[B, max_blocks] block ids -> the first `num_tokens` cache rows of each sequence, [B, num_tokens, H, D] in the
     cache dtype (positions past a sequence's own length hold whatever its table points at: mask them)."""
     num_blocks = -(-num_tokens // cache.shape[1])
-    blocks = cache[block_tables[:, :num_blocks].long()]          # [B, nb, block_size, H, D]
+    blocks = _typed(_bytes(cache)[block_tables[:, :num_blocks].long()], cache)   # [B, nb, block_size, H, D]
     b, nb, bs, h, d = blocks.shape
     return blocks.reshape(b, nb * bs, h, d)[:, :num_tokens]
 
@@ -65,7 +95,8 @@ def _as_list(x) -> list[int]:
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens, query_start_loc, scale: float) -> torch.Tensor:
+                        seq_lens, query_start_loc, scale: float, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for a flat batch: fp32 [T, Hq, D] (rows past query_start_loc[-1] are 0).
 
     Query i of sequence s sits at position seq_lens[s] - query_len + i: covers full prefill, prefix-cache
@@ -78,8 +109,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         lo, hi = starts[s], starts[s + 1]
         if hi <= lo:
             continue
-        keys = gather_kv(k_cache, block_tables[s], ctx)
-        values = gather_kv(v_cache, block_tables[s], ctx)
+        keys = gather_kv(k_cache, block_tables[s], ctx, k_scale)
+        values = gather_kv(v_cache, block_tables[s], ctx, v_scale)
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]   # [qlen, ctx]
         out[lo:hi] = attend(q[None, lo:hi], keys[None], values[None], mask[None], scale)[0]
@@ -87,7 +118,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens, scale: float) -> torch.Tensor:
+                     seq_lens, scale: float, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per sequence (row s = sequence s) over its whole context, all rows in one batched call
     padded to the longest context: fp32 [S, Hq, D]."""
     lens = _as_list(seq_lens)
@@ -96,6 +128,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_len = max(lens)
     k = gather_kv_batch(k_cache, block_tables, max_len)
     v = gather_kv_batch(v_cache, block_tables, max_len)
+    if is_fp8(k_cache.dtype):
+        k, v = _read(k, k_scale), _read(v, v_scale)
     lens_t = torch.tensor(lens, device=q.device)
     mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]      # [S, L]
     return attend(q[:, None], k, v, mask[:, None], scale)[:, 0]

@@ -16,7 +16,7 @@ from minillm.cache.spec import KVCacheSpec
 from minillm.config import ConfigError, EngineConfig
 from minillm.device import resolve_device, resolve_dtype
 from minillm.contract import ModelRunnerOutput, SchedulerOutput
-from minillm.model.loader import load_model, resolve_arch
+from minillm.model.loader import load_model, read_kv_scales, resolve_arch
 from minillm.ops.launch import pdl_launches
 from minillm.runner.cuda_graphs import DecodeGraphs, MegakernelGraphs, guarded_capture
 from minillm.runner.input_batch import InputBuilder, PrevTokens, cdiv
@@ -45,6 +45,14 @@ class InFlight:
         return PrevTokens(self.token_ids, self.req_ids)
 
 
+def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype) -> KVCacheSpec:
+    """The KV-cache spec, with an fp8 cache's scales from the checkpoint (1.0 where it has none)."""
+    from minillm.ops.kv_quant import FP8_DTYPES
+    fp8 = cfg.cache.kv_cache_dtype in FP8_DTYPES
+    scales = read_kv_scales(model_dir, arch) if fp8 else None
+    return KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, dtype, scales)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -58,6 +66,7 @@ class ModelRunner:
         self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
                                                            self.device, self.attn_backend, seed=cfg.runtime.seed,
                                                            kernels=p.model_kernels())
+        self.kv_spec = _kv_spec(cfg, self.arch, self.model_dir, self.dtype)   # an fp8 cache's checkpoint scales
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler

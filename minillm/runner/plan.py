@@ -251,6 +251,8 @@ class _Case:
             return Verdict(False, f"it stands in for the CUDA attention path, which is off ({attention.reason})")
         if not graphs.on:
             return Verdict(False, f"it runs under CUDA graphs only, which are off ({graphs.reason})")
+        if self.kv_spec.quantized:   # ops/kv_quant.py FP8_KERNEL_COVERAGE["decode_megakernel"]
+            return Verdict(False, f"it reads bf16/fp16 caches only, not {self.cfg.cache.kv_cache_dtype}")
         d = self.device
         reason = mk.unsupported_reason(self.arch, dtype, self.kv_spec.block_size, self.megakernel_rows(),
                                        num_ctas=d.num_sms, smem_limit=d.smem_per_block_optin, capability=d.capability)
