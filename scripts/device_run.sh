@@ -17,6 +17,7 @@
 #   oldsweep  the sweep over the .old/ engine -> $OUT/decode_steps_old.jsonl
 #   l2probe   decode GEMMs with cold, L2-resident and prefetched weights -> $OUT/gemm_l2_probe.jsonl
 #   checks    `minillm check-kernels --quick` -> $OUT/kernels.jsonl
+#   matrix    the start-up matrix; fp8, benchfp8, sweepfp8: the fp8 KV cache; structured: constrained decoding cost
 #   http      scripts/http_latency.py: latency through the HTTP server vs in-process -> $OUT/latency_http.jsonl
 #
 # MINILLM_COMMIT names the commit on the results lines (a copied tree may carry a stale .git).
@@ -79,9 +80,25 @@ for s in "$@"; do
     e2e)
       stage e2e 200 python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
         tests/test_engine_gpu.py ;;
-    gputests)
-      stage gputests 240 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
-        tests/test_engine_gpu.py tests/test_fused_gpu.py tests/test_gemm_gpu.py tests/test_kernels_gpu.py ;;
+    gputests)   # every GPU test file but the start-up matrix (stage matrix) and the 131k-token prompts (slow)
+      stage gputests 300 bash -c "python3 -m pytest -m 'gpu and not slow' -q --tb=short -p no:cacheprovider \
+        --deselect tests/test_startup_matrix_gpu.py \$(ls tests/test_*gpu*.py | grep -v startup_matrix) \
+        tests/test_plan.py tests/test_nonfinite.py | tee $OUT/gputests.log" ;;
+    matrix)   # the start-up matrix (scripts/startup_matrix.py --quick): every case in its own process
+      stage matrix 240 python3 scripts/startup_matrix.py --quick --jobs 8 --timeout 150 --out "$OUT/startup_matrix.jsonl" ;;
+    fp8)   # fp8 KV: decode kernel bytes/s against bf16, next-token KL against a bf16 cache at 512-16k tokens
+      stage fp8_timing 120 python3 -c "import json; from minillm.ops.build import load_extension; load_extension(); \
+from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dumps(r)) for r in run_fp8_timings()]"
+      cp "$LOG/fp8_timing.log" "$OUT/fp8_timing.jsonl"
+      stage fp8_kl 200 python3 scripts/kv_fp8_accuracy.py gpu --out "$OUT/kv_fp8.jsonl" ;;
+    benchfp8)   # the offline reference with an fp8 cache, then bf16, in one run
+      stage benchfp8 200 python3 -m minillm bench --no-progress --kv-cache-dtype fp8 --output "$OUT/bench.jsonl"
+      stage benchbf16 200 python3 -m minillm bench --no-progress --output "$OUT/bench.jsonl" ;;
+    sweepfp8)
+      stage sweepfp8 200 python3 -m minillm bench --decode-sweep --no-progress --kv-cache-dtype fp8 \
+        -o "$OUT/decode_steps.jsonl" ;;
+    structured)   # json_schema-constrained decode steps against unconstrained (scripts/structured_bench.py)
+      stage structured 200 python3 scripts/structured_bench.py --output "$OUT/structured.jsonl" ;;
     sweep)
       stage sweep 200 python3 -m minillm bench --decode-sweep --no-progress -o "$OUT/decode_steps.jsonl" ;;
     latency)   # the in-process latency sweep, chunked-2048 at 4 and 8 req/s
