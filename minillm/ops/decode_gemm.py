@@ -32,8 +32,8 @@ COVERAGE = KernelCoverage("decode_gemm", dtypes=("bfloat16", "float16"), min_cap
 # GEMM's latest lines (4c54560) in results/gemm_sweep.jsonl, us per call in CUDA graphs (docs/kernels.md). Empty:
 # it beat cuBLAS on Qwen3-0.6B's narrow o_proj [1024, 2048] and down_proj [1024, 3072] up to 16 rows, but the
 # skinny GEMM was as fast or faster at every one of those points behind the norm (o_proj M=1: 4.38 vs 4.19; down
-# M=8: 5.75 vs 5.36), and alone too except down M=1 and 8 (5.85 vs 5.96, 5.95 vs 6.05: 2%, within the run-to-run
-# spread of cuBLAS there). tests/test_decode_gemm.py derives this table from that file. The execution plan puts
+# M=8: 5.75 vs 5.36), and alone too except down M=1 and 8 (5.85 vs 5.96, 5.95 vs 6.05: under 2%, and measured
+# in a different run). tests/test_decode_gemm.py derives this table from that file. The execution plan puts
 # a layer on the kernel only where this table and covers() both say so.
 MEASURED_WINS: dict[tuple[int, int], int] = {}
 MEASURED_AT = "5671c98"

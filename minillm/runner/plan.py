@@ -19,7 +19,7 @@ What a kernel family covers is declared once, next to its ops wrapper (a KernelC
 plus a shape function where a family has limits of its own): attention_ops.COVERAGE, fused_ops.COVERAGE,
 gemm_ops.COVERAGE, megakernel.COVERAGE, and the torch attention backend's. The plan only asks them.
 
-Adding a kernel family (a decode GEMM; an fp8 KV cache, which is attention's kv_dtypes): declare its
+Adding a kernel family (an fp8 KV cache, which is attention's kv_dtypes; decode_gemm is an example): declare its
 KernelCoverage next to its wrapper, add one Verdict field to ExecutionPlan (and its name to PATHS) and one _Case
 method that asks the declaration; if it runs on the decode path, add it to cuda_graphs()'s graph-safety list. Hand
 the verdict to the layer that calls the family (ModelKernels for the model's layers). The record and the log
