@@ -168,7 +168,6 @@ class KernelConfig:
         check_types("kernels", self)
         _check(self.backend in ("auto", "cuda", "torch"), "kernels.backend", self.backend,
                "one of auto, cuda, torch")
-        _check(isinstance(self.decode_gemm, bool), "kernels.decode_gemm", self.decode_gemm, "true or false")
         _check(isinstance(self.decode_min_partitions, int) and 1 <= self.decode_min_partitions <= 32,
                "kernels.decode_min_partitions", self.decode_min_partitions, "an integer in [1, 32]")
         _check(isinstance(self.decode_ctas_per_sm, int) and 1 <= self.decode_ctas_per_sm <= 64,

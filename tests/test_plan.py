@@ -471,7 +471,7 @@ def test_graphs_need_the_decode_gemm_to_be_graph_safe(wins, monkeypatch):
 
 
 def test_decode_gemm_key_takes_only_a_bool():
-    with pytest.raises(ConfigError, match=r"kernels\.decode_gemm='yes' is not allowed"):
+    with pytest.raises(ConfigError, match=r"kernels\.decode_gemm='yes' has the wrong type"):
         EngineConfig.from_kwargs("qwen3-0.6b", decode_gemm="yes")
 
 
