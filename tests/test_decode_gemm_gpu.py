@@ -161,13 +161,17 @@ def _engine(path, **kw):
 
 
 def _kernel_names(llm, prompt) -> set[str]:
+    """Names of the GPU kernels one short generate ran (device events only, not the ops that launched them)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from minillm import SamplingParams
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2), use_tqdm=False)
         torch.cuda.synchronize()
-    return {e.name for e in prof.events()}
+    names = {e.name for e in prof.events() if e.device_type == DeviceType.CUDA}
+    assert names, "the profiler saw no GPU kernel"
+    return names
 
 
 def test_engine_on_the_decode_gemm_gives_the_same_greedy_tokens(ops, tmp_path, monkeypatch):
