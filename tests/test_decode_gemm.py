@@ -141,3 +141,113 @@ def test_limits_match_the_cuda_header():
 def test_decode_gemm_refuses_cpu_tensors_by_name():
     with pytest.raises(ValueError, match="CUDA tensors"):
         dg.decode_gemm(torch.zeros(2, 64), torch.zeros(128, 64))
+
+
+# ---- where the engine runs it: the measured-win table and linear()'s precedence -----------------------------------
+
+SWEEP = Path(__file__).resolve().parents[1] / "results" / "gemm_sweep.jsonl"
+
+
+def wins_in_sweep(lines: list[dict], commit: str) -> dict[tuple[int, int], int]:
+    """(N, K) -> the most rows up to which the decode GEMM at `commit` beat cuBLAS (same run) and the skinny GEMM
+    (its latest run) at every measured row count, alone and behind the norm; shapes with no win left out."""
+    lines = [d for d in lines if {"impl", "n", "k", "m", "mode"} <= set(d)]
+    skinny_commit = [d["commit"] for d in lines if d["impl"] == "skinny"][-1]
+    us = {(d["impl"], d["n"], d["k"], d["m"], d["mode"]): d["us"] for d in lines
+          if d["commit"] == (skinny_commit if d["impl"] == "skinny" else commit)}
+    out = {}
+    for n, k in sorted({(n, k) for impl, n, k, m, mode in us if impl == "decode"}):
+        rows = 0
+        for m in sorted({m for impl, n2, k2, m, mode in us if impl == "decode" and (n2, k2) == (n, k)}):
+            won = all(us[("decode", n, k, m, mode)] < min(us.get((other, n, k, m, mode), float("inf"))
+                                                          for other in ("cublas", "skinny"))
+                      for mode in ("alone", "after_norm") if ("decode", n, k, m, mode) in us)
+            if not won:
+                break
+            rows = m
+        if rows:
+            out[(n, k)] = rows
+    return out
+
+
+def test_measured_wins_is_what_the_sweep_measured():
+    lines = [json.loads(line) for line in SWEEP.read_text().splitlines() if line.strip()]
+    assert any(d.get("commit") == dg.MEASURED_AT and d.get("impl") == "decode" for d in lines)
+    assert dg.MEASURED_WINS == wins_in_sweep(lines, dg.MEASURED_AT)
+
+
+def test_wins_in_sweep_reads_wins_and_losses():
+    def line(impl, m, mode, us, n=1024, k=2048, commit="c1"):
+        return dict(impl=impl, n=n, k=k, m=m, mode=mode, us=us, commit=commit)
+
+    lines = [line("skinny", m, mode, 5.0, commit="c0") for m in (1, 8, 16) for mode in ("alone", "after_norm")]
+    lines += [line("cublas", m, mode, 6.0) for m in (1, 8, 16) for mode in ("alone", "after_norm")]
+    lines += [line("decode", m, mode, 4.0 if m < 16 else 5.5) for m in (1, 8, 16) for mode in ("alone", "after_norm")]
+    assert wins_in_sweep(lines, "c1") == {(1024, 2048): 8}
+    lines.append(line("decode", 1, "after_norm", 5.1))   # a loss behind the norm at M=1: no win at all
+    assert wins_in_sweep(lines, "c1") == {}
+
+
+def test_layer_rows_asks_the_table_then_covers(monkeypatch):
+    monkeypatch.setattr(dg, "MEASURED_WINS", {(1024, 2048): 16, (1000, 2048): 8})
+    rows, why = dg.layer_rows(1024, 2048, False, torch.bfloat16, 9)
+    assert rows == 16 and "up to 16 rows" in why
+    assert dg.layer_rows(1024, 2048, True, torch.bfloat16, 9)[0] == 0            # a bias
+    assert dg.layer_rows(1024, 3072, False, torch.bfloat16, 9) == (
+        0, f"[1024, 3072] measured no faster than cuBLAS and the skinny GEMM (MEASURED_WINS, {dg.MEASURED_AT})")
+    assert dg.layer_rows(1000, 2048, False, torch.bfloat16, 9) == (0, dg.covers(8, 1000, 2048, torch.bfloat16, 9))
+    assert dg.layer_rows(1024, 2048, False, torch.float32, 9)[0] == 0
+    rows, why = dg.layer_rows(1024, 2048, False, torch.bfloat16, 10)
+    assert rows == 0 and "sm_90" in why
+
+
+def test_coverage_declares_sm9x_bf16_fp16_graph_safe():
+    assert dg.COVERAGE.graph_safe and set(dg.COVERAGE.dtypes) == {"bfloat16", "float16"}
+    assert dg.COVERAGE.reason(dtype="float16", capability=(9, 0)) is None
+    assert dg.COVERAGE.reason(dtype="bfloat16", capability=(10, 0)) is not None
+    assert dg.COVERAGE.reason(dtype="float32", capability=(9, 0)) is not None
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Stand-ins for the two GEMM kernels that record which ran (the dispatch logic runs on the CPU)."""
+    from minillm.ops import gemm_ops
+
+    ran = []
+    monkeypatch.setattr(gemm_ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(dg, "run", lambda x, w, sms: ran.append("decode") or x @ w.T)
+    monkeypatch.setattr(torch.ops, "minillm", type("Ops", (), {
+        "skinny_gemm": staticmethod(lambda x, w, s: ran.append("skinny") or x @ w.T)}), raising=False)
+    return ran
+
+
+def test_linear_puts_decode_before_skinny_before_cublas(kernels):
+    from minillm.ops.gemm_ops import MAX_ROWS, linear
+
+    w = torch.randn(128, 64)
+    for m, skinny, rows, want in [(1, True, 16, "decode"), (16, True, 16, "decode"), (16, True, 8, "skinny"),
+                                  (MAX_ROWS + 1, True, MAX_ROWS + 1, "decode"), (MAX_ROWS + 1, True, 8, "cublas"),
+                                  (4, False, 0, "cublas"), (4, True, 0, "skinny"), (4, False, 8, "decode")]:
+        kernels.clear()
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(linear(x, w, skinny=skinny, decode_rows=rows), x @ w.T)
+        assert (kernels or ["cublas"]) == [want], (m, skinny, rows)
+
+
+def test_model_layers_take_the_plans_row_counts():
+    from minillm.attention.torch_backend import TorchAttentionBackend
+    from minillm.model.layers import Linear
+    from minillm.model.qwen3 import QwenForCausalLM
+    from minillm.ops.choice import ModelKernels
+
+    arch = ModelArchConfig.from_hf_dict(dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32,
+                                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                             num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                                             rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True))
+    on = ModelKernels(cuda=True, decode_gemm=frozenset({("o_proj", 16), ("down_proj", 8)}))
+    model = QwenForCausalLM(arch, TorchAttentionBackend(), dtype=torch.float32, kernels=on)
+    rows = {name.rsplit(".", 1)[1]: m.decode_rows for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert rows == {"qkv_proj": 0, "o_proj": 16, "gate_up_proj": 0, "down_proj": 8}
+    with model.torch_path():   # the reference path runs no kernel of ours
+        assert not any(m.decode_rows for m in model.modules() if isinstance(m, Linear))
+    assert sum(m.decode_rows for m in model.modules() if isinstance(m, Linear)) == 2 * (16 + 8)

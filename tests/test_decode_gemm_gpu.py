@@ -147,3 +147,71 @@ def test_wrapper_raises_the_covers_reason(ops):
     x, w = _inputs(65, 1024, 1024, torch.bfloat16, seed=1)
     with pytest.raises(ValueError, match=r"does not apply: rows must be in \[1, 64\]"):
         dg.decode_gemm(x, w)
+
+
+# ---- in an engine: the plan's layers on the kernel give the tokens they give on cuBLAS / the skinny GEMM ---------
+
+TINY = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512)   # o_proj [256, 256], down [256, 512]
+
+
+def _engine(path, **kw):
+    from minillm import LLM
+    return LLM(str(path), device="cuda", dtype="bfloat16", kernels="cuda", megakernel=False, max_model_len=512,
+               num_kv_blocks=256, max_num_seqs=16, **kw)
+
+
+def _kernel_names(llm, prompt) -> set[str]:
+    """Names of the GPU kernels one short generate ran (device events only, not the ops that launched them)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from minillm import SamplingParams
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2), use_tqdm=False)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type == DeviceType.CUDA}
+    assert names, "the profiler saw no GPU kernel"
+    return names
+
+
+def test_engine_on_the_decode_gemm_gives_the_same_greedy_tokens(ops, tmp_path, monkeypatch):
+    """The table patched to the tiny model's o_proj and down_proj: the engine (CUDA graphs on) gives the greedy
+    tokens of the same engine with kernels.decode_gemm=false, except at near-ties (the rule of
+    tests/test_engine_e2e_gpu.py: at the first divergence our token is within TIE_NATS of the best in HF's fp32
+    log-probabilities), and the profiler sees the kernel run."""
+    import random
+
+    from minillm import SamplingParams
+    from test_engine_e2e_gpu import HF, MAX_LOGPROB_ERR, TIE_NATS
+    from tiny_models import make_tiny_checkpoint
+
+    h, i = TINY["hidden"], TINY["intermediate"]
+    monkeypatch.setattr(dg, "MEASURED_WINS", {(h, TINY["heads"] * TINY["head_dim"]): 16, (h, i): 16})
+    path = make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", vocab=1024, layers=2, max_positions=576,
+                                dtype=torch.bfloat16, seed=3, **TINY)
+    on, off = _engine(path), _engine(path, decode_gemm=False)
+    plan = on.engine.runner.plan
+    assert {n for n, v in plan.decode_gemm.items() if v.on} == {"o_proj", "down_proj"}, plan.describe()
+    assert plan.cuda_graphs.on and on.engine.runner.graphs is not None
+    assert not any(v.on for v in off.engine.runner.plan.decode_gemm.values())
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (1, 3, 9, 16, 40, 200)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=0)
+    got = on.generate(prompts, params, use_tqdm=False)
+    want = off.generate(prompts, params, use_tqdm=False)
+    hf = HF(path)
+    for prompt, a, b in zip(prompts, got, want):
+        assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) <= MAX_LOGPROB_ERR
+        k = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if k is None:
+            continue
+        lp = hf.logprobs(prompt + a.token_ids[:k])
+        margin = (lp.max() - lp[a.token_ids[k]]).item()
+        assert margin <= TIE_NATS, f"prompt of {len(prompt)} tokens: token {k} is {a.token_ids[k]} with the " \
+            f"decode GEMM, {b.token_ids[k]} without, {margin:.3f} nats below HF's best"
+
+    # a 5-token prompt: its prefill (5 rows, eager) and decode steps take the kernel; the same check finds none
+    # with the kernel off, so it can fail
+    assert any("decode_gemm" in n for n in _kernel_names(on, prompts[2][:5]))
+    assert not any("decode_gemm" in n for n in _kernel_names(off, prompts[2][:5]))

@@ -1,6 +1,7 @@
 """The execution plan (minillm/runner/plan.py): every path's verdict and reason, decided once from the config, the
 model, the KV spec, the dtype and plain device facts (so a made-up sm_90 GPU runs on the CPU); the kernel families'
 coverage declarations against their C++ launchers; and a failed graph capture leaving the process usable."""
+import dataclasses
 import itertools
 import re
 import types
@@ -14,12 +15,14 @@ from minillm.cache.spec import KVCacheSpec
 from minillm.config import ConfigError, EngineConfig
 from minillm.model.loader import resolve_arch
 from minillm.ops import attention_ops, build, choice, fused_ops, gemm_ops
+from minillm.ops import decode_gemm as dg
 from minillm.ops import megakernel as mk
 from minillm.runner import cuda_graphs
 from minillm.runner.plan import LINEAR_LAYERS, PATHS, DeviceInfo, ExecutionPlan, resolve_plan, torch_plan
 
 H200 = DeviceInfo("cuda", (9, 0), 132, 232448)
 A100 = DeviceInfo("cuda", (8, 0), 108, 166912)
+B200 = DeviceInfo("cuda", (10, 0), 148, 232448)
 CPU = DeviceInfo("cpu")
 CUDA_SRC = CUDA_DIR
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,10 +34,10 @@ def extension_loads(monkeypatch):
     monkeypatch.setattr(build, "load_extension", lambda: object())
 
 
-def plan(model="qwen3-0.6b", device=H200, **kw) -> ExecutionPlan:
+def plan(model="qwen3-0.6b", device=H200, arch=None, **kw) -> ExecutionPlan:
     kw.setdefault("dtype", "bfloat16")
     cfg = EngineConfig.from_kwargs(model, **kw)
-    arch = resolve_arch(model)
+    arch = arch or resolve_arch(model)
     dtype = DTYPES[cfg.model.dtype]
     spec = KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, dtype)
     return resolve_plan(cfg, arch, spec, dtype, device)
@@ -61,8 +64,10 @@ def test_record_keeps_the_former_keys_and_adds_every_verdict():
                         "decode_ctas_per_sm", "megakernel_max_batch", "megakernel_max_tokens",
                         "megakernel_min_chunks", "pdl", "unavailable", "cuda_graphs", "plan"}
     assert (rec["cuda_ops"], rec["attention"], rec["megakernel_max_batch"], rec["pdl"]) == (True, "cuda", 16, True)
-    assert set(rec["plan"]) == set(PATHS) | {"skinny_gemm"} and set(rec["plan"]["skinny_gemm"]) == set(LINEAR_LAYERS)
-    assert all(v["reason"] for k, v in rec["plan"].items() if k != "skinny_gemm")
+    assert set(rec["plan"]) == set(PATHS) | {"skinny_gemm", "decode_gemm"}
+    assert set(rec["plan"]["skinny_gemm"]) == set(rec["plan"]["decode_gemm"]) == set(LINEAR_LAYERS)
+    assert all(v["reason"] for k, v in rec["plan"].items() if k not in ("skinny_gemm", "decode_gemm"))
+    assert all(set(v) == {"on", "reason", "max_rows"} and v["reason"] for v in rec["plan"]["decode_gemm"].values())
 
 
 @pytest.mark.parametrize("kw,why", [
@@ -334,8 +339,8 @@ def test_attention_kernels_refuse_an_undeclared_case(monkeypatch, dtype, head_di
 def test_skinny_gemm_accepts_its_dtypes_and_refuses_float32(monkeypatch):
     monkeypatch.undo()
     build.load_extension()
-    if torch.cuda.get_device_capability() < gemm_ops.COVERAGE.min_capability:
-        pytest.skip("the skinny GEMM needs sm_90")
+    if gemm_ops.COVERAGE.reason(dtype="bfloat16", capability=torch.cuda.get_device_capability()) is not None:
+        pytest.skip("the skinny GEMM needs sm_9x")
     for dt in gemm_ops.COVERAGE.dtypes:
         x, w = torch.randn(4, 1024, device="cuda", dtype=DTYPES[dt]), torch.randn(1024, 1024, device="cuda",
                                                                                    dtype=DTYPES[dt])
@@ -381,3 +386,108 @@ def test_a_failed_capture_leaves_the_process_usable_on_a_gpu():
     proc = subprocess.run([sys.executable, "-c", _POISON], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0 and "usable" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---- the decode GEMM: covers() and the measured-win table, per linear layer -------------------------------------
+
+WINS = {(1024, 2048): 16, (1024, 3072): 16}   # Qwen3-0.6B's o_proj and down_proj
+
+
+@pytest.fixture
+def wins(monkeypatch):
+    """A table where the kernel 'won' on Qwen3-0.6B's o_proj and down_proj up to 16 rows."""
+    monkeypatch.setattr(dg, "MEASURED_WINS", dict(WINS))
+
+
+def decode_on(p: ExecutionPlan) -> dict[str, int]:
+    return {n: v.max_rows for n, v in p.decode_gemm.items() if v.on}
+
+
+def test_the_shipped_table_decides_the_decode_gemm():
+    """Each layer's verdict follows MEASURED_WINS: on exactly where it names the layer's shape."""
+    p = plan()
+    shapes = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072)}
+    assert decode_on(p) == {n: dg.MEASURED_WINS[s] for n, s in shapes.items() if s in dg.MEASURED_WINS}
+    for n, s in shapes.items():
+        if s not in dg.MEASURED_WINS:
+            assert "measured no faster" in p.decode_gemm[n].reason and p.decode_gemm[n].max_rows == 0
+
+
+QWEN3_17B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28)   # no preset ships it
+
+
+@pytest.mark.parametrize("model,shape,on", [("qwen3-0.6b", {}, {"o_proj": 16, "down_proj": 16}),
+                                            ("qwen3-0.6b", QWEN3_17B, {}), ("qwen3-8b", {}, {})])
+def test_decode_gemm_verdicts_per_model_shape(wins, model, shape, on):
+    p = plan(model, arch=dataclasses.replace(resolve_arch(model), **shape))
+    assert decode_on(p) == on
+    for name, v in p.decode_gemm.items():
+        assert v.reason and (name in on or "measured no faster" in v.reason), (name, v)
+    assert p.cuda_graphs.on   # the kernel is declared graph-safe
+    mk_ = p.model_kernels()
+    assert {n: mk_.decode_rows_for(n) for n in LINEAR_LAYERS} == {n: on.get(n, 0) for n in LINEAR_LAYERS}
+
+
+def test_decode_gemm_goes_first_and_the_record_and_log_line_carry_it(wins):
+    p = plan()
+    assert p.decode_gemm["o_proj"].reason == "[1024, 2048] at up to 16 rows (measured faster than cuBLAS and the " \
+        f"skinny GEMM, {dg.MEASURED_AT})"
+    assert p.skinny_gemm["o_proj"].on   # both on: gemm_ops.linear puts the decode GEMM first
+    rec = p.record()
+    assert rec["decode_gemm"] is True
+    assert rec["plan"]["decode_gemm"]["o_proj"] == {"on": True, "reason": p.decode_gemm["o_proj"].reason,
+                                                    "max_rows": 16}
+    assert rec["plan"]["decode_gemm"]["qkv_proj"]["on"] is False
+    assert "decode_gemm=o_proj,down_proj" in p.describe() and "skinny_gemm=o_proj,down_proj" in p.describe()
+
+
+@pytest.mark.parametrize("kw,device,words", [
+    (dict(decode_gemm=False), H200, "kernels.decode_gemm=false"),
+    (dict(), A100, "needs sm_90 to sm_9x"),
+    (dict(), B200, "the GPU is sm_100"),
+    (dict(dtype="float32"), H200, "dtype float32"),
+    (dict(kernels="torch"), H200, "kernels.backend=torch"),
+])
+def test_decode_gemm_off_says_why(wins, kw, device, words):
+    p = plan(device=device, **kw)
+    assert decode_on(p) == {} and all(words in v.reason for v in p.decode_gemm.values()), p.decode_gemm
+    assert p.record()["decode_gemm"] is False and p.model_kernels().decode_rows_for("o_proj") == 0
+    assert "decode_gemm=off" in p.describe()
+
+
+def test_decode_gemm_keeps_to_what_covers_takes(monkeypatch):
+    """A table entry the kernel cannot serve stays off with covers()' reason; a layer with a bias stays off."""
+    monkeypatch.setattr(dg, "MEASURED_WINS", {(1024, 2048): 65, (1152, 896): 16})
+    assert not plan().decode_gemm["o_proj"].on and "rows must be in [1, 64]" in plan().decode_gemm["o_proj"].reason
+    q = plan("qwen2.5-0.5b").decode_gemm["qkv_proj"]   # [1152, 896] with the Qwen2 bias
+    assert not q.on and "bias" in q.reason
+
+
+def test_graphs_need_the_decode_gemm_to_be_graph_safe(wins, monkeypatch):
+    monkeypatch.setattr(dg, "COVERAGE", dataclasses.replace(dg.COVERAGE, graph_safe=False))
+    p = plan()
+    assert not p.cuda_graphs.on and "decode_gemm is not graph-safe" in p.cuda_graphs.reason
+    assert plan(decode_gemm=False).cuda_graphs.on
+
+
+def test_decode_gemm_key_takes_only_a_bool():
+    with pytest.raises(ConfigError, match=r"kernels\.decode_gemm='yes' has the wrong type"):
+        EngineConfig.from_kwargs("qwen3-0.6b", decode_gemm="yes")
+
+
+def test_the_sm90a_families_cover_major_9_only():
+    """The extension embeds sm_90a and sm_80 machine code plus compute_80 PTX; the skinny and decode GEMM bodies are
+    guarded by __CUDA_ARCH__ >= 900, so a newer GPU would JIT the PTX into kernels that write nothing."""
+    # A new target here (sm_100 code, say) is when the two declarations' max_major must be revisited.
+    targets = set(re.findall(r"arch=\w+,code=(\w+)", Path(build.__file__).read_text()))
+    assert targets == {"sm_90a", "sm_80", "compute_80"}
+    for src in ("skinny_gemm.cu", "decode_gemm.cu"):
+        assert "__CUDA_ARCH__ >= 900" in _src(src)
+    for cov in (gemm_ops.COVERAGE, dg.COVERAGE):
+        assert cov.max_major == 9 and cov.min_capability == (9, 0)
+        assert cov.reason(dtype="bfloat16", capability=(9, 0)) is None
+        assert cov.reason(dtype="bfloat16", capability=(9, 4)) is None
+        for cap in ((8, 0), (8, 9), (10, 0), (12, 0)):
+            assert "needs sm_90 to sm_9x" in cov.reason(dtype="bfloat16", capability=cap)
+    p = plan(device=B200)
+    assert not any(v.on for v in p.skinny_gemm.values()) and "sm_100" in p.skinny_gemm["o_proj"].reason

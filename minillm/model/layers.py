@@ -2,9 +2,9 @@
 
 Parameters are created with torch.empty (no init kernels): the loader fills them from safetensors or with
 dummy random values, so building even the 0.6B shape costs no extra pass over memory. All elementwise math
-goes through minillm.ops.fused_ops, where the CUDA kernels plug in; whether they run, and which linear layers take
-the skinny GEMM, is the engine's plan (minillm/runner/plan.py), handed to every layer that calls a kernel as a
-ModelKernels (minillm/ops/choice.py).
+goes through minillm.ops.fused_ops, where the CUDA kernels plug in; whether they run, and which linear layers
+take the skinny GEMM or the decode GEMM, is the engine's plan (minillm/runner/plan.py), handed to every layer
+that calls a kernel as a ModelKernels (minillm/ops/choice.py).
 """
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ class Linear(nn.Module):
     loader can copy each checkpoint tensor straight into its slice."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device,
-                 shards: dict[str, tuple[int, int]] | None = None, skinny: bool = False):
+                 shards: dict[str, tuple[int, int]] | None = None, skinny: bool = False, decode_rows: int = 0):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.shards = shards or {}
         self.skinny = skinny      # the plan put this layer's decode-sized products on the skinny GEMM
+        self.decode_rows = decode_rows   # ... and those of up to this many rows on the decode GEMM (0: none)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, skinny=self.skinny)
+        return linear(x, self.weight, self.bias, skinny=self.skinny, decode_rows=self.decode_rows)
 
 
 class VocabMatrix(nn.Module):
@@ -78,9 +79,10 @@ class Attention(nn.Module):
         self.attn_backend = attn_backend
         shards = _row_shards({"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size})
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias,
-                               dtype=dtype, device=device, shards=shards, skinny=kernels.skinny_for("qkv_proj"))
+                               dtype=dtype, device=device, shards=shards, skinny=kernels.skinny_for("qkv_proj"),
+                               decode_rows=kernels.decode_rows_for("qkv_proj"))
         self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype, device=device,
-                             skinny=kernels.skinny_for("o_proj"))
+                             skinny=kernels.skinny_for("o_proj"), decode_rows=kernels.decode_rows_for("o_proj"))
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
@@ -111,9 +113,11 @@ class MLP(nn.Module):
         i = arch.intermediate_size
         self.cuda_ops = kernels.cuda
         self.gate_up_proj = Linear(arch.hidden_size, 2 * i, bias=False, dtype=dtype, device=device,
-                                   shards=_row_shards({"gate": i, "up": i}), skinny=kernels.skinny_for("gate_up_proj"))
+                                   shards=_row_shards({"gate": i, "up": i}), skinny=kernels.skinny_for("gate_up_proj"),
+                                   decode_rows=kernels.decode_rows_for("gate_up_proj"))
         self.down_proj = Linear(i, arch.hidden_size, bias=False, dtype=dtype, device=device,
-                                skinny=kernels.skinny_for("down_proj"))
+                                skinny=kernels.skinny_for("down_proj"),
+                                decode_rows=kernels.decode_rows_for("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), cuda=self.cuda_ops))

@@ -113,7 +113,8 @@ class QwenForCausalLM(nn.Module):
                 m.cuda_ops = False
             if isinstance(m, Linear):
                 saved.append((m, "skinny", m.skinny))
-                m.skinny = False
+                saved.append((m, "decode_rows", m.decode_rows))
+                m.skinny, m.decode_rows = False, 0
             if isinstance(m, Attention):
                 saved.append((m, "attn_backend", m.attn_backend))
                 m.attn_backend = torch_attn

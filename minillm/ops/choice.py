@@ -24,13 +24,19 @@ from minillm.config import ConfigError, EngineConfig
 @dataclass(frozen=True)
 class ModelKernels:
     """What the model's layers run: the fused CUDA kernels (norms, RoPE, SwiGLU) or their torch twins, and which
-    linear layers (by role: qkv_proj, o_proj, gate_up_proj, down_proj) take the skinny GEMM at decode sizes.
-    The default is plain torch (a model built outside an engine)."""
+    linear layers (by role: qkv_proj, o_proj, gate_up_proj, down_proj) take the skinny GEMM at decode sizes, and
+    which take the decode GEMM up to how many rows (it goes first). The default is plain torch (a model built
+    outside an engine)."""
     cuda: bool = False
     skinny: frozenset[str] = field(default_factory=frozenset)
+    decode_gemm: frozenset[tuple[str, int]] = field(default_factory=frozenset)   # (layer, max rows)
 
     def skinny_for(self, layer: str) -> bool:
         return layer in self.skinny
+
+    def decode_rows_for(self, layer: str) -> int:
+        """The most rows this layer's products run on the decode GEMM; 0: never."""
+        return max((rows for name, rows in self.decode_gemm if name == layer), default=0)
 
 
 @dataclass(frozen=True)

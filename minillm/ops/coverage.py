@@ -23,6 +23,9 @@ class KernelCoverage:
     block_sizes: tuple[int, ...] | None = None   # KV-cache block sizes; None: the family reads no cache
     max_gqa_group: int | None = None             # query heads per KV head; None: any
     min_capability: tuple[int, int] = (8, 0)     # the oldest GPU generation (sm_80 is the build's floor)
+    # The newest major generation; None: any, through the sm_80 PTX the driver compiles. A family whose body is
+    # compiled for sm_90a only (guarded by __CUDA_ARCH__ >= 900) has an empty body in that PTX: 9.
+    max_major: int | None = None
     graph_safe: bool = True                      # no host sync and no data-dependent allocation per launch
     kv_dtypes: tuple[str, ...] = ()              # quantised cache dtypes read besides the activation dtype
 
@@ -30,9 +33,12 @@ class KernelCoverage:
                num_q_heads: int | None = None, num_kv_heads: int | None = None, block_size: int | None = None,
                kv_dtype: str | None = None) -> str | None:
         """Why this family does not cover the case, or None when it does. Arguments left None are not asked."""
+        gpu = f"the GPU is sm_{capability[0]}{capability[1]}"
+        lo = f"sm_{self.min_capability[0]}{self.min_capability[1]}"
+        if self.max_major is not None and (tuple(capability) < self.min_capability or capability[0] > self.max_major):
+            return f"needs {lo} to sm_{self.max_major}x (machine code for sm_{self.max_major}0a only), {gpu}"
         if tuple(capability) < self.min_capability:
-            return (f"needs sm_{self.min_capability[0]}{self.min_capability[1]} or newer, the GPU is "
-                    f"sm_{capability[0]}{capability[1]}")
+            return f"needs {lo} or newer, {gpu}"
         if dtype not in self.dtypes:
             return f"dtype {dtype} (covered: {', '.join(self.dtypes)})"
         if kv_dtype is not None and kv_dtype not in (dtype, *self.kv_dtypes):

@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import torch
 
+from minillm.ops.coverage import KernelCoverage
+
 TILE_K = 32            # K per register block (kDecodeGemmTileK)
 ALIGN_N = 128          # N must be a multiple (kDecodeGemmAlignN: the widest CTA, 8 warps x 16 rows)
 MAX_ROWS = 64          # kDecodeGemmMaxRows: larger M stays on cuBLAS
@@ -19,6 +21,22 @@ MAX_SPLITS = 8         # kDecodeGemmMaxSplits: the portable cluster size
 WARPS = 8              # kDecodeGemmWarps: warps per CTA, row_warps x (8 / row_warps) along K
 ROW_WARPS = (8, 4, 2, 1)
 DTYPES = (torch.bfloat16, torch.float16)
+
+# sm_90 only: the body is compiled for sm_90a, and the sm_80 PTX that newer GPUs JIT has none of it. Graph-safe:
+# no host sync, and the only allocation (the output, or a contiguous copy of a misaligned x) has a fixed size.
+COVERAGE = KernelCoverage("decode_gemm", dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_major=9,
+                          graph_safe=True)
+
+# (N, K) -> the most rows up to which the kernel measured faster than both cuBLAS and the skinny GEMM, alone and
+# behind a PDL-launched RMSNorm (how it runs in a step): H200, decode GEMM at commit 5671c98 against the skinny
+# GEMM's latest lines (4c54560) in results/gemm_sweep.jsonl, us per call in CUDA graphs (docs/kernels.md). Empty:
+# it beat cuBLAS on Qwen3-0.6B's narrow o_proj [1024, 2048] and down_proj [1024, 3072] up to 16 rows, but the
+# skinny GEMM was as fast or faster at every one of those points behind the norm (o_proj M=1: 4.38 vs 4.19; down
+# M=8: 5.75 vs 5.36), and alone too except down M=1 and 8 (5.85 vs 5.96, 5.95 vs 6.05: under 2%, and measured
+# in a different run). tests/test_decode_gemm.py derives this table from that file. The execution plan puts
+# a layer on the kernel only where this table and covers() both say so.
+MEASURED_WINS: dict[tuple[int, int], int] = {}
+MEASURED_AT = "5671c98"
 
 
 def batch_blocks(m: int) -> int:
@@ -52,6 +70,20 @@ def covers(m_max: int, n: int, k: int, dtype: torch.dtype, sm_major: int) -> str
     if k <= 0 or k % TILE_K:
         return f"K must be a positive multiple of {TILE_K}, got {k}"
     return None
+
+
+def layer_rows(n: int, k: int, bias: bool, dtype: torch.dtype, sm_major: int) -> tuple[int, str]:
+    """Up to how many rows the plan puts an [*, k] x [n, k]^T layer on the kernel (0: never), and why: asked once
+    per linear layer at engine start, so the row count is the only question left for a call."""
+    if bias:
+        return 0, "the layer has a bias (the kernel adds none)"
+    rows = MEASURED_WINS.get((n, k), 0)
+    if rows == 0:
+        return 0, f"[{n}, {k}] measured no faster than cuBLAS and the skinny GEMM (MEASURED_WINS, {MEASURED_AT})"
+    why = covers(rows, n, k, dtype, sm_major)
+    if why is not None:
+        return 0, why
+    return rows, f"[{n}, {k}] at up to {rows} rows (measured faster than cuBLAS and the skinny GEMM, {MEASURED_AT})"
 
 
 # Model constants (to be checked against scripts/gemm_sweep.py's best configuration, not measurements):
@@ -124,5 +156,11 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int] | None
     reason = covers(m, n, k, x.dtype, major)
     if reason is not None:
         raise ValueError(f"decode_gemm does not apply: {reason}")
-    splits, row_warps = choose_config(m, n, k, sms) if config is None else config
+    return run(x, w, sms, config)
+
+
+def run(x: torch.Tensor, w: torch.Tensor, num_sms: int, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """The kernel without the checks: for callers whose shape the plan has already covered (gemm_ops.linear)."""
+    (m, k), n = x.shape, w.shape[0]
+    splits, row_warps = choose_config(m, n, k, num_sms) if config is None else config
     return torch.ops.minillm.decode_gemm(x, w, splits, row_warps)

@@ -9,6 +9,9 @@ stream and small-batch decode. It needs clusters (sm_90), no bias, N a multiple 
 splits (COVERAGE, shape_reason): the engine's plan (minillm/runner/plan.py) checks that once per layer, and every
 other layer goes to F.linear, which is also the reference the kernel is tested against. kernels.skinny_gemm=false
 turns the kernel off (A/B timings).
+
+The decode GEMM (minillm/ops/decode_gemm.py) goes first where the plan put a layer on it (its measured-win table and
+covers()), so linear() picks decode GEMM > skinny GEMM > cuBLAS from the row count alone.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from minillm.ops import decode_gemm
 from minillm.ops.coverage import KernelCoverage
 
 MAX_ROWS = 16            # measured faster than cuBLAS up to here (see above)
@@ -26,7 +30,9 @@ SPLITS = (8, 4, 2, 1)    # K splits = CTAs of one cluster (8 is the portable clu
 
 
 # sm_90: the K split runs over a thread-block cluster (skinny_gemm.cu); no float32 variant (fused_bindings.cpp).
-COVERAGE = KernelCoverage("skinny_gemm", dtypes=("bfloat16", "float16"), min_capability=(9, 0), graph_safe=True)
+# sm_9x only: the body is guarded by __CUDA_ARCH__ >= 900, so the sm_80 PTX a newer GPU JITs would write nothing.
+COVERAGE = KernelCoverage("skinny_gemm", dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_major=9,
+                          graph_safe=True)
 
 
 def shape_reason(n: int, k: int, bias: bool) -> str | None:
@@ -59,10 +65,14 @@ def gemm_splits(m: int, n: int, k: int, num_sms: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           skinny: bool = False) -> torch.Tensor:
-    """y = x W^T (+ b). skinny=True: the engine's plan put this layer on the skinny GEMM (its dtype, shape and
-    GPU are covered), so a product of at most MAX_ROWS rows runs the kernel and a larger one cuBLAS."""
-    if skinny and 0 < x.shape[0] <= MAX_ROWS:
+           skinny: bool = False, decode_rows: int = 0) -> torch.Tensor:
+    """y = x W^T (+ b). The engine's plan decided per layer (dtype, shape and GPU covered): decode_rows > 0 puts
+    products of up to that many rows on the decode GEMM (the layer has no bias then); skinny=True puts products of
+    up to MAX_ROWS rows on the skinny GEMM; anything else runs cuBLAS."""
+    m = x.shape[0]
+    if 0 < m <= decode_rows:
+        return decode_gemm.run(x, weight, _num_sms(x.device.index or 0))
+    if skinny and 0 < m <= MAX_ROWS:
         n, k = weight.shape
-        return torch.ops.minillm.skinny_gemm(x, weight, gemm_splits(x.shape[0], n, k, _num_sms(x.device.index or 0)))
+        return torch.ops.minillm.skinny_gemm(x, weight, gemm_splits(m, n, k, _num_sms(x.device.index or 0)))
     return F.linear(x, weight, bias)

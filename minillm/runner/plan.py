@@ -7,6 +7,8 @@ Each path has a verdict (on or off) and a reason a person can read:
   fused_kv_write  k/v stored into the cache by the RoPE kernel (or by a separate KV write)
   skinny_gemm     per linear layer (qkv_proj, o_proj, gate_up_proj, down_proj): the skinny GEMM for decode-sized
                   products (or cuBLAS); the row count is the only question left for the call
+  decode_gemm     per linear layer: the decode GEMM up to its measured-win row count (minillm/ops/decode_gemm.py
+                  MEASURED_WINS and covers()); it goes before the skinny GEMM, which goes before cuBLAS
   megakernel      decode steps of up to megakernel_rows rows and megakernel_max_tokens context tokens in one
                   persistent kernel
   cuda_graphs     decode-only steps replay captured graphs; on only where every kernel on the decode path is
@@ -17,7 +19,7 @@ What a kernel family covers is declared once, next to its ops wrapper (a KernelC
 plus a shape function where a family has limits of its own): attention_ops.COVERAGE, fused_ops.COVERAGE,
 gemm_ops.COVERAGE, megakernel.COVERAGE, and the torch attention backend's. The plan only asks them.
 
-Adding a kernel family (a decode GEMM; an fp8 KV cache, which is attention's kv_dtypes): declare its
+Adding a kernel family (an fp8 KV cache, which is attention's kv_dtypes; decode_gemm is an example): declare its
 KernelCoverage next to its wrapper, add one Verdict field to ExecutionPlan (and its name to PATHS) and one _Case
 method that asks the declaration; if it runs on the decode path, add it to cuda_graphs()'s graph-safety list. Hand
 the verdict to the layer that calls the family (ModelKernels for the model's layers). The record and the log
@@ -37,6 +39,7 @@ import torch
 from minillm.attention import torch_backend
 from minillm.config import ConfigError, EngineConfig
 from minillm.ops import attention_ops, fused_ops, gemm_ops
+from minillm.ops import decode_gemm as dg
 from minillm.ops import megakernel as mk
 from minillm.ops import moe_ops
 from minillm.ops.choice import KernelLoad, ModelKernels, load_cuda_kernels
@@ -76,6 +79,19 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class RowsVerdict(Verdict):
+    """A per-layer verdict with the most rows a call may have to take the path (0 when off)."""
+    max_rows: int = 0
+
+    def record(self) -> dict:
+        return {**super().record(), "max_rows": self.max_rows}
+
+
+def _all_off(reason: str) -> dict[str, RowsVerdict]:
+    return {n: RowsVerdict(False, reason) for n in LINEAR_LAYERS}
+
+
+@dataclass(frozen=True)
 class ExecutionPlan:
     fused_ops: Verdict
     attention: Verdict
@@ -92,6 +108,7 @@ class ExecutionPlan:
     megakernel_min_chunks: int = 8
     unavailable: str | None = None         # the build error, when kernels.backend=auto fell back to torch
     notices: tuple[str, ...] = field(default=(), compare=False)   # said once at engine start
+    decode_gemm: dict[str, RowsVerdict] = field(default_factory=lambda: _all_off("plain torch"))
 
     # ---- what the runner and the model ask ----
     @property
@@ -100,7 +117,8 @@ class ExecutionPlan:
 
     def model_kernels(self) -> ModelKernels:
         return ModelKernels(cuda=self.fused_ops.on,
-                            skinny=frozenset(name for name, v in self.skinny_gemm.items() if v.on))
+                            skinny=frozenset(name for name, v in self.skinny_gemm.items() if v.on),
+                            decode_gemm=frozenset((n, v.max_rows) for n, v in self.decode_gemm.items() if v.on))
 
     def step_path(self, decode_only: bool, seq_lens: list[int]) -> str:
         """How a step of these rows (context lengths seq_lens) runs: "megakernel", "graph" or "eager"."""
@@ -122,19 +140,23 @@ class ExecutionPlan:
         them) plus each path's verdict and reason."""
         return {"cuda_ops": self.fused_ops.on, "attention": self.attention_backend,
                 "attention_mode": self.attention_mode, "skinny_gemm": any(v.on for v in self.skinny_gemm.values()),
+                "decode_gemm": any(v.on for v in self.decode_gemm.values()),
                 "decode_min_partitions": self.decode_min_partitions, "decode_ctas_per_sm": self.decode_ctas_per_sm,
                 "megakernel_max_batch": self.megakernel_rows if self.megakernel.on else 0,
                 "megakernel_max_tokens": self.megakernel_max_tokens,
                 "megakernel_min_chunks": self.megakernel_min_chunks, "pdl": self.pdl.on,
                 "unavailable": self.unavailable, "cuda_graphs": self.cuda_graphs.on,
                 "plan": {**{p: getattr(self, p).record() for p in PATHS},
-                         "skinny_gemm": {n: v.record() for n, v in self.skinny_gemm.items()}}}
+                         "skinny_gemm": {n: v.record() for n, v in self.skinny_gemm.items()},
+                         "decode_gemm": {n: v.record() for n, v in self.decode_gemm.items()}}}
 
     def describe(self) -> str:
         """One line: every path's verdict."""
         parts = [f"{p}={'on' if getattr(self, p).on else 'off'}" for p in PATHS]
         skinny = [n for n, v in self.skinny_gemm.items() if v.on]
+        decode = [n for n, v in self.decode_gemm.items() if v.on]
         parts.insert(3, f"skinny_gemm={','.join(skinny) or 'off'}")
+        parts.insert(3, f"decode_gemm={','.join(decode) or 'off'}")
         return "execution plan: " + " ".join(parts)
 
 
@@ -146,7 +168,8 @@ def resolve_plan(cfg: EngineConfig, arch, kv_spec, dtype: torch.dtype, device: D
     case = _Case(cfg, arch, kv_spec, _name(dtype), device, loaded)
     fused = case.fused_ops()
     attention = case.attention()
-    graphs = case.cuda_graphs(fused, attention, dtype)
+    decode = case.decode_gemm(dtype)
+    graphs = case.cuda_graphs(fused, attention, dtype, gemms=[dg.COVERAGE] * any(v.on for v in decode.values()))
     megakernel = case.megakernel(dtype, attention, graphs)
     k = cfg.kernels
     return ExecutionPlan(
@@ -155,7 +178,7 @@ def resolve_plan(cfg: EngineConfig, arch, kv_spec, dtype: torch.dtype, device: D
         attention_mode=cfg.runtime.attention_mode, decode_min_partitions=k.decode_min_partitions,
         decode_ctas_per_sm=k.decode_ctas_per_sm, megakernel_rows=case.megakernel_rows(),
         megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks,
-        unavailable=loaded.unavailable, notices=_notices(device, attention, graphs))
+        unavailable=loaded.unavailable, notices=_notices(device, attention, graphs), decode_gemm=decode)
 
 
 def torch_plan(cfg: EngineConfig | None = None) -> ExecutionPlan:
@@ -240,6 +263,22 @@ class _Case:
             out[name] = Verdict(why is None, why or f"[{n}, {k}] at up to {gemm_ops.MAX_ROWS} rows")
         return out
 
+    def decode_gemm(self, dtype: torch.dtype) -> dict[str, RowsVerdict]:
+        """Per layer: the decode GEMM where covers() takes the shape and MEASURED_WINS says it beat cuBLAS and the
+        skinny GEMM, up to the row count it won at."""
+        if not self.cfg.kernels.decode_gemm:
+            return _all_off("kernels.decode_gemm=false")
+        if not self.loaded.loaded:
+            return _all_off(self.loaded.reason)
+        reason = dg.COVERAGE.reason(dtype=self.dtype, capability=self.device.capability)
+        if reason is not None:
+            return _all_off(reason)
+        out = {}
+        for name, (n, k, bias) in linear_shapes(self.arch).items():
+            rows, why = dg.layer_rows(n, k, bias, dtype, self.device.capability[0])
+            out[name] = RowsVerdict(rows > 0, why, rows)
+        return out
+
     def megakernel_rows(self) -> int:
         return min(self.cfg.kernels.megakernel_max_batch, self.cfg.scheduler.max_num_seqs)
 
@@ -260,7 +299,7 @@ class _Case:
             return Verdict(False, f"the persistent kernel does not cover {reason}")
         return Verdict(True, f"decode steps of 1..{self.megakernel_rows()} rows, <= {k.megakernel_max_tokens} tokens")
 
-    def cuda_graphs(self, fused: Verdict, attention: Verdict, dtype: torch.dtype) -> Verdict:
+    def cuda_graphs(self, fused: Verdict, attention: Verdict, dtype: torch.dtype, gemms=()) -> Verdict:
         if self.device.type != "cuda":
             return Verdict(False, f"the engine runs on {self.device.type}")
         if self.cfg.runtime.enforce_eager:
@@ -274,7 +313,7 @@ class _Case:
         # Every family on the decode path must be graph-safe; the torch twins of the fused ops are plain tensor ops.
         if not attention.on and not torch_backend.COVERAGE.graph_safe:
             return Verdict(False, torch_backend.NOT_GRAPH_SAFE)
-        families = [attention_ops.COVERAGE] * attention.on + [fused_ops.COVERAGE] * fused.on
+        families = [attention_ops.COVERAGE] * attention.on + [fused_ops.COVERAGE] * fused.on + list(gemms)
         unsafe = [c.family for c in families if not c.graph_safe]
         if unsafe:
             return Verdict(False, f"{', '.join(unsafe)} is not graph-safe")
