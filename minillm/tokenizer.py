@@ -68,7 +68,7 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            enable_thinking: bool | None = None) -> str:
+                            enable_thinking: bool | None = None, tools: Sequence[dict] | None = None) -> str:
         """Render chat messages with the model's template. ``enable_thinking`` is passed to the template only
         when given (Qwen3's template treats an undefined value as "thinking on")."""
         _validate_messages(messages)
@@ -80,6 +80,8 @@ class Tokenizer:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         if enable_thinking is not None:
             variables["enable_thinking"] = bool(enable_thinking)
+        if tools:
+            variables["tools"] = [dict(t) for t in tools]   # Qwen3's template renders them itself
         try:
             return self._template.render(**variables)
         except jinja2.TemplateError as e:
