@@ -102,6 +102,30 @@ def test_compact_json_has_no_whitespace_and_any_is_bounded(service):
     assert not xgr.GrammarMatcher(loose.compiled(spec)).accept_string('{"a":   1}')
 
 
+def test_matcher_rolls_back_to_the_outputs_the_engine_holds(service):
+    import types
+
+    import xgrammar as xgr
+    from minillm.structured.rows import GrammarState, GrammarRows
+
+    spec = from_structured_outputs({"regex": "[a-z]{1,8}"})
+    tok = __import__("tokenizers").Tokenizer.from_file(DEMO_TOKENIZER)
+    ids = tok.encode("abcdef").ids
+    assert len(ids) >= 2
+    req = types.SimpleNamespace(all_token_ids=[7] + ids, num_prompt_tokens=1, request_id="r")
+    rows = GrammarRows(None, 4096, StructuredConfig(), torch.device("cpu"), 4)
+    st = GrammarState(xgr.GrammarMatcher(service.compiled(spec)))
+    rows._advance(st, req, len(ids), None)
+    assert st.accepted == len(ids)
+    rows._advance(st, req, 1, None)   # the engine dropped all but the first output
+    fresh = xgr.GrammarMatcher(service.compiled(spec))
+    assert fresh.accept_token(ids[0])
+    a, b = xgr.allocate_token_bitmask(1, 4096), xgr.allocate_token_bitmask(1, 4096)
+    st.matcher.fill_next_token_bitmask(a)
+    fresh.fill_next_token_bitmask(b)
+    assert st.accepted == 1 and torch.equal(a, b)
+
+
 # ---- tool calls -------------------------------------------------------------------------------------------
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

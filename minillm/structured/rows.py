@@ -35,6 +35,7 @@ class GrammarRows:
         self.max_rows = max_rows
         self.states: dict[str, GrammarState] = {}
         self._host: list[torch.Tensor] = []    # two bitmask buffers used in turn (a copy may be in flight)
+        self._index: list[torch.Tensor] = []   # and the constrained rows' indices
         self._turn = 0
         self._batch = None
 
@@ -82,10 +83,16 @@ class GrammarRows:
             self._fill(live, bitmask, live_at)
             for j in live_at:
                 self._min_tokens(bitmask[j], sampled[rows[j]], int(seq_lens[rows[j]]))
-        dev = bitmask.to(self.device, non_blocking=True) if self.device.type != "cpu" else bitmask.clone()
-        index = None if rows == list(range(len(sampled))) else \
-            torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return GrammarMask(dev, index)
+        if len(rows) == len(sampled):
+            return GrammarMask(self._to_device(bitmask), None)
+        index = self._index[self._turn][:len(rows)]
+        index.copy_(torch.as_tensor(rows, dtype=torch.int64))
+        return GrammarMask(self._to_device(bitmask), self._to_device(index))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        # Pinned buffers used in turn: step N's copy is done before N + 2 refills its buffer (the engine has
+        # resolved step N by then, and its event follows the copy).
+        return host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host.clone()
 
     def _advance(self, st: GrammarState, r, before: int, pending: dict | None) -> None:
         if before < st.accepted:
@@ -128,6 +135,7 @@ class GrammarRows:
             words = (self.vocab_size + 31) // 32
             pin = self.device.type == "cuda"
             self._host = [torch.empty(self.max_rows, words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            self._index = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn ^= 1
         return self._host[self._turn][:n]
 
