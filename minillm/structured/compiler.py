@@ -14,7 +14,6 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from functools import lru_cache
 from pathlib import Path
 
 from minillm.config import StructuredConfig
@@ -141,9 +140,8 @@ def _clean(message: str) -> str:
     return _LIB_PREFIX.sub("", first)[:300]
 
 
-@lru_cache(maxsize=8)
-def _service(tokenizer_json: str, vocab_size: int, cfg: StructuredConfig) -> GrammarService:
-    return GrammarService(Path(tokenizer_json), vocab_size, cfg)
+_SERVICES: dict[tuple, GrammarService] = {}
+_SERVICES_LOCK = threading.Lock()   # the front end and the engine thread may ask first at the same time
 
 
 def grammar_service(model_dir: Path | str | None, vocab_size: int, cfg: StructuredConfig) -> GrammarService:
@@ -152,4 +150,8 @@ def grammar_service(model_dir: Path | str | None, vocab_size: int, cfg: Structur
     if path is None or not path.is_file():
         raise SpecError("structured_outputs", "structured outputs need the model's tokenizer.json, and this model "
                         "directory has none")
-    return _service(str(path.resolve()), vocab_size, cfg)
+    key = (str(path.resolve()), vocab_size, cfg)
+    with _SERVICES_LOCK:
+        if key not in _SERVICES:
+            _SERVICES[key] = GrammarService(path, vocab_size, cfg)
+        return _SERVICES[key]

@@ -98,9 +98,9 @@ class OpenAIServer:
     async def _compile(self, spec) -> None:
         """Compile the request's grammar on the compile threads while this loop keeps serving; a spec that is
         refused, or does not compile within structured.compile_timeout_s, is a 400."""
-        job = self.llm.compile_grammar(spec)
         limit = self.llm.config.structured.compile_timeout_s
         try:
+            job = await asyncio.to_thread(self.llm.compile_grammar, spec)   # the first one builds the vocabulary
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), limit)
         except asyncio.TimeoutError:
             raise APIError(400, f"{spec.param} did not compile within {limit:g} s (structured.compile_timeout_s); "
