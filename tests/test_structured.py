@@ -148,6 +148,21 @@ def test_tool_call_parsing_whole_and_streamed():
     assert stream.finish() == "<tool"
 
 
+def test_tools_reach_a_template_that_takes_them_and_a_system_block_otherwise():
+    from minillm.structured.tools import chat_with_tools
+
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "X"}'}}]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    msgs, tools = chat_with_tools(history, TOOLS, "{% for t in tools %}{{ t | tojson }}{% endfor %}")
+    assert tools == TOOLS and msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "X"}
+    msgs, tools = chat_with_tools(history, TOOLS, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert tools is None and msgs[0]["role"] == "system" and '"get_weather"' in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call>'
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+
+
 def test_tool_choice_checks():
     tools = parse_tools(TOOLS)
     assert resolve_tool_choice(None, tools)[0] == "auto"

@@ -3,7 +3,7 @@
 The bitmask is xgrammar's layout: int32 words, bit j of word w allows token 32 * w + j (0 = masked). Only the
 constrained rows carry one; a batch without any has no GrammarMask at all, so unconstrained batches pay nothing.
 The op unpacks the words as little-endian bytes (8 bits each) into a bool [M, V] and fills masked logits with
--inf: three elementwise passes over M x V bytes, and an index_select / index_put pair when only some rows are
+-inf: three elementwise passes over M x V bytes, and an index_select / index_copy pair when only some rows are
 constrained. This is also the reference a fused kernel would be tested against.
 """
 from __future__ import annotations
