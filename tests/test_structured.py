@@ -193,7 +193,7 @@ def _json(params_kw, so=None, rf=None):
 
 
 def test_schema_outputs_validate_and_unconstrained_do_not(llm):
-    outs = llm.generate(["A person:"], _json(dict(temperature=1.0, max_tokens=80, seed=1, n=3),
+    outs = llm.generate(["A person:"], _json(dict(temperature=1.0, max_tokens=80, seed=1, n=2),
                                              rf={"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
                         use_tqdm=False)[0].outputs
     assert all(c.finish_reason == "stop" for c in outs)
@@ -245,10 +245,16 @@ _leaf = st.one_of(
                                                 unique=True)),
     st.just({"type": "boolean"}),
 )
-_node = st.recursive(_leaf, lambda inner: st.one_of(
-    st.builds(lambda it, n: {"type": "array", "items": it, "maxItems": n}, inner, st.integers(0, 3)),
-    st.dictionaries(st.text("pqrs", min_size=1, max_size=3), inner, min_size=1, max_size=3).map(
-        lambda props: {"type": "object", "properties": props, "required": sorted(props)})), max_leaves=4)
+
+
+def _containers(inner):
+    arrays = st.builds(lambda it, n: {"type": "array", "items": it, "maxItems": n}, inner, st.integers(0, 3))
+    objects = st.dictionaries(st.text("pqrs", min_size=1, max_size=3), inner, min_size=1, max_size=3).map(
+        lambda props: {"type": "object", "properties": props, "required": sorted(props)})
+    return st.one_of(arrays, objects)
+
+
+_node = st.recursive(_leaf, _containers, max_leaves=4)
 
 
 @pytest.mark.slow
