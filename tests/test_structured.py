@@ -208,7 +208,8 @@ def test_schema_outputs_validate_and_unconstrained_do_not(llm):
 def test_async_sync_preemption_and_prefix_hits_give_the_same_constrained_tokens(llm):
     pattern = "[a-z]{50,70}-[0-9]{2}"
     params = _json(dict(temperature=1.0, max_tokens=40, seed=7), so={"regex": pattern})
-    prompts = [f"{w} " * 8 for w in ("one", "two", "three", "four")]   # 4 x (prompt + outputs) > 8 blocks
+    # Prompts of more than one block (so a repeat hits the prefix cache); 4 x (prompt + outputs) > 8 blocks.
+    prompts = [f"{w} " * 20 for w in ("one", "two", "three", "four")]
     before = llm.num_preemptions
     async_outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.num_preemptions > before   # the small pool forced recomputation
@@ -216,10 +217,12 @@ def test_async_sync_preemption_and_prefix_hits_give_the_same_constrained_tokens(
     cfg = core.cfg
     core.cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, async_scheduling=False))
     try:
-        sync_outs = llm.generate(prompts, params, use_tqdm=False)   # prefix hits now
+        sync_outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         core.cfg = cfg
     assert [o.outputs[0].token_ids for o in async_outs] == [o.outputs[0].token_ids for o in sync_outs]
+    again = llm.generate(prompts[3:], params, use_tqdm=False)[0]   # its prompt blocks were freed last: a hit
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == sync_outs[3].outputs[0].token_ids
     for o in async_outs:
         c = o.outputs[0]
         assert re.fullmatch(pattern, c.text) if c.finish_reason == "stop" else re.fullmatch("[a-z]*-?[0-9]?", c.text)
