@@ -95,7 +95,8 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
         if prof is not None and prof_n is not None:
             prof_n += 1
             if prof_n == prof_steps:
-                torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
                 wall = time.perf_counter() - prof_start
                 prof.__exit__(None, None, None)
                 prof_n = None
