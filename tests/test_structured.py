@@ -126,6 +126,25 @@ def test_matcher_rolls_back_to_the_outputs_the_engine_holds(service):
     assert st.accepted == 1 and torch.equal(a, b)
 
 
+def test_min_tokens_ban_clears_eos_bits_unless_nothing_else_is_allowed():
+    import types
+
+    from minillm.structured.rows import GrammarRows
+
+    rows = GrammarRows(None, 100, StructuredConfig(), torch.device("cpu"), 2)
+    sp = types.SimpleNamespace(min_tokens=5, stop_token_ids=[31], ignore_eos=False)
+    req = types.SimpleNamespace(sampling_params=sp, num_prompt_tokens=1, eos_token_ids=frozenset({2, 63}))
+    row = torch.tensor([-1, -1, -1, 0], dtype=torch.int32)
+    rows._min_tokens(row, req, 2)
+    assert [x & 0xFFFFFFFF for x in row.tolist()] == [0x7FFFFFFB, 0x7FFFFFFF, 0xFFFFFFFF, 0]
+    only_banned = torch.tensor([(1 << 2) | -2**31, -2**31, 0, 0], dtype=torch.int32)
+    kept = only_banned.clone()
+    rows._min_tokens(only_banned, req, 2)   # the grammar allows nothing but EOS / stop ids: the ban yields
+    assert torch.equal(only_banned, kept)
+    rows._min_tokens(row, req, 6)           # past min_tokens: untouched
+    assert [x & 0xFFFFFFFF for x in row.tolist()] == [0x7FFFFFFB, 0x7FFFFFFF, 0xFFFFFFFF, 0]
+
+
 # ---- tool calls -------------------------------------------------------------------------------------------
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minillm.config import StructuredConfig
@@ -116,7 +117,7 @@ class GrammarRows:
 
     def _min_tokens(self, row: torch.Tensor, r, seq_len: int) -> None:
         """min_tokens bans EOS and stop token ids, unless the grammar allows nothing else (it is complete):
-        then EOS stays allowed, so the ban never fights the grammar."""
+        then EOS stays allowed, so the ban never fights the grammar. Works on a numpy view of the host row."""
         sp = r.sampling_params
         if sp.min_tokens == 0 or seq_len - r.num_prompt_tokens >= sp.min_tokens:
             return
@@ -124,11 +125,12 @@ class GrammarRows:
         banned = [t for t in banned if 0 <= t < self.vocab_size]
         if not banned:
             return
-        trial = row.clone()
+        words = row.numpy().view(np.uint32)
+        saved = words[[t >> 5 for t in banned]].copy()
         for t in banned:
-            trial[t >> 5] &= ~(1 << (t & 31)) if (t & 31) != 31 else 0x7FFFFFFF
-        if bool(trial.any()):
-            row.copy_(trial)
+            words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+        if not words.any():
+            words[[t >> 5 for t in banned]] = saved
 
     def _host_buffer(self, n: int) -> torch.Tensor:
         if not self._host:
