@@ -145,6 +145,16 @@ def test_min_tokens_ban_clears_eos_bits_unless_nothing_else_is_allowed():
     assert [x & 0xFFFFFFFF for x in row.tolist()] == [0x7FFFFFFB, 0x7FFFFFFF, 0xFFFFFFFF, 0]
 
 
+def test_the_whitespace_key_reaches_the_engines_grammars():
+    import xgrammar as xgr
+
+    spec = from_structured_outputs({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
+    loose = LLM(device="cpu", max_num_seqs=1, json_whitespace="any")
+    assert xgr.GrammarMatcher(loose.compile_grammar(spec).result()).accept_string('{"a": 1}')
+    with pytest.raises(ValueError, match="structured.json_whitespace"):
+        LLM(device="cpu", json_whitespace="lots")
+
+
 # ---- tool calls -------------------------------------------------------------------------------------------
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -251,6 +261,12 @@ def test_min_tokens_does_not_fight_a_complete_grammar(llm):
     out = llm.generate(["x"], _json(dict(temperature=1.0, max_tokens=20, min_tokens=10), so={"choice": ["ok"]}),
                        use_tqdm=False)[0].outputs[0]
     assert out.text == "ok" and out.finish_reason == "stop"
+
+
+def test_a_stop_string_ends_a_constrained_output(llm):
+    params = _json(dict(temperature=1.0, max_tokens=30, seed=5, stop=["-"]), so={"regex": "[a-z]{3,8}-[0-9]{2}"})
+    out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("[a-z]{3,8}", out.text), out.text
 
 
 def test_ignore_eos_with_a_grammar_is_refused():
