@@ -184,12 +184,42 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", 
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """Structured outputs (minillm/structured/): how JSON grammars treat whitespace, and the bounds on compiling."""
+    json_whitespace: str = "compact"      # compact: no whitespace between JSON tokens | any: up to max_whitespace
+    max_whitespace: int = 2               # json_whitespace any: the most whitespace characters in one run
+    compile_timeout_s: float = 10.0       # a grammar that does not compile in time is refused
+    compile_threads: int = 2              # compiles run on this many threads, never on the engine's
+    max_spec_bytes: int = 65536           # a schema, regex, choice list or grammar longer than this is refused
+    max_grammar_bytes: int = 64 << 20     # a compiled grammar larger than this is refused
+    cache_size: int = 256                 # compiled grammars kept (least recently used go first)
+
+    def validate(self) -> None:
+        check_types("structured", self)
+        _check(self.json_whitespace in ("compact", "any"), "structured.json_whitespace", self.json_whitespace,
+               "compact or any")
+        _check(_is_int(self.max_whitespace, 1, 64), "structured.max_whitespace", self.max_whitespace,
+               "an integer in [1, 64]")
+        _check(isinstance(self.compile_timeout_s, (int, float)) and not isinstance(self.compile_timeout_s, bool)
+               and 0 < self.compile_timeout_s <= 600, "structured.compile_timeout_s", self.compile_timeout_s,
+               "a number of seconds in (0, 600]")
+        _check(_is_int(self.compile_threads, 1, 64), "structured.compile_threads", self.compile_threads,
+               "an integer in [1, 64]")
+        _check(_is_int(self.max_spec_bytes, 16), "structured.max_spec_bytes", self.max_spec_bytes,
+               "an integer >= 16")
+        _check(_is_int(self.max_grammar_bytes, 1 << 10), "structured.max_grammar_bytes", self.max_grammar_bytes,
+               "an integer >= 1024")
+        _check(_is_int(self.cache_size, 1), "structured.cache_size", self.cache_size, "an integer >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
 
     def validate(self) -> "EngineConfig":
         for f in dataclasses.fields(self):
@@ -225,6 +255,9 @@ class EngineConfig:
         "megakernel_max_batch": ("kernels", "megakernel_max_batch"),
         "megakernel_max_tokens": ("kernels", "megakernel_max_tokens"),
         "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"), "pdl": ("kernels", "pdl"),
+        "json_whitespace": ("structured", "json_whitespace"),
+        **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
+                                                         "max_spec_bytes", "max_grammar_bytes", "cache_size")},
     }
 
     @classmethod

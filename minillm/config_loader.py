@@ -22,7 +22,7 @@ from minillm.untrusted import load_yaml, short_repr
 SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "max_tokens": 64}
 
 ENGINE_SECTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
-SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "structured")   # per request
 SECTIONS = ENGINE_SECTIONS + ("sampling",)
 
 

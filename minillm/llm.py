@@ -75,11 +75,16 @@ class LLM:
         """enable_thinking: passed to the chat template when the prompt is a list of chat messages (Qwen3)."""
         return self.engine.add_request(prompt, params, request_id, priority, enable_thinking=enable_thinking)
 
-    def prepare_prompt(self, prompt, params: SamplingParams, enable_thinking: bool | None = None) -> list[int]:
+    def prepare_prompt(self, prompt, params: SamplingParams, enable_thinking: bool | None = None,
+                       tools: list[dict] | None = None) -> list[int]:
         """The prompt's token ids, checked as add_request checks them (ValueError naming the problem), without
         admitting anything. It reads no engine state that step() changes, so a front end may call it from its own
         thread and hand add_request the ids: tokenizing then costs the stepping thread nothing."""
-        return self.engine.prompts.prepare(prompt, params, enable_thinking)
+        return self.engine.prompts.prepare(prompt, params, enable_thinking, tools)
+
+    def compile_grammar(self, spec):
+        """Start compiling a structured-output spec off the calling thread (see LLMEngine.compile_grammar)."""
+        return self.engine.compile_grammar(spec)
 
     def step(self) -> list[StepOutput]:
         return self.engine.step()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minillm.structured.spec import GrammarSpec
 from minillm.untrusted import short_repr
 
 # The per-row scalars the sampler reads every step, in the order of SamplingParams.packed_row() (and of the rows of
@@ -34,6 +35,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled one)
+    structured: GrammarSpec | None = None   # the grammar the output must match (minillm/structured/)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +99,12 @@ class SamplingParams:
             raise bad("repetition_penalty", f"a number in [{MIN_REPETITION_PENALTY:g}, {1 / MIN_REPETITION_PENALTY:g}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= 20)):
             raise bad("logprobs", "an integer in [0, 20] or null")
+        if self.structured is not None:
+            if not isinstance(self.structured, GrammarSpec):
+                raise bad("structured", "a GrammarSpec or null")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured output constraint: the grammar "
+                                 "ends the output with EOS")
 
     @property
     def greedy(self) -> bool:

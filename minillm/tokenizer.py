@@ -83,10 +83,12 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            enable_thinking: bool | None = None, max_chars: int = MAX_RENDERED_CHARS) -> str:
+                            enable_thinking: bool | None = None, tools: Sequence[dict] | None = None,
+                            max_chars: int = MAX_RENDERED_CHARS) -> str:
         """Render chat messages with the model's template, in a worker process bounded in time, memory and
         output (max_chars; see minillm/chat_template.py). ``enable_thinking`` is passed to the template only when
-        given (Qwen3's template treats an undefined value as "thinking on")."""
+        given (Qwen3's template treats an undefined value as "thinking on"); ``tools`` likewise (Qwen3's
+        template renders them itself)."""
         _validate_messages(messages)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); "
@@ -96,6 +98,8 @@ class Tokenizer:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         if enable_thinking is not None:
             variables["enable_thinking"] = bool(enable_thinking)
+        if tools:
+            variables["tools"] = [dict(t) for t in tools]
         self._template   # a syntax error is named here, before any worker starts
         return self._renderer.render(variables, max_chars)
 

@@ -77,8 +77,8 @@ BAD = [
     ("max_completion_tokens 0", CH, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("unknown chat_template_kwargs key", CH, {"messages": MSG, "chat_template_kwargs": {"foo": 1}}, 400,
      "chat_template_kwargs"),
-    ("tools (unsupported)", CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("response_format json (unsupported)", CH, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+    ("tools without a function", CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("response_format of an unknown type", CH, {"messages": MSG, "response_format": {"type": "xml"}}, 400,
      "response_format"),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
 ]

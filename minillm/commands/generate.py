@@ -36,7 +36,8 @@ def generate(
     stop, stop_token_ids, seed, ignore_eos, n, presence_penalty,
     frequency_penalty, repetition_penalty, logprobs, priority, and with
     "messages" also enable_thinking. Missing fields take the config's
-    sampling section.
+    sampling section. Constrained outputs: response_format or
+    structured_outputs, as in the HTTP API (docs/structured.md).
 
     \b
     Each answer is {"id", "text", "token_ids", "finish_reason", "usage"},

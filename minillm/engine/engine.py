@@ -53,10 +53,21 @@ class LLMEngine:
         if request_id in self.outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self.prompts.prepare(prompt, params, enable_thinking)
+        if params.structured is not None:
+            self.compile_grammar(params.structured).result()   # SpecError if it does not compile in bounds
         children = [self._make_request(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
         self.core.add_request(children[0])   # validates the fit; raises before any state changes
         self.outputs.add(request_id, prompt_ids, params, stream, [c.request_id for c in children], children[1:])
         return request_id
+
+    def compile_grammar(self, spec):
+        """Start compiling a structured-output spec off this thread. The returned future's result() waits at most
+        structured.compile_timeout_s and raises SpecError (a ValueError naming the parameter) on a bad spec; a
+        front end may wait for it on its own thread before add_request, which then finds it compiled."""
+        from minillm.structured.compiler import grammar_service
+
+        service = grammar_service(self.runner.model_dir, self.runner.vocab_size, self.cfg.structured)
+        return _Bounded(service, spec)
 
     def _make_request(self, rid: str, i: int, prompt_ids, params: SamplingParams, priority: int) -> Request:
         if params.n > 1 and params.seed is not None:
@@ -103,3 +114,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+
+class _Bounded:
+    """A compile in progress: result() waits for it within the configured bound."""
+
+    def __init__(self, service, spec):
+        self.service, self.spec, self.future = service, spec, service.submit(spec)
+
+    def result(self):
+        return self.service.compiled(self.spec)

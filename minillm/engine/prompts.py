@@ -23,10 +23,12 @@ class PromptPreparer:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
-    def prepare(self, prompt, params: SamplingParams, enable_thinking: bool | None = None) -> list[int]:
+    def prepare(self, prompt, params: SamplingParams, enable_thinking: bool | None = None,
+                tools: list[dict] | None = None) -> list[int]:
+        """tools: OpenAI function tools for the chat template (chat messages only; minillm/structured/tools.py)."""
         check_request(params, self.vocab_size, self.max_num_seqs)
         _check_text(prompt, params)
-        ids = self._to_ids(prompt, enable_thinking)
+        ids = self._to_ids(prompt, enable_thinking, tools)
         if not ids:
             raise ValueError("prompt is empty")
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
@@ -43,15 +45,19 @@ class PromptPreparer:
             raise ValueError("stop strings need a tokenizer, and this model directory has no tokenizer.json")
         return ids
 
-    def _to_ids(self, prompt, enable_thinking: bool | None) -> list[int]:
+    def _to_ids(self, prompt, enable_thinking: bool | None, tools=None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             return self._encode(self._need_tokenizer("a text prompt"), prompt, "prompt")
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             tokenizer = self._need_tokenizer("chat messages")
-            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                 enable_thinking=enable_thinking, max_chars=self._max_chars(tokenizer))
+            messages = list(prompt)
+            if tools is not None:
+                from minillm.structured.tools import chat_with_tools
+                messages, tools = chat_with_tools(messages, tools, tokenizer.chat_template)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
+                                                 tools=tools, max_chars=self._max_chars(tokenizer))
             return self._encode(self.tokenizer, text, "the chat template's rendering of messages")
         if isinstance(prompt, (list, tuple)):
             return list(prompt)

@@ -1,7 +1,8 @@
 """Token-level stop rules of a request, in one place: the scheduler asks these after appending a sampled token.
 
 A request stops on
-  - EOS (unless ignore_eos) or one of its stop_token_ids, once it has min_tokens outputs ("stop");
+  - EOS (unless ignore_eos) or one of its stop_token_ids, once it has min_tokens outputs, or earlier when the
+    request's grammar is complete ("stop");
   - max_tokens outputs, or max_model_len tokens in all ("length"); a stop by value wins when both hold.
 Stop *strings* need the text, so the output processor's detokenizer finds them (minillm/detokenizer.py) and the
 engine ends the request in the scheduler (Scheduler.finish_request).
@@ -28,7 +29,9 @@ def may_stop(req: Request, token: int) -> bool:
 def value_stop(req: Request, token: int) -> bool:
     """EOS (unless ignore_eos) or a stop token id, once min_tokens outputs exist: set status and stop_reason."""
     sp = req.sampling_params
-    if len(req.output_token_ids) < sp.min_tokens:
+    # A constrained request samples EOS below min_tokens only when its grammar is complete (its mask bans EOS
+    # otherwise, minillm/structured/rows.py): then the grammar wins and the request stops.
+    if len(req.output_token_ids) < sp.min_tokens and sp.structured is None:
         return False
     if not sp.ignore_eos and token in req.eos_token_ids:
         req.status, req.stop_reason = STOPPED, None

@@ -26,6 +26,7 @@ from minillm.runner.request_state import CachedRequest, RequestStates
 from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatchCache
 from minillm.sampling.sampler import Sampler
+from minillm.structured.rows import GrammarRows
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.max_num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=p.fused_ops.on)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
+        self.grammar = GrammarRows(self.model_dir, self.vocab_size, cfg.structured, self.device, sched.max_num_seqs)
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
         self.num_blocks = choose_num_blocks(self, cfg.cache)
@@ -159,6 +161,7 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's request-state changes (new, finished, preempted requests, new blocks)."""
         self.inputs.release(self.states.apply(so))
+        self.grammar.update(so)
 
     def execute(self, so: SchedulerOutput, prof=None) -> ModelRunnerOutput:
         """One synchronous step: launch it and wait for its tokens."""
@@ -191,9 +194,9 @@ class ModelRunner:
                 hidden = self.graphs.replay(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-            return self._sample(so, reqs, step, hidden, prof)
+            return self._sample(so, reqs, step, hidden, prof, prev)
 
-    def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof) -> InFlight:
+    def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof, prev: InFlight | None) -> InFlight:
         """The LM head and the sampler over the step's sampled rows, and the copy of their tokens to the host."""
         sampled = reqs if all(so.sample) else list(compress(reqs, so.sample))
         if not sampled:
@@ -206,7 +209,10 @@ class ModelRunner:
         seq_lens = step.meta.seq_lens_cpu
         if len(sampled) != len(reqs):
             seq_lens = list(compress(seq_lens, so.sample))
-        result = self.sampler(logits, self.sampling.get(sampled, seq_lens))
+        # Constrained rows: their bitmask, built once the previous step's tokens are known (the forward pass of
+        # this step is already queued); None when no row is constrained.
+        mask = self.grammar.masks(sampled, seq_lens, prev)
+        result = self.sampler(logits, self.sampling.get(sampled, seq_lens), mask)
         return InFlight(so.sampled_req_ids(), result.token_ids, result.logprobs,
                         *self._copy_to_host(result.token_ids), sampled=sampled)
 

@@ -184,14 +184,15 @@ def _outputs_before(r: Request, i: int, seq_lens: Sequence[int] | None) -> int:
 def _min_tokens_mask(requests: Sequence[Request], seq_lens, min_tokens: np.ndarray, vocab_size: int,
                      device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(row, token) pairs to forbid: EOS (unless ignore_eos) and stop_token_ids while fewer than min_tokens
-    outputs exist. Ids outside the logits' width cannot be sampled anyway and are dropped."""
+    outputs exist (rows with a grammar excepted). Ids outside the logits' width cannot be sampled anyway and are
+    dropped."""
     rows: list[int] = []
     cols: list[int] = []
     for i in np.flatnonzero(min_tokens > 0).tolist():
         r = requests[i]
         sp = r.sampling_params
-        if _outputs_before(r, i, seq_lens) >= sp.min_tokens:
-            continue
+        if sp.structured is not None or _outputs_before(r, i, seq_lens) >= sp.min_tokens:
+            continue   # a constrained row's ban is part of its grammar mask (minillm/structured/rows.py)
         banned = set(sp.stop_token_ids)
         if not sp.ignore_eos:
             banned |= r.eos_token_ids

@@ -7,7 +7,8 @@ every other path first widens them to float32 (exact), and then works on that fl
 itself, in place. Either way a row gets the same token as from its float32 logits.
 
 Order of operations on a batch of float32 logits [N, V] (modified in place):
-  1. penalties (repetition, then frequency/presence) and the min_tokens mask: greedy rows see them too;
+  1. penalties (repetition, then frequency/presence), the min_tokens mask and the grammar bitmask of
+     constrained rows (sampling/grammar_mask.py): greedy rows see them too;
   2. greedy rows: argmax (an all-greedy batch stops here; with the CUDA kernels and no logprobs, the one-pass
      kernel takes it, every row at inverse temperature 0, which is the same argmax);
   3. temperature;
@@ -33,6 +34,7 @@ import torch
 
 from minillm.contract import TokenLogprobs
 from minillm.sampling.batch import SamplingBatch
+from minillm.sampling.grammar_mask import GrammarMask, apply_grammar_mask
 from minillm.ops.sampling_ops import LOGIT_DTYPES
 from minillm.sampling.penalties import apply_penalties
 
@@ -59,18 +61,23 @@ class Sampler:
         self._fused_steps = 0
         self.nonfinite = NonFiniteWatch()
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, grammar: GrammarMask | None = None
+                 ) -> SamplerResult:
         """Sample one token per row. ``logits`` [N, V] is float32, bfloat16 or float16; float32 logits are used
-        as scratch and modified in place, half-precision ones are never modified (a float32 copy is)."""
+        as scratch and modified in place, half-precision ones are never modified (a float32 copy is).
+        ``grammar``: the bitmask of the constrained rows, or None (then no masking work at all)."""
         _check_logits(logits, batch)
         self.nonfinite.check(logits)
         fused = self.cuda and _fused_race_applies(batch)
-        if logits.dtype != torch.float32 and not (fused and batch.penalties is None and batch.banned_rows is None):
+        untouched = batch.penalties is None and batch.banned_rows is None and grammar is None
+        if logits.dtype != torch.float32 and not (fused and untouched):
             logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_cols] = -math.inf
+        if grammar is not None:
+            apply_grammar_mask(logits, grammar)
         if fused:
             return SamplerResult(self._fused_race(logits, batch), None)
         if batch.all_greedy:

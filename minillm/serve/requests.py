@@ -11,14 +11,16 @@ from dataclasses import dataclass, fields
 from typing import Any, BinaryIO, Iterator
 
 from minillm.sampling_params import SamplingParams
+from minillm.structured.spec import SpecError, spec_from_request
 from minillm.untrusted import TooNested, loads_json, short_repr
 
 MAX_LINE_BYTES = 1 << 20   # 1 MiB: longer lines get a "line_too_long" answer and are skipped, never buffered
 _READ_CHUNK = 1 << 16
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-PARAM_KEYS = tuple(f.name for f in fields(SamplingParams))
-ALLOWED_KEYS = ("id", *PROMPT_KEYS, *PARAM_KEYS, "priority", "enable_thinking")
+PARAM_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name != "structured")
+STRUCTURED_KEYS = ("response_format", "structured_outputs")   # the HTTP server's fields, same meaning
+ALLOWED_KEYS = ("id", *PROMPT_KEYS, *PARAM_KEYS, *STRUCTURED_KEYS, "priority", "enable_thinking")
 
 
 @dataclass
@@ -154,6 +156,12 @@ def _is_message(m: Any) -> bool:
 
 def _params(obj: dict, rid: Any, defaults: dict) -> tuple[SamplingParams, int]:
     given = {k: obj[k] for k in PARAM_KEYS if k in obj}
+    try:
+        spec = spec_from_request(obj.get("response_format"), obj.get("structured_outputs"))
+    except SpecError as e:
+        raise LineError(rid, "invalid_request", str(e)) from None
+    if spec is not None:
+        given["structured"] = spec
     try:
         params = SamplingParams(**{**defaults, **given})
     except (ValueError, TypeError, OverflowError) as e:

@@ -21,8 +21,9 @@ from minillm.serve.http.engine_loop import AsyncEngine, EngineFailure, Overloade
 from minillm.serve.http.errors import APIError, Gate, error_body, install_error_handlers
 from minillm.serve.http.formatting import DONE, Shape, StreamFormatter, TokenText, sse
 from minillm.serve.http.metrics import CONTENT_TYPE, ServerMetrics
-from minillm.serve.http.protocol import (ChatRequest, CompletionRequest, check_request, enable_thinking,
-                                         messages_json, prompt_error, sampling_params, with_room)
+from minillm.serve.http.protocol import (ChatRequest, CompletionRequest, check_request, constrained,
+                                         enable_thinking, messages_json, prompt_error, sampling_params,
+                                         spec_api_error, structured_spec, tool_setup, with_room)
 from minillm.serve.http.settings import RETRY_AFTER_S, ServerSettings
 
 PREPARE_THREADS = 2
@@ -69,11 +70,19 @@ class OpenAIServer:
         check_request(req)
         params, given = sampling_params(req, self.defaults)
         thinking = enable_thinking(req) if chat else None
+        spec = structured_spec(req)
+        tools = tool_names = None
+        if chat:
+            tools, tool_names, forced = tool_setup(req)
+            spec = forced or spec
+        if spec is not None:
+            params = constrained(params, spec, req)
+            await self._compile(spec)
         prompts = [messages_json(req)] if chat else _prompt_list(req.prompt)
         self._check_capacity(len(prompts), params.n)
         loop = asyncio.get_running_loop()
         prepared = await asyncio.gather(*(loop.run_in_executor(self.prepare_pool, self._prepare, p, params, given,
-                                                               thinking, req) for p in prompts))
+                                                               thinking, req, tools) for p in prompts))
         self._check_capacity(len(prompts), params.n)   # the queue may have grown while we tokenized
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         rids = [rid] if len(prepared) == 1 else [f"{rid}-{i}" for i in range(len(prepared))]
@@ -81,7 +90,8 @@ class OpenAIServer:
         await self._admit(rids, prepared, req, given, queue, arrival)
         shape = Shape(chat, rid, int(time.time()), self.settings.served_model_name, params.n,
                       params.logprobs is not None, bool(req.return_token_ids),
-                      bool(req.stream_options and req.stream_options.include_usage), self.token_text)
+                      bool(req.stream_options and req.stream_options.include_usage), self.token_text,
+                      tool_names)
         if req.stream:
             formatter = StreamFormatter(shape, {r: ids for r, (ids, _) in zip(rids, prepared)})
             return _EngineStream(self._sse(formatter, queue, len(rids)), lambda: self._abort(rids))
@@ -99,12 +109,25 @@ class OpenAIServer:
             param = "n" if n > self.engine.max_waiting or num_prompts == 1 else "prompt"
             raise APIError(400, str(e), param=param, code="too_many_sequences") from None
 
-    def _prepare(self, prompt, params, given: bool, thinking, req) -> tuple[list[int], object]:
+    async def _compile(self, spec) -> None:
+        """Compile the request's grammar on the compile threads while this loop keeps serving; a spec that is
+        refused, or does not compile within structured.compile_timeout_s, is a 400."""
+        limit = self.llm.config.structured.compile_timeout_s
+        try:
+            job = await asyncio.to_thread(self.llm.compile_grammar, spec)   # the first one builds the vocabulary
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), limit)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"{spec.param} did not compile within {limit:g} s (structured.compile_timeout_s); "
+                           "simplify it", param=spec.param.split(".", 1)[0]) from None
+        except ValueError as e:   # SpecError
+            raise spec_api_error(e) from None
+
+    def _prepare(self, prompt, params, given: bool, thinking, req, tools=None) -> tuple[list[int], object]:
         """Tokenize and check one prompt; an unset max_tokens becomes what max_model_len leaves (capped by the
         default). Returns (prompt ids, its SamplingParams)."""
         check = params if given else dataclasses.replace(params, max_tokens=1, min_tokens=0)
         try:
-            ids = self.llm.prepare_prompt(prompt, check, thinking)
+            ids = self.llm.prepare_prompt(prompt, check, thinking, tools)
         except ValueError as e:
             raise prompt_error(str(e), req, given) from None
         return ids, (params if given else with_room(params, len(ids), self.llm.max_model_len, req))

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from minillm.serve.generate_jsonl import json_logprob
 from minillm.serve.generate_jsonl import usage as usage_counts
+from minillm.structured.tools import ToolCallStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -71,10 +72,12 @@ class Shape:
     """What one request's answers look like: endpoint, ids, and the options that change the JSON."""
 
     def __init__(self, chat: bool, response_id: str, created: int, model: str, n: int, logprobs: bool,
-                 return_token_ids: bool, include_usage: bool, token_text: TokenText):
+                 return_token_ids: bool, include_usage: bool, token_text: TokenText,
+                 tools: set[str] | None = None):
         self.chat, self.id, self.created, self.model, self.n = chat, response_id, created, model, n
         self.logprobs, self.return_token_ids, self.include_usage = logprobs, return_token_ids, include_usage
         self.token_text = token_text
+        self.tools = tools   # function names whose <tool_call> blocks become message.tool_calls; None = none
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -83,6 +86,17 @@ class Shape:
         if lps is None:
             return None
         return chat_logprobs(lps, self.token_text) if self.chat else completion_logprobs(lps, self.token_text)
+
+    def message(self, text: str, choice: dict) -> dict:
+        """The assistant message of a whole chat response: tool calls parsed out of the text when tools apply."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}
+        content, calls = parse_tool_calls(text, self.tools)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        if choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     # ---- whole responses -------------------------------------------------------------------------------------
     def response(self, outputs: list) -> dict:
@@ -93,7 +107,7 @@ class Shape:
                 choice = {"index": p * self.n + c.index, "logprobs": self.logprobs_json(c.logprobs),
                           "finish_reason": c.finish_reason}
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"] = self.message(c.text, choice)
                 else:
                     choice["text"] = c.text
                 if self.return_token_ids:
@@ -118,6 +132,7 @@ class StreamFormatter:
         self.outputs: dict[str, object] = {}     # engine request id -> its final RequestOutput
         self._started: set[int] = set()          # return_token_ids: choices whose first chunk went out
         self._obj = "chat.completion.chunk" if shape.chat else "text_completion"
+        self._tool_streams: dict[int, ToolCallStream] = {}   # choice index -> its parser (chat with tools)
 
     def start(self) -> str:
         """Chat streams open every choice with the assistant role, before any token (as OpenAI and vLLM do)."""
@@ -152,8 +167,27 @@ class StreamFormatter:
             if index not in self._started and not self.shape.chat:
                 extra["prompt_token_ids"] = self.prompts[so.request_id]
             self._started.add(index)
+        if self.shape.chat and self.shape.tools is not None:
+            return self._tool_delta(index, text, lps, finish, extra)
         delta = {"content": text} if self.shape.chat else text
         return self._chunk(index, delta, lps, finish, extra)
+
+    def _tool_delta(self, index: int, text: str, lps, finish, extra) -> str:
+        """Content deltas with call blocks taken out, each finished call as one tool_calls delta (as OpenAI
+        streams them: index, id, type and name, and the arguments), finish_reason tool_calls after a call."""
+        parser = self._tool_streams.setdefault(index, ToolCallStream(self.shape.tools))
+        content, calls = parser.feed(text)
+        if finish is not None:
+            content += parser.finish()
+            if finish == "stop" and parser.calls:
+                finish = "tool_calls"
+        out = []
+        for call in calls:
+            k = parser.calls - len(calls) + len(out)
+            out.append(self._chunk(index, {"tool_calls": [{"index": k, **call}]}, None, None, None))
+        if content or finish is not None or lps or extra:
+            out.append(self._chunk(index, {"content": content}, lps, finish, extra))
+        return "".join(out)
 
     def _chunk(self, index: int, delta, lps, finish, extra, top=None) -> str:
         choice = {"index": index, ("delta" if self.shape.chat else "text"): delta, "logprobs": lps,

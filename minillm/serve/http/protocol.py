@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from minillm.sampling_params import SamplingParams
 from minillm.serve.http.errors import APIError
+from minillm.structured.spec import GrammarSpec, SpecError, spec_from_request
 
 # OpenAI body field -> SamplingParams field (when the names differ; other shared names map to themselves).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop", "stop_token_ids",
@@ -53,6 +54,9 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = None
     priority: int | None = None
     return_token_ids: bool | None = False   # vLLM's: token ids of the prompt and of every choice / delta
+    # Structured outputs (minillm/structured/): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
@@ -68,14 +72,27 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     # Lenient on extra keys: clients send earlier assistant messages back as they got them (refusal, annotations,
     # audio: null, ...). Keys that would change the prompt are refused in check_request.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(_Common):
@@ -84,13 +101,12 @@ class ChatRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # OpenAI parameters without an implementation here: neutral values only (see UNSUPPORTED)
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI parameters without an implementation here: neutral values only (see UNSUPPORTED)
     functions: list[Any] | None = None
     function_call: Any | None = None
-    response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     audio: Any | None = None
@@ -103,10 +119,8 @@ class ChatRequest(_Common):
 
 # field -> the values that mean "not used"; anything else is refused with 400 naming the field
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-               "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-               "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
-               "web_search_options": (None,)}
+               "functions": (None, []), "function_call": (None, "none"), "reasoning_effort": (None,),
+               "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "web_search_options": (None,)}
 
 
 def check_request(req: _Common) -> None:
@@ -118,8 +132,12 @@ def check_request(req: _Common) -> None:
             raise APIError(400, f"{name} is not supported by this server (allowed: {_fmt(neutral)})", param=name)
     if isinstance(req, ChatRequest):
         for i, m in enumerate(req.messages):
-            if m.tool_calls:
-                raise APIError(400, f"messages[{i}].tool_calls is not supported by this server", param="messages")
+            if m.tool_calls and m.role != "assistant":
+                raise APIError(400, f"messages[{i}].tool_calls is only allowed on assistant messages",
+                               param="messages")
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise APIError(400, f"messages[{i}].content is missing (only an assistant message with "
+                               "tool_calls may leave it out)", param="messages")
 
 
 def _fmt(values) -> str:
@@ -132,9 +150,61 @@ def messages_json(req: ChatRequest) -> list[dict]:
         raise APIError(400, "messages must not be empty", param="messages")
     out = []
     for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-        out.append({"role": m.role, "content": content})
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "".join(p.text for p in m.content)
+        msg = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            msg["name"] = m.name
+        out.append(msg)
     return out
+
+
+def spec_api_error(e: ValueError) -> APIError:
+    param = getattr(e, "param", "structured_outputs")
+    return APIError(400, str(e), param=param.split(".", 1)[0].split("[", 1)[0])
+
+
+def constrained(params: SamplingParams, spec: GrammarSpec, req: _Common) -> SamplingParams:
+    try:
+        return dataclasses.replace(params, structured=spec)
+    except ValueError as e:   # ignore_eos with a grammar
+        raise APIError(400, str(e), param="ignore_eos" if "ignore_eos" in str(e) else spec.param) from None
+
+
+def structured_spec(req: _Common) -> GrammarSpec | None:
+    """The body's response_format / structured_outputs as one GrammarSpec (400 naming the param)."""
+    try:
+        return spec_from_request(req.response_format, req.structured_outputs)
+    except SpecError as e:
+        raise spec_api_error(e) from None
+
+
+def tool_setup(req: ChatRequest):
+    """-> (tools as the template takes them or None, names whose calls are parsed out of the text or None,
+    the constraint of a forced call or None). 400 naming tools / tool_choice."""
+    from minillm.structured.tools import parse_tools, resolve_tool_choice, tool_call_spec
+
+    try:
+        tools = parse_tools(req.tools)
+        mode, allowed = resolve_tool_choice(req.tool_choice, tools)
+    except SpecError as e:
+        raise spec_api_error(e) from None
+    rendered = [t.as_openai() for t in tools] or None
+    if mode == "none":
+        return rendered, None, None
+    names = {t.name for t in allowed}
+    if mode == "auto":
+        return rendered, names, None
+    if req.response_format is not None or req.structured_outputs is not None:
+        raise APIError(400, "a required or named tool_choice constrains the output already; drop "
+                       "response_format / structured_outputs", param="tool_choice")
+    return rendered, names, tool_call_spec(allowed)
 
 
 def enable_thinking(req: ChatRequest) -> bool | None:

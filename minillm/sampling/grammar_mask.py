@@ -1,0 +1,43 @@
+"""Applying a grammar's token bitmask to the logits, on the logits' device, with no host sync.
+
+The bitmask is xgrammar's layout: int32 words, bit j of word w allows token 32 * w + j (0 = masked). Only the
+constrained rows carry one; a batch without any has no GrammarMask at all, so unconstrained batches pay nothing.
+The op unpacks the words as little-endian bytes (8 bits each) into a bool [M, V] and fills masked logits with
+-inf: three elementwise passes over M x V bytes, and an index_select / index_copy pair when only some rows are
+constrained. This is also the reference a fused kernel would be tested against.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass
+class GrammarMask:
+    bitmask: torch.Tensor            # int32 [M, ceil(V / 32)] on the logits' device
+    rows: torch.Tensor | None        # int64 [M]: the constrained rows; None = every row, in order
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [M, vocab_size]: which tokens each row's bitmask allows."""
+    shifts = _SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _SHIFTS[bitmask.device] = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    octets = bitmask.contiguous().view(torch.uint8)            # little-endian: token 8 * b + j is bit j of byte b
+    bits = (octets.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """logits [N, V] (modified in place): every token a constrained row's grammar forbids becomes -inf."""
+    forbidden = ~allowed_tokens(mask.bitmask, logits.shape[1])
+    if mask.rows is None:
+        logits.masked_fill_(forbidden, -math.inf)
+        return
+    sub = logits.index_select(0, mask.rows)
+    sub.masked_fill_(forbidden, -math.inf)
+    logits.index_copy_(0, mask.rows, sub)

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Cost of structured outputs per decode step: B requests decoding, with no row constrained, every row
+constrained by a JSON schema, and half of them (mixed), on the same engine. Meant for a GPU (the H200 target:
+every row constrained at B=64 costs <= 5% more per step than unconstrained).
+
+Model: --model DIR (a checkpoint directory with its tokenizer.json), or by default the Qwen3-0.6B shape with
+random weights and a synthetic byte-level vocabulary of the same size (151,936 tokens: random strings of 1-8
+bytes; the real Qwen vocabulary is not shipped). The masks' device work depends on the vocabulary size only; the
+host fill depends on the vocabulary's strings too, so the synthetic one is an approximation of Qwen's.
+
+Per step: wall time of LLMEngine.step() (async scheduling on: host work of step N+1 overlaps step N), counted
+only on steps where all B requests are decoding; the median is reported. Constrained rows get min_tokens =
+max_tokens, so they stop only where their grammar is complete (those steps, with fewer rows, are not counted).
+With --profile: a torch.profiler trace of --profile-steps steps per mode at the largest B, summarised as GPU
+busy time / wall time (mask building on the host must not leave the GPU idle: the all-constrained figure should
+match the unconstrained one) and the top kernels, written to results/profiles/structured_B{B}_{mode}.txt.
+
+Usage: python scripts/structured_bench.py [--batches 16,64] [--steps 64] [--model DIR] [--profile]
+       [--out results/structured.jsonl]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from minillm.bench.report import append_jsonl  # noqa: E402
+from minillm.llm import LLM  # noqa: E402
+from minillm.sampling_params import SamplingParams  # noqa: E402
+from minillm.structured.spec import from_response_format  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                                     "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["id", "name", "tags"]}}}, "required": ["items"]}
+PRESET = Path(__file__).resolve().parents[1] / "minillm" / "presets" / "qwen3-0.6b.json"
+
+
+def synthetic_model_dir(root: Path) -> Path:
+    """config.json of the Qwen3-0.6B preset and a WordLevel byte-level tokenizer of its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    cfg = json.loads(PRESET.read_text())
+    vocab_size, eos = cfg["vocab_size"], cfg["eos_token_id"]
+    alphabet = sorted(ByteLevel.alphabet())
+    rng = random.Random(0)
+    vocab: dict[str, int] = {}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    while len(vocab) < eos:
+        vocab.setdefault("".join(rng.choice(alphabet) for _ in range(rng.randint(2, 8))), len(vocab))
+    tok = Tokenizer(models.WordLevel({**vocab, "<|im_end|>": eos}, unk_token=alphabet[0]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    data = json.loads((root / "tokenizer.json").read_text())
+    data["added_tokens"] = [{"id": eos, "content": "<|im_end|>", "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True}]
+    (root / "tokenizer.json").write_text(json.dumps(data))
+    (root / "config.json").write_text(json.dumps({**cfg, "vocab_size": vocab_size}))
+    return root
+
+
+def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_steps: int = 0):
+    """Step times (s) of steps where all `batch` rows decode; with prof_steps, a profiler over that many."""
+    rng = random.Random(batch)
+    for i in range(batch):
+        kw = dict(temperature=1.0, max_tokens=steps + 8, seed=i)
+        params = SamplingParams(structured=spec, min_tokens=steps + 8, **kw) if i < constrained else \
+            SamplingParams(ignore_eos=True, **kw)
+        llm.add_request([rng.randrange(1000, 100000) for _ in range(32)], params)
+    times, prof = [], None
+    while llm.has_unfinished_requests():
+        full = llm.stats().num_running == batch
+        if full and prof_steps and prof is None and len(times) >= 8:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+            prof_start, prof_n = time.perf_counter(), 0
+        t0 = time.perf_counter()
+        llm.step()
+        if full:
+            times.append(time.perf_counter() - t0)
+        if prof is not None and prof_n is not None:
+            prof_n += 1
+            if prof_n == prof_steps:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - prof_start
+                prof.__exit__(None, None, None)
+                prof_n = None
+                prof = (prof, wall)
+    if prof is not None and not isinstance(prof, tuple):   # the batch thinned out before the profile ended
+        prof.__exit__(None, None, None)
+        prof = None
+    return times[2:], prof   # the first full steps still carry prefill leftovers
+
+
+def summarise(prof, wall: float, path: Path) -> dict:
+    events = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in events)
+    table = events.table(sort_by="self_cuda_time_total", row_limit=25)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"GPU busy {busy_us / 1e3:.2f} ms of {wall * 1e3:.2f} ms wall\n\n{table}\n")
+    return {"gpu_busy_ms": busy_us / 1e3, "wall_ms": wall * 1e3, "gpu_busy_fraction": busy_us / 1e6 / wall,
+            "profile_table": str(path)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--out", default="results/structured.jsonl")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic"))
+    llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
+              max_model_len=1024)
+    spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
+    llm.compile_grammar(spec).result()
+    for b in batches:
+        base = None
+        for mode, constrained in (("none", 0), ("all", b), ("mixed", b // 2)):
+            prof_steps = args.profile_steps if args.profile and b == max(batches) else 0
+            times, prof = run_mode(llm, b, constrained, args.steps, spec, prof_steps)
+            med = statistics.median(times) if times else None
+            base = med if mode == "none" else base
+            line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
+                    "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
+                    "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
+                    "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
+            if isinstance(prof, tuple):
+                line.update(summarise(prof[0], prof[1], Path(f"results/profiles/structured_B{b}_{mode}.txt")))
+            append_jsonl(args.out, line)
+            print(json.dumps({k: v for k, v in line.items() if k != "profile_table"}))
+
+
+if __name__ == "__main__":
+    main()
