@@ -145,15 +145,51 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Processes and devices: the engine core in a process of its own, data-parallel replicas of it, tensor
+    parallelism inside each (docs/parallel.md)."""
+    data_parallel_size: int = 1       # engine-core replicas behind one front end (replica i on cuda:i)
+    tensor_parallel_size: int = 1     # ranks of one engine core (Megatron split over torch.distributed)
+    # auto: a process of its own for the serving commands (serve, serve-stdin) and whenever
+    # data_parallel_size > 1; in-process for LLM(...) and generate. true / false force it.
+    engine_process: str | bool = "auto"
+    # Seconds a collective may wait for a peer before the engine fails (a dead tensor-parallel worker).
+    distributed_timeout_s: float = 60.0
+
+    def validate(self) -> None:
+        _check(_is_int(self.data_parallel_size, 1, 64), "parallel.data_parallel_size", self.data_parallel_size,
+               "an integer in [1, 64]")
+        _check(_is_int(self.tensor_parallel_size, 1, 64), "parallel.tensor_parallel_size",
+               self.tensor_parallel_size, "an integer in [1, 64]")
+        _check(self.engine_process in ("auto", True, False), "parallel.engine_process", self.engine_process,
+               "auto, true or false")
+        _check(isinstance(self.distributed_timeout_s, (int, float)) and not isinstance(
+            self.distributed_timeout_s, bool) and 1 <= self.distributed_timeout_s <= 3600,
+            "parallel.distributed_timeout_s", self.distributed_timeout_s, "a number of seconds in [1, 3600]")
+        if self.data_parallel_size > 1 and self.engine_process is False:
+            raise ConfigError("parallel.engine_process=false is not allowed with parallel.data_parallel_size > 1: "
+                              "each replica is an engine-core process")
+
+    def engine_in_process(self, serving: bool) -> bool:
+        """The one place that decides whether the engine core runs in the caller's process."""
+        if self.data_parallel_size > 1:
+            return False
+        if self.engine_process == "auto":
+            return not serving
+        return not self.engine_process
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "EngineConfig":
-        for section in (self.model, self.cache, self.scheduler, self.runtime, self.kernels):
+        for section in (self.model, self.cache, self.scheduler, self.runtime, self.kernels, self.parallel):
             section.validate()
         if self.kernels.backend == "torch" and self.runtime.attention == "cuda":
             raise ConfigError("runtime.attention='cuda' is not allowed with kernels.backend='torch' (no minillm "
@@ -182,6 +218,9 @@ class EngineConfig:
         "megakernel_max_batch": ("kernels", "megakernel_max_batch"),
         "megakernel_max_tokens": ("kernels", "megakernel_max_tokens"),
         "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"), "pdl": ("kernels", "pdl"),
+        "data_parallel_size": ("parallel", "data_parallel_size"),
+        "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+        "engine_process": ("parallel", "engine_process"),
     }
 
     @classmethod

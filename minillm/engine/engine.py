@@ -18,11 +18,24 @@ from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
 
 
+def make_core(cfg: EngineConfig, serving: bool = False):
+    """The engine core: in this process, or engine-core processes behind a CoreClient
+    (parallel.engine_process, decided in ParallelConfig.engine_in_process)."""
+    if cfg.parallel.engine_in_process(serving):
+        if cfg.parallel.tensor_parallel_size > 1:
+            from minillm.parallel.tp_engine import build_tp_core
+            return build_tp_core(cfg)
+        return EngineCore(cfg)
+    from minillm.engine.core_client import CoreClient
+    return CoreClient(cfg)
+
+
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, serving: bool = False):
         self.cfg = cfg
-        self.core = EngineCore(cfg)
-        self.runner, self.scheduler = self.core.runner, self.core.scheduler
+        self.core = make_core(cfg, serving)
+        self.runner = self.core.runner
+        self.scheduler = getattr(self.core, "scheduler", None)   # None: the core runs in another process
         self.max_model_len = self.core.max_model_len
         self.prompts = PromptPreparer(self.runner.model_dir, self.runner.arch, self.max_model_len,
                                       cfg.scheduler.max_num_seqs)
@@ -99,7 +112,25 @@ class LLMEngine:
     # ---- facts -----------------------------------------------------------------------------------------
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+        return self.core.stats().num_preemptions
+
+    def wake(self) -> None:
+        """Interrupt a step() waiting on engine-core processes (no-op in-process: its step never waits)."""
+        wake = getattr(self.core, "wake", None)
+        if wake is not None:
+            wake()
+
+    def check(self) -> None:
+        """Raise EngineDeadError if an engine-core process has died (in-process: nothing to check)."""
+        check = getattr(self.core, "check", None)
+        if check is not None:
+            check()
+
+    def close(self) -> None:
+        """Stop engine-core processes and worker ranks, if any (also done at interpreter exit)."""
+        close = getattr(self.core, "close", None)
+        if close is not None:
+            close()
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -7,6 +7,10 @@
     _dispatch(): route each StepOutput  <----  one call_soon_threadsafe per step: the step's outputs as they are
            to its request's asyncio.Queue
 
+With the engine core in its own process (parallel.engine_process), step() waits on the core's outputs instead
+of computing them, and every command put on the queue also wakes it (llm.wake()). If that process dies, every
+request gets an error, the thread ends, and on_fatal() tells the server to exit (non-zero).
+
 NOTE: the engine thread does no per-token work beyond handing the step's list over; routing, metrics and JSON all
 happen on the event loop's thread. Commands reach the engine thread through a SimpleQueue, so it blocks on that
 queue when there is nothing to step (no polling) and never waits on the HTTP side.
@@ -20,11 +24,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from minillm.engine.core_client import EngineDeadError
 from minillm.engine.outputs import EngineStats
 
 log = logging.getLogger("minillm.serve")
 
 _STOP = ("stop",)
+_IDLE_CHECK_S = 1.0        # an idle engine thread checks this often that the engine (process) is alive
 _FAILURE_BACKOFF_S = 0.05   # after a failed step, so an engine that fails every step cannot spin a core
 
 
@@ -55,6 +61,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self.fatal: str | None = None             # why the engine is gone for good (an engine process died)
+        self.on_fatal = None                      # called on the event loop's thread once fatal is set
 
     # ---- event loop side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,7 +90,7 @@ class AsyncEngine:
         fut = self._loop.create_future()
         self._streams[rid] = _Stream(q, arrival)
         self._adding += 1
-        self._inbox.put(("add", rid, prompt_ids, params, priority, fut))
+        self._put(("add", rid, prompt_ids, params, priority, fut))
         try:
             await fut
         except asyncio.CancelledError:   # the client left while the request was on its way: drop it there
@@ -95,7 +103,11 @@ class AsyncEngine:
         """Abort a request that has not finished (no-op otherwise). Its blocks are freed by the engine thread at
         once; its final output (finish_reason "abort") is still dispatched, so metrics count it."""
         if rid in self._streams:
-            self._inbox.put(("abort", rid))
+            self._put(("abort", rid))
+
+    def _put(self, cmd) -> None:
+        self._inbox.put(cmd)
+        self.llm.wake()   # a step() waiting on an engine process returns, so the command is taken now
 
     def begin_drain(self, grace_s: float) -> None:
         """Refuse new requests from now on; abort whatever still runs after grace_s, so every stream still ends
@@ -105,12 +117,12 @@ class AsyncEngine:
 
     def abort_all(self) -> None:
         for rid in list(self._streams):
-            self._inbox.put(("abort", rid))
+            self._put(("abort", rid))
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Abort everything still registered, let the engine report it, and end the thread."""
         self.abort_all()
-        self._inbox.put(_STOP)
+        self._put(_STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     def _admitted(self, results: list) -> None:
@@ -145,8 +157,17 @@ class AsyncEngine:
         """A step raised: end every registered request with an error and have the engine drop them."""
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(EngineFailure(message))
-            self._inbox.put(("abort", rid))
+            self._put(("abort", rid))
             del self._streams[rid]
+
+    def _die(self, message: str) -> None:
+        """The engine is gone: fail what is registered or on its way, refuse new requests, tell the server."""
+        self.fatal = message
+        self.draining = True
+        self._admitted(self._unsent_adds(message))   # the engine thread is gone: nobody else answers them
+        self._fail_all(message)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def call_soon(self, callback, *args) -> None:
         """Run callback on the event loop's thread; safe from any thread and from a signal handler."""
@@ -160,6 +181,13 @@ class AsyncEngine:
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._steps()
+        except EngineDeadError as e:
+            log.error("%s; failing every request", e)
+            self._post(self._die, str(e))
+
+    def _steps(self) -> None:
         llm = self.llm
         while True:
             idle = not llm.has_unfinished_requests()
@@ -170,6 +198,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = llm.step()
+            except EngineDeadError:
+                raise
             except Exception as e:  # noqa: BLE001 - every request in flight must still get an answer
                 log.exception("engine step failed")
                 self._post(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
@@ -177,13 +207,28 @@ class AsyncEngine:
                 continue
             self._post(self._dispatch, outputs, llm.stats())
 
+    def _unsent_adds(self, message: str) -> list:
+        """The adds still queued for a dead engine, as failed admissions (their handlers are waiting)."""
+        failed = []
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                failed.append((cmd[1], cmd[5], EngineDeadError(message)))
+        return failed
+
     def _take_commands(self, block: bool) -> None:
         """Admit and abort whatever has arrived; when `block`, first wait for at least one command."""
         admitted = []
         while True:
             try:
-                cmd = self._inbox.get() if block else self._inbox.get_nowait()
+                cmd = self._inbox.get(timeout=_IDLE_CHECK_S) if block else self._inbox.get_nowait()
             except queue.Empty:
+                if block:   # idle: an engine process that died meanwhile raises EngineDeadError here
+                    self.llm.check_engine()
+                    continue
                 break
             block = False
             if cmd[0] == "add":
