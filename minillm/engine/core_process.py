@@ -112,6 +112,7 @@ class CoreLoop:
         self.report_load = core.cfg.parallel.data_parallel_size > 1   # DP=1: no per-step load count
         self.poller = zmq.Poller()
         self.poller.register(inp, zmq.POLLIN)
+        self.reported = core.stats()
 
     def run(self) -> None:
         core = self.core
@@ -122,8 +123,8 @@ class CoreLoop:
                 continue
             if not self._take_inputs():
                 return
-            if core.has_unfinished_requests():
-                self._step()
+            if not (core.has_unfinished_requests() and self._step()):
+                self._report_stats()   # e.g. an abort freed blocks: the front end's gauges must see it
             if os.getppid() != self.parent_pid:   # one cheap syscall a step
                 return
 
@@ -151,7 +152,14 @@ class CoreLoop:
         except ValueError as e:
             _send(self.out, Rejected(self.replica, msg.request_id, str(e)), self.parent_pid)
 
-    def _step(self) -> None:
+    def _report_stats(self) -> None:
+        stats = self.core.stats()
+        if stats != self.reported:
+            self.reported = stats
+            _send(self.out, StepOutputs(self.replica, [], stats, self._load()), self.parent_pid)
+
+    def _step(self) -> bool:
+        """One step; True if it sent outputs (with the stats)."""
         core = self.core
         try:
             outputs = core.step()
@@ -161,9 +169,12 @@ class CoreLoop:
             core.finish_requests(ids, self.status.FINISHED_ABORTED)
             _send(self.out, Failed(self.replica, ids, f"engine step failed: {type(e).__name__}: {e}"),
                   self.parent_pid)
-            return
-        if outputs:
-            _send(self.out, StepOutputs(self.replica, outputs, core.stats(), self._load()), self.parent_pid)
+            return False
+        if not outputs:
+            return False
+        self.reported = core.stats()
+        _send(self.out, StepOutputs(self.replica, outputs, self.reported, self._load()), self.parent_pid)
+        return True
 
     def _load(self) -> int:
         if not self.report_load:

@@ -30,7 +30,7 @@ from minillm.engine.outputs import EngineStats
 log = logging.getLogger("minillm.serve")
 
 _STOP = ("stop",)
-_IDLE_CHECK_S = 1.0        # an idle engine thread checks this often that the engine (process) is alive
+_IDLE_CHECK_S = 0.25       # an idle engine thread checks this often that the engine (process) is alive
 _FAILURE_BACKOFF_S = 0.05   # after a failed step, so an engine that fails every step cannot spin a core
 
 
@@ -153,6 +153,9 @@ class AsyncEngine:
         if tokens and self.metrics is not None:
             self.metrics.generation_tokens.inc(tokens)
 
+    def _set_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
+
     def _fail_all(self, message: str) -> None:
         """A step raised: end every registered request with an error and have the engine drop them."""
         for rid, stream in list(self._streams.items()):
@@ -228,6 +231,7 @@ class AsyncEngine:
             except queue.Empty:
                 if block:   # idle: an engine process that died meanwhile raises EngineDeadError here
                     self.llm.check_engine()
+                    self._post(self._set_stats, self.llm.stats())   # what the engine process reported last
                     continue
                 break
             block = False
