@@ -182,7 +182,6 @@ class CoreLoop:
         return sum(len(r.all_token_ids) for r in self.core.scheduler.requests.values())
 
     def close(self) -> None:
-        close = getattr(self.core, "close", None)
-        if close is not None:
-            close()
+        from minillm.engine.engine import close_core
+        close_core(self.core)
         sys.stdout.flush()

@@ -30,6 +30,15 @@ def make_core(cfg: EngineConfig, serving: bool = False):
     return CoreClient(cfg)
 
 
+def close_core(core) -> None:
+    """Stop what a core started: engine-core processes (a CoreClient), tensor-parallel ranks (its runner)."""
+    for owner in (core, getattr(core, "runner", None)):
+        close = getattr(owner, "close", None)
+        if close is not None:
+            close()
+            return
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, serving: bool = False):
         self.cfg = cfg
@@ -128,9 +137,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop engine-core processes and worker ranks, if any (also done at interpreter exit)."""
-        close = getattr(self.core, "close", None)
-        if close is not None:
-            close()
+        close_core(self.core)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -52,9 +52,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.kernels = resolve_kernels(cfg, self.device)
         self.attn_backend = make_attention_backend(self.kernels)
-        self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
-                                                           self.device, self.attn_backend, seed=cfg.runtime.seed,
-                                                           kernels=self.kernels)
+        self.model, self.arch, self.model_dir = self._load_model()
         self.kv_spec = KVCacheSpec.for_model(self.arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, self.dtype)
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
@@ -67,7 +65,7 @@ class ModelRunner:
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
-        self.num_blocks = choose_num_blocks(self, cfg.cache)
+        self.num_blocks = self._choose_num_blocks()
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
@@ -82,6 +80,16 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._out_host = [torch.zeros(sched.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
+
+    # NOTE: _load_model and _choose_num_blocks are the hooks a tensor-parallel rank overrides
+    # (minillm/parallel/tp_runner.py: its shard of the weights; the smallest pool of all ranks).
+    def _load_model(self):
+        cfg = self.cfg
+        return load_model(cfg.model.model, cfg.model.load_format, self.dtype, self.device, self.attn_backend,
+                          seed=cfg.runtime.seed, kernels=self.kernels)
+
+    def _choose_num_blocks(self) -> int:
+        return choose_num_blocks(self, self.cfg.cache)
 
     def _capture_graphs(self):
         """Decode graphs only where they are safe: a GPU, our CUDA attention (host-sync free), not eager."""
