@@ -221,6 +221,7 @@ class EngineConfig:
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
         "engine_process": ("parallel", "engine_process"),
+        "distributed_timeout_s": ("parallel", "distributed_timeout_s"),
     }
 
     @classmethod

@@ -168,3 +168,20 @@ def test_engine_process_killed_mid_stream_ends_every_stream_and_the_server():
         assert any("every request in flight got an error" in line for line in srv.stderr)
     finally:
         srv.kill()
+
+
+def test_serve_with_two_replicas_answers_all_and_exports_their_gauges():
+    srv = ServerProcess("--dp", "2", "--drain-timeout", "2")
+    try:
+        assert len(_children(srv.proc.pid)) == 2
+        bodies = [{"prompt": p, "max_tokens": 4, "temperature": 0.0} for p in PROMPTS]
+        with httpx.Client(timeout=60) as client:
+            results = [client.post(srv.url + "/v1/completions", json=b) for b in bodies]
+        assert all(r.status_code == 200 for r in results)
+        assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in results)
+        metrics = srv.metrics()
+        assert 'minillm_replica_running{replica="1"}' in metrics
+        assert metrics['minillm_requests_finished_total{finish_reason="length"}'] == len(PROMPTS)
+        assert srv.terminate(30) == 0
+    finally:
+        srv.kill()

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+_STARTUP_TIMEOUT_S = 600.0
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -41,12 +42,16 @@ class TPGroup:
     def __init__(self, rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float):
         self.rank, self.world_size, self.device = rank, world_size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        else:   # ranks on one CPU share its cores instead of each spinning up a thread per core
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # The rendezvous waits for ranks that are still starting (importing torch, under load: tens of seconds);
+        # the groups the engine uses are made once everyone is there, with the collective timeout.
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timeout)
-        self.group = dist.group.WORLD
+                                timeout=timedelta(seconds=max(_STARTUP_TIMEOUT_S, timeout_s)))
+        timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend=backend, timeout=timeout)
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else self.group
 
     # ---- the model's collectives ----

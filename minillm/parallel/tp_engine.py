@@ -76,7 +76,7 @@ def build_tp_core(cfg):
     def close():
         workers.close()
         group.close()
-    return EngineCore(cfg, runner=TPDriver(runner, on_close=close))
+    return EngineCore(cfg, runner=TPDriver(runner, workers, on_close=close))
 
 
 def _local_device(cfg, local_rank: int):
@@ -107,15 +107,23 @@ class Workers:
         threading.Thread(target=self._watch, name="minillm-tp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        ready = multiprocessing.connection.wait([p.sentinel for p in self.procs])
+        multiprocessing.connection.wait([p.sentinel for p in self.procs])
         if self._closing:
             return
-        rank = 1 + [p.sentinel for p in self.procs].index(ready[0])
-        self.dead = f"tensor-parallel rank {rank} exited (exit code {self.procs[rank - 1].exitcode})"
+        self.dead = self.dead_rank()
         log.error("%s: the engine cannot go on", self.dead)
         print(f"minillm: error: {self.dead}", file=sys.stderr, flush=True)
         if multiprocessing.parent_process() is not None:   # an engine-core process: end it, the front end fails
             os._exit(1)                                     # every request and reports it
+
+    def dead_rank(self) -> str | None:
+        """Which rank has exited, if one has (waits a moment: a collective can fail just before the exit is
+        visible)."""
+        ready = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=2.0)
+        if not ready:
+            return None
+        rank = 1 + [p.sentinel for p in self.procs].index(ready[0])
+        return f"tensor-parallel rank {rank} exited (exit code {self.procs[rank - 1].exitcode})"
 
     def close(self) -> None:
         self._closing = True

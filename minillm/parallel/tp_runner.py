@@ -7,6 +7,7 @@ sampled ids, so every rank's request state (and the next step's inputs) stays th
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -85,8 +86,9 @@ class _ReceivedSampler:
 class TPDriver:
     """Rank 0's runner as the EngineCore sees it: each call is sent to the other ranks, then run here."""
 
-    def __init__(self, runner: TPModelRunner, on_close=None):
+    def __init__(self, runner: TPModelRunner, workers=None, on_close=None):
         self.runner, self.group, self._on_close = runner, runner.group, on_close
+        self.workers = workers   # the spawned ranks (None under torchrun)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)   # the facts: model_dir, dtype, num_blocks, max_model_len, ...
@@ -96,19 +98,34 @@ class TPDriver:
         return self.runner.full_arch         # the model's shape (the rank's own is runner.arch)
 
     def execute(self, so, prof=None):
-        self.group.send_control(("execute", so, False))
-        return self.runner.execute(so, prof)
+        with self._failures():
+            self.group.send_control(("execute", so, False))
+            return self.runner.execute(so, prof)
 
     def launch(self, so, prev, prof=None):
-        self.group.send_control(("launch", so, prev is not None))
-        return self.runner.launch(so, prev, prof)
+        with self._failures():
+            self.group.send_control(("launch", so, prev is not None))
+            return self.runner.launch(so, prev, prof)
 
     def resolve(self, inflight, prof=None):
-        return self.runner.resolve(inflight, prof)
+        with self._failures():
+            return self.runner.resolve(inflight, prof)
 
     def update_states(self, so) -> None:
-        self.group.send_control(("update", so, False))
-        self.runner.update_states(so)
+        with self._failures():
+            self.group.send_control(("update", so, False))
+            self.runner.update_states(so)
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """A collective that failed because a rank is gone says which rank."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - re-raised, with the reason when it is known
+            dead = self.workers.dead_rank() if self.workers is not None else None
+            if dead is None:
+                raise
+            raise RuntimeError(f"{dead}; the tensor-parallel engine cannot go on ({type(e).__name__})") from e
 
     def close(self) -> None:
         try:
