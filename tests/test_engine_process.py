@@ -174,7 +174,7 @@ def test_serve_with_two_replicas_answers_all_and_exports_their_gauges():
     srv = ServerProcess("--dp", "2", "--drain-timeout", "2")
     try:
         assert len(_children(srv.proc.pid)) == 2
-        bodies = [{"prompt": p, "max_tokens": 4, "temperature": 0.0} for p in PROMPTS]
+        bodies = [{"prompt": p, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True} for p in PROMPTS]
         with httpx.Client(timeout=60) as client:
             results = [client.post(srv.url + "/v1/completions", json=b) for b in bodies]
         assert all(r.status_code == 200 for r in results)

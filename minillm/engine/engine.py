@@ -20,11 +20,14 @@ from minillm.sampling_params import SamplingParams
 
 def make_core(cfg: EngineConfig, serving: bool = False):
     """The engine core: in this process, or engine-core processes behind a CoreClient
-    (parallel.engine_process, decided in ParallelConfig.engine_in_process)."""
-    if cfg.parallel.engine_in_process(serving):
-        if cfg.parallel.tensor_parallel_size > 1:
-            from minillm.parallel.tp_engine import build_tp_core
+    (parallel.engine_process, decided in ParallelConfig.engine_in_process). Under torchrun a tensor-parallel core
+    is always in this process: torchrun made this process its rank (ranks other than 0 never return)."""
+    if cfg.parallel.tensor_parallel_size > 1:
+        from minillm.parallel.dist import torchrun_env
+        from minillm.parallel.tp_engine import build_tp_core
+        if torchrun_env() is not None or cfg.parallel.engine_in_process(serving):
             return build_tp_core(cfg)
+    elif cfg.parallel.engine_in_process(serving):
         return EngineCore(cfg)
     from minillm.engine.core_client import CoreClient
     return CoreClient(cfg)
