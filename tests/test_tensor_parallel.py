@@ -118,3 +118,14 @@ def test_a_dead_worker_fails_the_engine_with_an_error_naming_it(qwen3_dir):
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
             llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=80, ignore_eos=True), use_tqdm=False)
         assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_tp2_ranks_under_two_engine_processes_equal_tp1(qwen3_dir):
+    prompts = _prompts(2)[:4]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ref = LLM(str(qwen3_dir), device="cpu", max_model_len=MAX_LEN).generate(prompts, params, use_tqdm=False)
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=MAX_LEN, tensor_parallel_size=2,
+             data_parallel_size=2) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]

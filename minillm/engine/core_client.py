@@ -57,7 +57,9 @@ class CoreClient:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         mp = multiprocessing.get_context("spawn")
-        self._procs = [mp.Process(target=run_engine_core, name=f"minillm-core-{i}", daemon=True,
+        # Not daemonic: a core may start tensor-parallel ranks of its own; close() and the cores' parent-death
+        # check end them instead.
+        self._procs = [mp.Process(target=run_engine_core, name=f"minillm-core-{i}",
                                   args=(replica_config(cfg, i), i, f"ipc://{self._dir}/in-{i}",
                                         f"ipc://{self._dir}/out", os.getpid())) for i in range(n)]
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._inputs + [self._out], self._ctx,

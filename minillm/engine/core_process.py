@@ -10,6 +10,7 @@ Shutdown) and exits by itself once its parent is gone, so a killed front end lea
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -49,10 +50,10 @@ def facts_of(core) -> EngineFacts:
 
 def build_core(cfg):
     """The EngineCore this process runs: tensor-parallel rank 0 when the config asks for TP."""
-    if cfg.parallel.tensor_parallel_size > 1:
-        from minillm.parallel.tp_engine import build_tp_core
-        return build_tp_core(cfg)
     from minillm.engine.core import EngineCore
+    if cfg.parallel.tensor_parallel_size > 1:
+        from minillm.parallel.tp_engine import build_tp_runner
+        return EngineCore(cfg, runner=build_tp_runner(cfg))
     return EngineCore(cfg)
 
 
@@ -73,6 +74,8 @@ def run_engine_core(cfg, replica: int, in_addr: str, out_addr: str, parent_pid: 
         except BaseException as e:  # noqa: BLE001 - the front end re-raises it (a ConfigError stays one)
             _send(out, Failed(replica, [], _pickled_error(e)), parent_pid)
             return
+        gc.collect()   # a serving process: no full collection pause in a token's latency (minillm.llm.freeze_heap)
+        gc.freeze()
         _send(out, Ready(replica, pickle.dumps(facts_of(core))), parent_pid)
         loop = CoreLoop(core, inp, out, replica, parent_pid)
         loop.run()

@@ -24,9 +24,9 @@ def make_core(cfg: EngineConfig, serving: bool = False):
     is always in this process: torchrun made this process its rank (ranks other than 0 never return)."""
     if cfg.parallel.tensor_parallel_size > 1:
         from minillm.parallel.dist import torchrun_env
-        from minillm.parallel.tp_engine import build_tp_core
+        from minillm.parallel.tp_engine import build_tp_runner
         if torchrun_env() is not None or cfg.parallel.engine_in_process(serving):
-            return build_tp_core(cfg)
+            return EngineCore(cfg, runner=build_tp_runner(cfg))
     elif cfg.parallel.engine_in_process(serving):
         return EngineCore(cfg)
     from minillm.engine.core_client import CoreClient

@@ -1,4 +1,5 @@
-"""Starting a tensor-parallel engine core: rank 0 here (it schedules), ranks 1.. as spawned worker processes, or
+"""Starting a tensor-parallel engine: rank 0's runner here (the engine core that schedules wraps it), ranks 1.. as
+spawned worker processes, or
 every rank under torchrun (then this process is the rank torchrun says; ranks other than 0 serve rank 0 and
 exit when it stops).
 
@@ -43,9 +44,8 @@ def _rank_config(cfg, device: torch.device):
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=str(device)))
 
 
-def build_tp_core(cfg):
-    """Rank 0's EngineCore over a TPDriver (minillm/parallel/tp_runner.py)."""
-    from minillm.engine.core import EngineCore
+def build_tp_runner(cfg):
+    """Rank 0's runner, a TPDriver (minillm/parallel/tp_runner.py), for the EngineCore to wrap."""
     from minillm.parallel.tp_runner import TPDriver, TPModelRunner, serve_rank
 
     tp = cfg.parallel.tensor_parallel_size
@@ -62,7 +62,7 @@ def build_tp_core(cfg):
             serve_rank(runner)
             group.close()
             sys.exit(0)
-        return EngineCore(cfg, runner=TPDriver(runner, on_close=group.close))
+        return TPDriver(runner, on_close=group.close)
     workers = Workers(cfg)
     try:
         device = rank_device(cfg, 0)
@@ -76,7 +76,7 @@ def build_tp_core(cfg):
     def close():
         workers.close()
         group.close()
-    return EngineCore(cfg, runner=TPDriver(runner, workers, on_close=close))
+    return TPDriver(runner, workers, on_close=close)
 
 
 def _local_device(cfg, local_rank: int):
