@@ -129,3 +129,27 @@ def test_tp2_ranks_under_two_engine_processes_equal_tp1(qwen3_dir):
              data_parallel_size=2) as llm:
         got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+@pytest.mark.slow
+def test_torchrun_rendezvous_gives_the_tp1_tokens(qwen3_dir, tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "p.jsonl"
+    lines = [json.dumps({"id": i, "prompt_token_ids": p}) for i, p in enumerate(_prompts()[:3])]
+    prompts.write_text("\n".join(lines) + "\n")
+    args = ["-m", "minillm", "generate", str(prompts), "--model", str(qwen3_dir), "--device", "cpu",
+            "--set", "sampling.temperature=0", "--set", "sampling.max_tokens=6", "--set", "sampling.ignore_eos=true"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = dict(capture_output=True, text=True, timeout=240)
+    ref = subprocess.run([sys.executable, *args], **run)
+    tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                         str(port), *args, "--tp", "2"], **run)
+    assert ref.returncode == 0 and tp.returncode == 0, tp.stderr[-2000:]
+    tokens = [[json.loads(line)["token_ids"] for line in out.stdout.splitlines()] for out in (ref, tp)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 3

@@ -59,12 +59,13 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Rank 0: the ranks' [N, d] pieces side by side, [N, world * d]; other ranks: None."""
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0: the ranks' [N, d] pieces side by side, [N, world * d]; other ranks: their own piece (what
+        they size scratch memory by; they never sample from it)."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.group)
-        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+        return torch.cat(parts, dim=-1) if self.rank == 0 else x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         dist.broadcast(x, src=0, group=self.group)

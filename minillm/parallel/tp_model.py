@@ -111,7 +111,8 @@ class VocabParallelEmbedding(VocabMatrix):
 
 
 class GatheredLogits:
-    """Mixed into the model class: compute_logits gathers the vocabulary slices to rank 0 (None elsewhere)."""
+    """Mixed into the model class: compute_logits gathers the vocabulary slices to rank 0 (the other ranks keep
+    their slice)."""
 
     def compute_logits(self, hidden: torch.Tensor, *, keep_dtype: bool = False):
         return self.tp_group.gather_last_dim(super().compute_logits(hidden, keep_dtype=keep_dtype))

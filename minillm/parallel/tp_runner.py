@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 
 import torch
 
@@ -73,7 +74,7 @@ class _BroadcastSampler:
 
 
 class _ReceivedSampler:
-    """The other ranks: the ids rank 0 sampled (no logits here: they were gathered to rank 0)."""
+    """The other ranks: the ids rank 0 sampled (their logits are only their vocabulary slice: unused)."""
 
     def __init__(self, group):
         self.group = group
@@ -87,8 +88,10 @@ class TPDriver:
     """Rank 0's runner as the EngineCore sees it: each call is sent to the other ranks, then run here."""
 
     def __init__(self, runner: TPModelRunner, workers=None, on_close=None):
-        self.runner, self.group, self._on_close = runner, runner.group, on_close
+        self.runner, self.group = runner, runner.group
         self.workers = workers   # the spawned ranks (None under torchrun)
+        # Also at collection and at exit: the other ranks are told to stop, not left to find a closed socket.
+        self._finalizer = weakref.finalize(self, _stop_ranks, runner.group, on_close)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)   # the facts: model_dir, dtype, num_blocks, max_model_len, ...
@@ -128,12 +131,16 @@ class TPDriver:
             raise RuntimeError(f"{dead}; the tensor-parallel engine cannot go on ({type(e).__name__})") from e
 
     def close(self) -> None:
-        try:
-            self.group.send_control(("stop", None, False))
-        except Exception:  # noqa: BLE001 - a rank that is gone cannot be told
-            pass
-        if self._on_close is not None:
-            self._on_close()
+        self._finalizer()
+
+
+def _stop_ranks(group, on_close) -> None:
+    try:
+        group.send_control(("stop", None, False))
+    except Exception:  # noqa: BLE001 - a rank that is gone cannot be told
+        pass
+    if on_close is not None:
+        on_close()
 
 
 def serve_rank(runner: TPModelRunner) -> None:
