@@ -48,7 +48,11 @@ def build_tp_runner(cfg):
     """Rank 0's runner, a TPDriver (minillm/parallel/tp_runner.py), for the EngineCore to wrap."""
     from minillm.parallel.tp_runner import TPDriver, TPModelRunner, serve_rank
 
+    from minillm.model.loader import resolve_arch
+    from minillm.parallel.tp_model import check_divisible
+
     tp = cfg.parallel.tensor_parallel_size
+    check_divisible(resolve_arch(cfg.model.model, cfg.model.load_format), tp)   # before any rank starts
     env = torchrun_env()
     if env is not None:
         if env.world_size != tp:
