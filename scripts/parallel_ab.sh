@@ -2,8 +2,8 @@
 # TP=1 / DP=1 must cost nothing: the same offline `minillm bench` on this tree and on the tree before the parallel
 # work (BASE), interleaved A B A B ... in one run on one GPU, into one JSONL per tree.
 #
-#   OUT=/tmp/ab scripts/parallel_ab.sh                 # BASE = cbe3b49 (git worktree), 3 rounds, 256 requests
-#   OUT=/tmp/ab BASE_TREE=/path/to/old/checkout ROUNDS=5 scripts/parallel_ab.sh
+#   OUT=results/ab scripts/parallel_ab.sh                 # BASE = cbe3b49 (git worktree), 3 rounds, 256 requests
+#   OUT=results/ab BASE_TREE=/path/to/old/checkout ROUNDS=5 scripts/parallel_ab.sh
 #
 # Writes $OUT/ab_new.jsonl and $OUT/ab_base.jsonl (one bench row per round) and prints the output tok/s of each
 # round and the median of each tree. The extension of each tree is built once, before anything is timed.

@@ -90,6 +90,9 @@ class CoreClient:
     def _socket(self, kind: int, addr: str):
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a send never blocks (on a core that is dead, or busy with a long step); what waits
+        # is bounded by the front end's own admission control (--max-waiting).
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.bind(addr)
         return sock
 
