@@ -21,7 +21,7 @@ import pytest
 
 from http_server import REPO, ServerProcess
 from minillm import LLM, SamplingParams
-from minillm.engine.core_client import EngineDeadError
+from minillm.engine.core_client import EngineDeadError, RequestsFailed
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -94,12 +94,20 @@ def test_data_parallel_answers_every_request_once_in_order(reference):
     assert _children(os.getpid()) == []
 
 
-def test_killed_replica_fails_the_run_with_a_clean_error():
+def test_killed_replica_fails_its_requests_and_the_other_serves_on(reference):
     with LLM(device="cpu", data_parallel_size=2) as llm:
         victim = llm.engine.core._procs[1].pid
         threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
-        with pytest.raises(EngineDeadError, match="engine core process 1 exited"):
+        with pytest.raises(RequestsFailed, match="engine core process 1 exited") as failed:
             llm.generate(["a"] * 4, SamplingParams(max_tokens=2000, ignore_eos=True), use_tqdm=False)
+        assert len(failed.value.request_ids) == 2   # the two that went to replica 1
+        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)   # replica 0 takes everything now
+        assert [o.token_ids for o in out] == reference
+        assert llm.engine.core._balancer.alive == [True, False]
+        victim0 = llm.engine.core._procs[0].pid
+        os.kill(victim0, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="engine core process 0 exited"):
+            llm.generate(["b"], SamplingParams(max_tokens=2000, ignore_eos=True), use_tqdm=False)
         with pytest.raises(EngineDeadError):
             llm.add_request("b", GREEDY)
     assert _children(os.getpid()) == []
@@ -134,8 +142,8 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _stream(url: str, results: dict, key: int, started: threading.Event) -> None:
-    body = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+def _stream(url: str, results: dict, key: int, started: threading.Event, max_tokens: int = 2000) -> None:
+    body = {"prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     lines = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -170,10 +178,11 @@ def test_engine_process_killed_mid_stream_ends_every_stream_and_the_server():
         srv.kill()
 
 
-def test_serve_with_two_replicas_answers_all_and_exports_their_gauges():
+def test_serve_with_two_replicas_answers_all_and_survives_one_killed():
     srv = ServerProcess("--dp", "2", "--drain-timeout", "2")
     try:
-        assert len(_children(srv.proc.pid)) == 2
+        replicas = _children(srv.proc.pid)
+        assert len(replicas) == 2
         bodies = [{"prompt": p, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True} for p in PROMPTS]
         with httpx.Client(timeout=60) as client:
             results = [client.post(srv.url + "/v1/completions", json=b) for b in bodies]
@@ -182,6 +191,26 @@ def test_serve_with_two_replicas_answers_all_and_exports_their_gauges():
         metrics = srv.metrics()
         assert 'minillm_replica_running{replica="1"}' in metrics
         assert metrics['minillm_requests_finished_total{finish_reason="length"}'] == len(PROMPTS)
+        # Four long streams spread over both replicas; kill one: its streams end with an error, the others finish.
+        results, threads = {}, []
+        for i in range(4):
+            started = threading.Event()
+            t = threading.Thread(target=_stream, args=(srv.url, results, i, started, 400), daemon=True)
+            t.start()
+            threads.append((t, started))
+        assert all(started.wait(30) for _, started in threads)
+        busy = lambda: [srv.metrics()[f'minillm_replica_running{{replica="{i}"}}'] for i in (0, 1)]  # noqa: E731
+        assert _wait(lambda: min(busy()) >= 1, 10), busy()   # least-loaded: both replicas got streams
+        os.kill(replicas[0], signal.SIGKILL)
+        for t, _ in threads:
+            t.join(90)
+        assert sorted(results) == [0, 1, 2, 3] and all(lines[-1] == "data: [DONE]" for lines in results.values())
+        errored = [k for k, lines in results.items() if "engine core process" in lines[-2]]
+        finished = [k for k, lines in results.items() if '"finish_reason":"length"' in lines[-2]]
+        assert errored and finished and len(errored) + len(finished) == 4, results
+        assert httpx.get(srv.url + "/health").status_code == 200
+        r = httpx.post(srv.url + "/v1/completions", json=bodies[0], timeout=60)
+        assert r.status_code == 200
         assert srv.terminate(30) == 0
     finally:
         srv.kill()

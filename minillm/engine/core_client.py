@@ -37,6 +37,15 @@ class EngineDeadError(RuntimeError):
     """An engine-core process is gone: every request it held is lost, and the engine cannot go on."""
 
 
+class RequestsFailed(RuntimeError):
+    """Some requests are lost (their data-parallel replica died) while the engine serves on; request_ids names
+    them (core request ids from CoreClient, user request ids from LLMEngine)."""
+
+    def __init__(self, message: str, request_ids: list[str]):
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class _Remote:
     """The facts a front end reads from `engine.runner` (model dir, arch, dtype, device, kernels)."""
 
@@ -77,6 +86,8 @@ class CoreClient:
         self._stats = [EngineStats(0, 0, 0.0, 0)] * n
         self._balancer = LeastLoaded(n)
         self.dead: str | None = None
+        self._lost: set[int] = set()            # replicas that died while others serve on
+        self._ready = False
         try:
             facts = self._wait_ready(n)
         except BaseException:
@@ -86,6 +97,7 @@ class CoreClient:
         self.max_model_len = min(f.max_model_len for f in facts)
         self.num_blocks = min(f.num_blocks for f in facts)
         self.block_size = facts[0].block_size
+        self._ready = True
 
     def _socket(self, kind: int, addr: str):
         sock = self._ctx.socket(kind)
@@ -135,6 +147,8 @@ class CoreClient:
                 by_replica.setdefault(replica, []).append(rid)
         if self.dead is None:
             for replica, ids in by_replica.items():
+                if replica in self._lost:
+                    continue
                 self._inputs[replica].send(encoder.encode(FinishRequests(ids, status.value)))
         return [rid for ids in by_replica.values() for rid in ids]
 
@@ -183,9 +197,9 @@ class CoreClient:
             events = dict(self._poller.poll(timeout))
             if not events:
                 return msgs
-            for fd, index in self._sentinels.items():
+            for fd, index in list(self._sentinels.items()):
                 if fd in events:
-                    self._died(index)
+                    self._died(fd, index)
             if self._wake_r in events:
                 try:
                     os.read(self._wake_r, 4096)
@@ -221,12 +235,25 @@ class CoreClient:
                     live.pop(rid, None)
                 raise RuntimeError(msg.message)
 
-    def _died(self, index: int) -> None:
+    def _died(self, fd: int, index: int) -> None:
+        """A core exited. With other replicas alive (and the engine started), its requests fail
+        (RequestsFailed) and the others serve on; otherwise the engine is dead (EngineDeadError)."""
         self._procs[index].join(1.0)   # its sentinel fired: it has exited, reap it for the exit code
-        code = self._procs[index].exitcode
-        self.dead = f"engine core process {index} exited (exit code {code})"
-        self._live.clear()
-        raise EngineDeadError(self.dead)
+        message = f"engine core process {index} exited (exit code {self._procs[index].exitcode})"
+        self._poller.unregister(fd)
+        del self._sentinels[fd]
+        self._lost.add(index)
+        if not self._ready or len(self._lost) == len(self._procs):
+            self.dead = message
+            self._live.clear()
+            raise EngineDeadError(message)
+        log.error("%s; its requests fail, the other replicas serve on", message)
+        self._balancer.remove(index)
+        self._stats[index] = EngineStats(0, 0, 0.0, self._stats[index].num_preemptions)
+        lost = [rid for rid, replica in self._live.items() if replica == index]
+        for rid in lost:
+            del self._live[rid]
+        raise RequestsFailed(message, lost)
 
     def _check_alive(self) -> None:
         if self.dead is not None:

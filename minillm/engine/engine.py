@@ -11,6 +11,7 @@ import itertools
 
 from minillm.config import EngineConfig
 from minillm.engine.core import EngineCore
+from minillm.engine.core_client import RequestsFailed
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.outputs import EngineStats, StepOutput
 from minillm.engine.prompts import PromptPreparer
@@ -98,7 +99,21 @@ class LLMEngine:
         """One engine step; returns what became visible (see EngineCore.step for the one-step lag of async
         scheduling)."""
         outs, self._pending = self._pending, []
-        return outs + self._process(self.core.step())
+        try:
+            core_outputs = self.core.step()
+        except RequestsFailed as e:   # a data-parallel replica died: its requests end here, the rest go on
+            self._pending = outs
+            raise RequestsFailed(str(e), self._drop(e.request_ids)) from None
+        return outs + self._process(core_outputs)
+
+    def _drop(self, core_ids: list[str]) -> list[str]:
+        """Forget the user requests owning these core requests (their other completions are aborted); returns
+        their ids."""
+        users = list(dict.fromkeys(u for u in map(self.outputs.owner, core_ids) if u is not None))
+        for user in users:
+            live, _ = self.outputs.abort(user)
+            self.core.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        return users
 
     def _process(self, core_outputs) -> list[StepOutput]:
         done = self.outputs.process(core_outputs)

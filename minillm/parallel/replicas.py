@@ -7,6 +7,7 @@ from minillm.config import ConfigError, EngineConfig
 
 _PREFIX_TOKENS = 64          # the prompt head that keys the prefix-cache-aware tie-break
 _PREFIX_MEMORY = 4096        # prompt heads remembered for it
+_NEVER = 1 << 62             # the load of a replica that died
 
 
 def replica_config(cfg: EngineConfig, replica: int) -> EngineConfig:
@@ -36,10 +37,15 @@ class LeastLoaded:
     def __init__(self, num_replicas: int):
         self.reported = [0] * num_replicas
         self.sent = [0] * num_replicas
+        self.alive = [True] * num_replicas
         self._heads: dict[tuple, int] = {}
 
+    def remove(self, replica: int) -> None:
+        """A replica that died gets nothing more."""
+        self.alive[replica] = False
+
     def choose(self, prompt_ids: list[int]) -> int:
-        loads = [r + s for r, s in zip(self.reported, self.sent)]
+        loads = [r + s if ok else _NEVER for r, s, ok in zip(self.reported, self.sent, self.alive)]
         low = min(loads)
         head = tuple(prompt_ids[:_PREFIX_TOKENS])
         best = self._heads.get(head)

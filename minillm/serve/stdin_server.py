@@ -20,7 +20,7 @@ import queue
 import threading
 from typing import Any, BinaryIO
 
-from minillm.engine.core_client import EngineDeadError
+from minillm.engine.core_client import EngineDeadError, RequestsFailed
 from minillm.serve.generate_jsonl import logprobs_json, usage
 from minillm.serve.requests import AbortCommand, LineError, is_blank, iter_lines, parse_line, write_line
 from minillm.serve.shutdown import StopSignals
@@ -177,6 +177,13 @@ class StdinServer:
         except EngineDeadError as e:
             self.fatal = str(e)
             self._fail_inflight(self.fatal)
+            return
+        except RequestsFailed as e:   # one data-parallel replica died: its requests end, the others go on
+            for eid in e.request_ids:
+                if eid in self.inflight:
+                    rid = self.inflight.pop(eid)[0]
+                    del self.by_user[rid]
+                    self._error(LineError(rid, "engine_error", str(e)))
             return
         except Exception as e:  # noqa: BLE001 - a failed step must still end every request it was serving
             self._fail_inflight(f"{type(e).__name__}: {e}")

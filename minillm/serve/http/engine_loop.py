@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from minillm.engine.core_client import EngineDeadError
+from minillm.engine.core_client import EngineDeadError, RequestsFailed
 from minillm.engine.outputs import EngineStats
 
 log = logging.getLogger("minillm.serve")
@@ -163,6 +163,13 @@ class AsyncEngine:
             self._put(("abort", rid))
             del self._streams[rid]
 
+    def _fail_some(self, rids: list[str], message: str) -> None:
+        """End these requests with an error (the engine has dropped them already)."""
+        for rid in rids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(EngineFailure(message))
+
     def _die(self, message: str) -> None:
         """The engine is gone: fail what is registered or on its way, refuse new requests, tell the server."""
         self.fatal = message
@@ -203,6 +210,10 @@ class AsyncEngine:
                 outputs = llm.step()
             except EngineDeadError:
                 raise
+            except RequestsFailed as e:   # one data-parallel replica died: its requests end, the others go on
+                log.error("%s", e)
+                self._post(self._fail_some, e.request_ids, str(e))
+                continue
             except Exception as e:  # noqa: BLE001 - every request in flight must still get an answer
                 log.exception("engine step failed")
                 self._post(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
