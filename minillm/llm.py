@@ -96,9 +96,15 @@ class LLM:
     def step(self) -> list[StepOutput]:
         return self.engine.step()
 
-    def check_engine(self) -> None:
-        """Raise EngineDeadError (minillm.engine.core_client) if an engine-core process has died."""
-        self.engine.check()
+    @property
+    def engine_in_process(self) -> bool:
+        """False when the engine core runs in processes of its own (parallel.engine_process)."""
+        return self.engine.in_process
+
+    def check_engine(self, timeout_s: float = 0.0) -> None:
+        """Raise EngineDeadError (minillm.engine.core_client) if an engine-core process has died; with engine
+        processes, first wait up to timeout_s for their news (stats) or a wake(). In-process: returns at once."""
+        self.engine.check(timeout_s)
 
     def wake(self) -> None:
         """Make a step() that waits on engine-core processes return now, e.g. because a request arrived

@@ -188,11 +188,11 @@ class CoreClient:
         return list(self._stats)
 
     # ---- messages -----------------------------------------------------------------------------------------
-    def _receive(self, block: bool) -> list:
-        """Decoded messages that have arrived; with `block`, wait for at least one (or a wake-up). A replica
-        that died raises EngineDeadError."""
+    def _receive(self, block: bool, wait_ms: int | None = None) -> list:
+        """Decoded messages that have arrived; with `block`, wait for at least one (or a wake-up; at most
+        wait_ms if given). A replica that died raises EngineDeadError or RequestsFailed (see _died)."""
         msgs = []
-        timeout = None if block else 0
+        timeout = (wait_ms if block else 0)
         while True:
             events = dict(self._poller.poll(timeout))
             if not events:
@@ -211,9 +211,8 @@ class CoreClient:
                 except zmq.Again:
                     break
                 msgs.append(from_core.decode(data.buffer))
-            if msgs or self._wake_r in events:
+            if msgs or self._wake_r in events or not block:
                 return msgs
-            timeout = None
 
     def _take(self, msgs: list) -> None:
         live, buffer = self._live, self._buffer
@@ -259,10 +258,15 @@ class CoreClient:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
-    def check(self) -> None:
-        """Raise EngineDeadError if a core process has died (reading what arrived meanwhile)."""
+    def check(self, timeout_s: float = 0.0) -> None:
+        """Read what has arrived (waiting up to timeout_s for something, or a wake-up); raise EngineDeadError if
+        the engine is dead. For an idle front end: nothing is live, so a replica lost meanwhile fails nobody."""
         self._check_alive()
-        self._take(self._receive(block=False))
+        try:
+            self._take(self._receive(block=timeout_s > 0, wait_ms=int(timeout_s * 1000)))
+        except RequestsFailed as e:
+            if e.request_ids:
+                raise
 
     def close(self) -> None:
         self._finalizer()

@@ -11,7 +11,7 @@ import itertools
 
 from minillm.config import EngineConfig
 from minillm.engine.core import EngineCore
-from minillm.engine.core_client import RequestsFailed
+from minillm.engine.core_client import CoreClient, RequestsFailed
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.outputs import EngineStats, StepOutput
 from minillm.engine.prompts import PromptPreparer
@@ -30,7 +30,6 @@ def make_core(cfg: EngineConfig, serving: bool = False):
             return EngineCore(cfg, runner=build_tp_runner(cfg))
     elif cfg.parallel.engine_in_process(serving):
         return EngineCore(cfg)
-    from minillm.engine.core_client import CoreClient
     return CoreClient(cfg)
 
 
@@ -147,11 +146,15 @@ class LLMEngine:
         if wake is not None:
             wake()
 
-    def check(self) -> None:
-        """Raise EngineDeadError if an engine-core process has died (in-process: nothing to check)."""
-        check = getattr(self.core, "check", None)
-        if check is not None:
-            check()
+    @property
+    def in_process(self) -> bool:
+        return not isinstance(self.core, CoreClient)
+
+    def check(self, timeout_s: float = 0.0) -> None:
+        """Engine-core processes: read their news, waiting up to timeout_s (or until wake()); raise
+        EngineDeadError if they are gone. In-process: nothing to check, and no wait."""
+        if not self.in_process:
+            self.core.check(timeout_s)
 
     def close(self) -> None:
         """Stop engine-core processes and worker ranks, if any (also done at interpreter exit)."""

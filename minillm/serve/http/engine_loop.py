@@ -63,6 +63,7 @@ class AsyncEngine:
         self._stopping = False
         self.fatal: str | None = None             # why the engine is gone for good (an engine process died)
         self.on_fatal = None                      # called on the event loop's thread once fatal is set
+        self._in_process = llm.engine_in_process
 
     # ---- event loop side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,11 +239,14 @@ class AsyncEngine:
         admitted = []
         while True:
             try:
-                cmd = self._inbox.get(timeout=_IDLE_CHECK_S) if block else self._inbox.get_nowait()
+                # Idle with engine processes: wait on them (their stats, a wake-up from _put, their death)
+                # rather than on the queue, so gauges follow an abort at once.
+                remote = block and not self._in_process
+                cmd = self._inbox.get(timeout=_IDLE_CHECK_S) if block and not remote else self._inbox.get_nowait()
             except queue.Empty:
-                if block:   # idle: an engine process that died meanwhile raises EngineDeadError here
-                    self.llm.check_engine()
-                    self._post(self._set_stats, self.llm.stats())   # what the engine process reported last
+                if block:   # an engine process that died meanwhile raises EngineDeadError here
+                    self.llm.check_engine(_IDLE_CHECK_S if remote else 0.0)
+                    self._post(self._set_stats, self.llm.stats())
                     continue
                 break
             block = False
