@@ -197,9 +197,6 @@ class CoreClient:
             events = dict(self._poller.poll(timeout))
             if not events:
                 return msgs
-            for fd, index in list(self._sentinels.items()):
-                if fd in events:
-                    self._died(fd, index)
             if self._wake_r in events:
                 try:
                     os.read(self._wake_r, 4096)
@@ -211,6 +208,12 @@ class CoreClient:
                 except zmq.Again:
                     break
                 msgs.append(from_core.decode(data.buffer))
+            if msgs and not self._ready:   # why a core failed to start comes before its exit
+                return msgs                 # (its sentinel stays readable for the next call)
+            fired = [(fd, index) for fd, index in self._sentinels.items() if fd in events]
+            if fired:
+                self._take(msgs)   # what the other replicas said is kept (buffered for the next step)
+                self._died(*fired[0])
             if msgs or self._wake_r in events or not block:
                 return msgs
 
