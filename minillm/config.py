@@ -213,6 +213,42 @@ class StructuredConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Processes and devices: the engine core in a process of its own, data-parallel replicas of it, tensor
+    parallelism inside each (docs/parallel.md)."""
+    data_parallel_size: int = 1       # engine-core replicas behind one front end (replica i on cuda:i)
+    tensor_parallel_size: int = 1     # ranks of one engine core (Megatron split over torch.distributed)
+    # auto: a process of its own for the serving commands (serve, serve-stdin) and whenever
+    # data_parallel_size > 1; in-process for LLM(...) and generate. true / false force it.
+    engine_process: str | bool = "auto"
+    # Seconds a collective may wait for a peer before the engine fails (a dead tensor-parallel worker).
+    distributed_timeout_s: float = 60.0
+
+    def validate(self) -> None:
+        check_types("parallel", self)
+        _check(_is_int(self.data_parallel_size, 1, 64), "parallel.data_parallel_size", self.data_parallel_size,
+               "an integer in [1, 64]")
+        _check(_is_int(self.tensor_parallel_size, 1, 64), "parallel.tensor_parallel_size",
+               self.tensor_parallel_size, "an integer in [1, 64]")
+        _check(self.engine_process in ("auto", True, False), "parallel.engine_process", self.engine_process,
+               "auto, true or false")
+        _check(isinstance(self.distributed_timeout_s, (int, float)) and not isinstance(
+            self.distributed_timeout_s, bool) and 1 <= self.distributed_timeout_s <= 3600,
+            "parallel.distributed_timeout_s", self.distributed_timeout_s, "a number of seconds in [1, 3600]")
+        if self.data_parallel_size > 1 and self.engine_process is False:
+            raise ConfigError("parallel.engine_process=false is not allowed with parallel.data_parallel_size > 1: "
+                              "each replica is an engine-core process")
+
+    def engine_in_process(self, serving: bool) -> bool:
+        """The one place that decides whether the engine core runs in the caller's process."""
+        if self.data_parallel_size > 1:
+            return False
+        if self.engine_process == "auto":
+            return not serving
+        return not self.engine_process
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -220,6 +256,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "EngineConfig":
         for f in dataclasses.fields(self):
@@ -258,6 +295,10 @@ class EngineConfig:
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
                                                          "max_spec_bytes", "max_grammar_bytes", "cache_size")},
+        "data_parallel_size": ("parallel", "data_parallel_size"),
+        "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+        "engine_process": ("parallel", "engine_process"),
+        "distributed_timeout_s": ("parallel", "distributed_timeout_s"),
     }
 
     @classmethod

@@ -31,14 +31,26 @@ class LLM:
         self._init(EngineConfig.from_kwargs(model, **engine_kwargs))
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> "LLM":
+    def from_config(cls, cfg: EngineConfig, serving: bool = False) -> "LLM":
+        """serving: for a serving front end (parallel.engine_process auto then puts the core in a process)."""
         llm = cls.__new__(cls)
-        llm._init(cfg.validate())
+        llm._init(cfg.validate(), serving)
         return llm
 
-    def _init(self, cfg: EngineConfig) -> None:
+    def _init(self, cfg: EngineConfig, serving: bool = False) -> None:
         self.config = cfg
-        self.engine = LLMEngine(cfg)
+        self.engine = LLMEngine(cfg, serving)
+
+    def close(self) -> None:
+        """Stop the engine-core processes and tensor-parallel workers, if any; in-process engines need nothing.
+        Also done when the LLM is collected and at interpreter exit."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- facts about the loaded engine ----
     @property
@@ -88,6 +100,21 @@ class LLM:
 
     def step(self) -> list[StepOutput]:
         return self.engine.step()
+
+    @property
+    def engine_in_process(self) -> bool:
+        """False when the engine core runs in processes of its own (parallel.engine_process)."""
+        return self.engine.in_process
+
+    def check_engine(self, timeout_s: float = 0.0) -> None:
+        """Raise EngineDeadError (minillm.engine.core_client) if an engine-core process has died; with engine
+        processes, first wait up to timeout_s for their news (stats) or a wake(). In-process: returns at once."""
+        self.engine.check(timeout_s)
+
+    def wake(self) -> None:
+        """Make a step() that waits on engine-core processes return now, e.g. because a request arrived
+        (safe from any thread; a no-op for an in-process engine)."""
+        self.engine.wake()
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -6,13 +6,16 @@
 
 1. Installs the server's wheels from .whl/ (scripts/fetch_server_wheels.sh) if fastapi, uvicorn, prometheus_client,
    httpx (or uvloop, httptools) is missing, and builds the CUDA extension once, before anything is timed.
-2. Writes the suite entry's resolved engine config to a YAML file, starts `minillm serve --config` on it in the
-   background and waits for /health.
+2. Writes the suite entry's resolved engine config to a YAML file (with parallel.engine_process as
+   --engine-process says: true = the engine core in its own process behind ZMQ, false = the engine thread in
+   the server's process), starts `minillm serve --config` on it in the background and waits for /health.
 3. `minillm latency-sweep --target` replays the online workload against it (a separate client process).
 4. Stops the server with SIGTERM (it must exit 0), then runs the in-process `minillm latency-sweep` with the same
    config and rates.
 Both append to one JSONL file (default results/latency_http.jsonl), told apart by `transport` (http / in-process);
 a side-by-side table closes the run. Logs and the server config go next to it. Exit status 1 if any step failed.
+
+    python3 scripts/http_latency.py --engine-process both   # also the engine-thread server, into *_thread.jsonl
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int)
     p.add_argument("--time-scale", type=float)
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--engine-process", choices=("true", "false", "both"), default="true",
+                   help="the server's parallel.engine_process; both = a second HTTP run with the engine thread")
     return p.parse_args()
 
 
@@ -64,7 +69,7 @@ def _ensure_server_wheels() -> None:
         print(f"could not install {', '.join(speedups)}: serving on asyncio + h11", flush=True)
 
 
-def _server_config(args, out_dir: Path) -> Path:
+def _server_config(args, out_dir: Path, engine_process: bool) -> Path:
     """The suite entry resolved exactly as latency-sweep resolves it, as an engine config file for `serve`."""
     import yaml
 
@@ -74,14 +79,15 @@ def _server_config(args, out_dir: Path) -> Path:
     workload = online_workload(suite, args.workload, args.num_requests)
     (entry,) = pick_configs(suite.get("configs"), args.config_name)
     _, cfg, _ = fit_workload(workload, suite, args.engine_config, [], {"device": args.device}, entry)
-    path = out_dir / f"serve_{args.config_name}.yaml"
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, engine_process=engine_process))
+    path = out_dir / f"serve_{args.config_name}_{'process' if engine_process else 'thread'}.yaml"
     path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     return path
 
 
-def _sweep_args(args, out_dir: Path, tag: str) -> list[str]:
+def _sweep_args(args, out_dir: Path, tag: str, output: Path) -> list[str]:
     cmd = ["latency-sweep", "--suite", str(args.suite), "--configs", args.config_name, "--rates", args.rates,
-           "--output", str(args.output), "--plot", str(out_dir / f"latency_{tag}.png"), "--no-progress"]
+           "--output", str(output), "--plot", str(out_dir / f"latency_{tag}.png"), "--no-progress"]
     for flag, value in (("--config", args.engine_config), ("--device", args.device), ("--workload", args.workload),
                         ("--num-requests", args.num_requests), ("--time-scale", args.time_scale)):
         if value is not None:
@@ -140,19 +146,29 @@ def main() -> int:
         print("cuda ops: built", flush=True)
     except ExtensionError as e:
         print(f"cuda ops: unavailable ({e})", flush=True)
-    since = len(args.output.read_text().splitlines()) if args.output.is_file() else 0
-    config = _server_config(args, out_dir)
-    proc, url = _start_server(config, out_dir / "serve.log", args.startup_timeout)
-    print(f"server ready at {url}; HTTP sweep ...", flush=True)
-    http_rc = _minillm(_sweep_args(args, out_dir, "http") + ["--target", url], out_dir / "sweep_http.log")
-    proc.send_signal(signal.SIGTERM)
-    server_rc = proc.wait(120)
-    print(f"HTTP sweep exit {http_rc}; server exit {server_rc} after SIGTERM; in-process sweep ...", flush=True)
-    local_rc = _minillm(_sweep_args(args, out_dir, "inprocess"), out_dir / "sweep_inprocess.log")
+    runs = {"true": [True], "false": [False], "both": [True, False]}[args.engine_process]
+    outputs = [args.output if mode == runs[0] else args.output.with_name(args.output.stem + "_thread.jsonl")
+               for mode in runs]
+    since = {out: len(out.read_text().splitlines()) if out.is_file() else 0 for out in outputs}
+    codes = []
+    for mode, output in zip(runs, outputs):
+        tag = "process" if mode else "thread"
+        config = _server_config(args, out_dir, mode)
+        proc, url = _start_server(config, out_dir / f"serve_{tag}.log", args.startup_timeout)
+        print(f"server (engine {tag}) ready at {url}; HTTP sweep ...", flush=True)
+        http_rc = _minillm(_sweep_args(args, out_dir, f"http_{tag}", output) + ["--target", url],
+                           out_dir / f"sweep_http_{tag}.log")
+        proc.send_signal(signal.SIGTERM)
+        server_rc = proc.wait(120)
+        print(f"HTTP sweep exit {http_rc}; server exit {server_rc} after SIGTERM", flush=True)
+        codes += [http_rc, server_rc]
+    print("in-process sweep ...", flush=True)
+    local_rc = _minillm(_sweep_args(args, out_dir, "inprocess", outputs[0]), out_dir / "sweep_inprocess.log")
     print(f"in-process sweep exit {local_rc}")
-    _side_by_side(args.output, args.config_name, since)
-    return 0 if http_rc == server_rc == local_rc == 0 else 1
-
+    codes.append(local_rc)
+    for output in outputs:
+        _side_by_side(output, args.config_name, since[output])
+    return 0 if all(c == 0 for c in codes) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

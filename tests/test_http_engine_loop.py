@@ -53,6 +53,14 @@ class FakeLLM:
     def stats(self):
         return EngineStats(len(self.live), 0, 0.5 if self.live else 0.0, 0)
 
+    engine_in_process = True
+
+    def wake(self):
+        pass
+
+    def check_engine(self, timeout_s=0.0):
+        pass
+
 
 async def _drain(q: asyncio.Queue, timeout: float = 5.0) -> list:
     items = []

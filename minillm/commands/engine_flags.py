@@ -31,6 +31,8 @@ class EngineFlags:
     kernels: Optional[str] = None
     kv_cache_dtype: Optional[str] = None
     eager: bool = False
+    dp: Optional[int] = None
+    tp: Optional[int] = None
     set: Optional[list[str]] = None
 
     def overrides(self) -> dict:
@@ -39,7 +41,8 @@ class EngineFlags:
                 "max_num_batched_tokens": self.budget, "max_model_len": self.max_model_len,
                 "enable_chunked_prefill": self.chunked, "scheduling_policy": self.policy,
                 "attention": self.attention, "attention_mode": self.attention_mode, "kernels": self.kernels,
-                "kv_cache_dtype": self.kv_cache_dtype, "enforce_eager": True if self.eager else None}
+                "kv_cache_dtype": self.kv_cache_dtype, "enforce_eager": True if self.eager else None,
+                "data_parallel_size": self.dp, "tensor_parallel_size": self.tp}
 
     def load(self):
         """-> (EngineConfig, sampling defaults); a config error ends the command with exit 2."""
@@ -81,6 +84,10 @@ _ENGINE_PARAMS = [
         metavar="DTYPE", help="auto | bfloat16 | float16 | float32 | fp8 (e4m3fn) | fp8_e5m2 (cache.kv_cache_dtype).")]),
     _P("eager", _P.KEYWORD_ONLY, default=False, annotation=Annotated[bool, typer.Option(
         "--eager", help="No CUDA graphs (runtime.enforce_eager).")]),
+    _P("dp", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[int], typer.Option(
+        "--dp", metavar="N", help="Data-parallel engine replicas, one process each (parallel.data_parallel_size).")]),
+    _P("tp", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[int], typer.Option(
+        "--tp", metavar="N", help="Tensor-parallel ranks per engine (parallel.tensor_parallel_size).")]),
     _P("set", _P.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[list[str]], typer.Option(
         "--set", metavar="SECTION.KEY=VALUE", help="Override any config key; the value is YAML (repeatable).")]),
 ]
@@ -104,15 +111,16 @@ def engine_options(fn):
     return wrapper
 
 
-def build_llm(cfg):
+def build_llm(cfg, serving: bool = False):
     """Load the engine; a missing or unusable model (files, architecture) ends the command with exit 2.
+    serving: a serving command (serve, serve-stdin): parallel.engine_process auto runs the core in a process.
 
     The commands are serving processes, so the heap built so far leaves the cycle collector's reach
     (minillm.llm.freeze_heap: no full-collection pause lands in a token's latency)."""
     from minillm.config import ConfigError
     from minillm.llm import LLM, freeze_heap
     try:
-        llm = LLM.from_config(cfg)
+        llm = LLM.from_config(cfg, serving)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))
     freeze_heap()

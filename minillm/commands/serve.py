@@ -59,7 +59,7 @@ def serve_command(
     except ValueError as e:
         fail(str(e))
     sock = _bind(host, port)
-    llm = build_llm(cfg)
+    llm = build_llm(cfg, serving=True)
     app = create_app(llm, sampling, settings)
     freeze_heap()   # a serving process: no full collection pauses (the modules above included)
     bound = sock.getsockname()[1]
@@ -70,7 +70,11 @@ def serve_command(
     config = uvicorn_config(app, settings, log_level, graceful_shutdown_s=drain_timeout + _CUT_OFF_AFTER_S)
     engine = app.state.server.engine
     server = _Server(config, on_signal=lambda: engine.call_soon(engine.begin_drain, drain_timeout), ready=ready)
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)   # the engine process died: stop serving
     server.run(sockets=[sock])
+    llm.close()
+    if engine.fatal is not None:
+        fail(f"{engine.fatal}; every request in flight got an error", code=1)
     raise typer.Exit(130 if server.force_exit else 0)
 
 

@@ -23,10 +23,13 @@ def serve_stdin(*, engine: EngineFlags) -> None:
     from minillm.serve.stdin_server import StdinServer
 
     cfg, sampling = engine.load()
-    llm = build_llm(cfg)
+    llm = build_llm(cfg, serving=True)
     typer.echo(f"minillm serve-stdin: ready (max_model_len {llm.max_model_len})", err=True)
     server = StdinServer(llm, sampling, sys.stdout.buffer)
     code = server.serve(_raw_stdin())
+    llm.close()
+    if server.fatal is not None:
+        fail(f"{server.fatal}; every request in flight got an error", code=1)
     if isinstance(server.write_error, BrokenPipeError):
         quiet_broken_pipe()   # the reader went away: nobody is left to tell
     elif server.write_error is not None:

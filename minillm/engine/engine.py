@@ -11,6 +11,7 @@ import itertools
 
 from minillm.config import EngineConfig
 from minillm.engine.core import EngineCore
+from minillm.engine.core_client import CoreClient, RequestsFailed
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.outputs import EngineStats, StepOutput
 from minillm.engine.prompts import PromptPreparer
@@ -18,11 +19,35 @@ from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
 
 
+def make_core(cfg: EngineConfig, serving: bool = False):
+    """The engine core: in this process, or engine-core processes behind a CoreClient
+    (parallel.engine_process, decided in ParallelConfig.engine_in_process). Under torchrun a tensor-parallel core
+    is always in this process: torchrun made this process its rank (ranks other than 0 never return)."""
+    if cfg.parallel.tensor_parallel_size > 1:
+        from minillm.parallel.dist import torchrun_env
+        from minillm.parallel.tp_engine import build_tp_runner
+        if torchrun_env() is not None or cfg.parallel.engine_in_process(serving):
+            return EngineCore(cfg, runner=build_tp_runner(cfg))
+    elif cfg.parallel.engine_in_process(serving):
+        return EngineCore(cfg)
+    return CoreClient(cfg)
+
+
+def close_core(core) -> None:
+    """Stop what a core started: engine-core processes (a CoreClient), tensor-parallel ranks (its runner)."""
+    for owner in (core, getattr(core, "runner", None)):
+        close = getattr(owner, "close", None)
+        if close is not None:
+            close()
+            return
+
+
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, serving: bool = False):
         self.cfg = cfg
-        self.core = EngineCore(cfg)
-        self.runner, self.scheduler = self.core.runner, self.core.scheduler
+        self.core = make_core(cfg, serving)
+        self.runner = self.core.runner
+        self.scheduler = getattr(self.core, "scheduler", None)   # None: the core runs in another process
         self.max_model_len = self.core.max_model_len
         self.prompts = PromptPreparer(self.runner.model_dir, self.runner.arch, self.max_model_len,
                                       cfg.scheduler.max_num_seqs)
@@ -84,7 +109,21 @@ class LLMEngine:
         """One engine step; returns what became visible (see EngineCore.step for the one-step lag of async
         scheduling)."""
         outs, self._pending = self._pending, []
-        return outs + self._process(self.core.step())
+        try:
+            core_outputs = self.core.step()
+        except RequestsFailed as e:   # a data-parallel replica died: its requests end here, the rest go on
+            self._pending = outs
+            raise RequestsFailed(str(e), self._drop(e.request_ids)) from None
+        return outs + self._process(core_outputs)
+
+    def _drop(self, core_ids: list[str]) -> list[str]:
+        """Forget the user requests owning these core requests (their other completions are aborted); returns
+        their ids."""
+        users = list(dict.fromkeys(u for u in map(self.outputs.owner, core_ids) if u is not None))
+        for user in users:
+            live, _ = self.outputs.abort(user)
+            self.core.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        return users
 
     def _process(self, core_outputs) -> list[StepOutput]:
         done = self.outputs.process(core_outputs)
@@ -110,7 +149,27 @@ class LLMEngine:
     # ---- facts -----------------------------------------------------------------------------------------
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+        return self.core.stats().num_preemptions
+
+    def wake(self) -> None:
+        """Interrupt a step() waiting on engine-core processes (no-op in-process: its step never waits)."""
+        wake = getattr(self.core, "wake", None)
+        if wake is not None:
+            wake()
+
+    @property
+    def in_process(self) -> bool:
+        return not isinstance(self.core, CoreClient)
+
+    def check(self, timeout_s: float = 0.0) -> None:
+        """Engine-core processes: read their news, waiting up to timeout_s (or until wake()); raise
+        EngineDeadError if they are gone. In-process: nothing to check, and no wait."""
+        if not self.in_process:
+            self.core.check(timeout_s)
+
+    def close(self) -> None:
+        """Stop engine-core processes and worker ranks, if any (also done at interpreter exit)."""
+        close_core(self.core)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

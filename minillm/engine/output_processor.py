@@ -69,6 +69,11 @@ class OutputProcessor:
             self._child[child_id] = (group, i)
         self._groups[request_id] = group
 
+    def owner(self, core_request_id: str) -> str | None:
+        """The user request a live core request belongs to."""
+        entry = self._child.get(core_request_id)
+        return None if entry is None else entry[0].request_id
+
     def process(self, core_outputs: list[CoreOutput]) -> Processed:
         done = Processed()
         now = time.perf_counter()

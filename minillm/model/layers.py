@@ -9,6 +9,7 @@ that calls a kernel as a ModelKernels (minillm/ops/choice.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minillm.attention.metadata import AttentionMetadata
@@ -39,12 +40,15 @@ class Linear(nn.Module):
 
 
 class VocabMatrix(nn.Module):
-    """A [vocab, hidden] weight: the token embedding, or an untied LM head (used through F.embedding /
-    F.linear by the model, so it needs no forward)."""
+    """A [vocab, hidden] weight: the token embedding (embed) or an untied LM head (used through F.linear by the
+    model). A tensor-parallel rank holds a slice of the vocabulary (minillm/parallel/tp_model.py)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype, device):
         super().__init__()
         self.weight = empty_param(vocab_size, hidden_size, dtype=dtype, device=device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
 
 
 class RMSNorm(nn.Module):

@@ -174,8 +174,10 @@ def _checkpoint_targets(net: QwenForCausalLM, names=frozenset()
     return targets
 
 
-def load_safetensors(net: QwenForCausalLM, files: dict[str, Path]) -> None:
-    """Copy every checkpoint tensor into its (slice of a) parameter, converting dtype on the way."""
+def load_safetensors(net: QwenForCausalLM, files: dict[str, Path], shard=None) -> None:
+    """Copy every checkpoint tensor into its (slice of a) parameter, converting dtype on the way.
+    shard(name, view) -> tensor: a tensor-parallel rank's part of a checkpoint tensor, read through safetensors'
+    get_slice view so that only that part is read (minillm/parallel/tp_model.py)."""
     names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES) and _kv_scale_key(n) is None}
     targets = _checkpoint_targets(net, names)
     if net.arch.tie_word_embeddings:
@@ -190,7 +192,8 @@ def load_safetensors(net: QwenForCausalLM, files: dict[str, Path]) -> None:
     for file, file_names in by_file.items():
         with _open_weights(file) as f:
             for name in file_names:
-                _copy_into(targets[name], name, f.get_tensor(name))
+                tensor = f.get_tensor(name) if shard is None else shard(name, f.get_slice(name))
+                _copy_into(targets[name], name, tensor)
 
 
 def _copy_into(target: tuple[torch.Tensor, tuple[int, int] | None], name: str, tensor: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ class QwenModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, input_ids, positions, cos_sin_cache, kv_caches, meta) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens.weight)
+        x = self.embed_tokens.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, meta)

@@ -64,9 +64,7 @@ class ModelRunner:
         self.attn_backend = make_attention_backend(p.attention_backend, mode=p.attention_mode,
                                                    min_partitions=p.decode_min_partitions,
                                                    ctas_per_sm=p.decode_ctas_per_sm, fuse_kv_write=p.fused_kv_write.on)
-        self.model, self.arch, self.model_dir = load_model(cfg.model.model, cfg.model.load_format, self.dtype,
-                                                           self.device, self.attn_backend, seed=cfg.runtime.seed,
-                                                           kernels=p.model_kernels())
+        self.model, self.arch, self.model_dir = self._load_model()
         self.kv_spec = _kv_spec(cfg, self.arch, self.model_dir, self.dtype)   # an fp8 cache's checkpoint scales
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
@@ -80,7 +78,7 @@ class ModelRunner:
         self.grammar = GrammarRows(self.model_dir, self.vocab_size, cfg.structured, self.device, sched.max_num_seqs)
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
-        self.num_blocks = choose_num_blocks(self, cfg.cache)
+        self.num_blocks = self._choose_num_blocks()
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.inputs = InputBuilder(sched.max_num_seqs, self.max_num_tokens, self.max_model_len,
                                    cfg.cache.block_size, self.device)
@@ -108,6 +106,16 @@ class ModelRunner:
         for notice in plan.notices:
             log.warning("minillm: %s", notice)
         return spec, plan
+
+    # NOTE: _load_model and _choose_num_blocks are the hooks a tensor-parallel rank overrides
+    # (minillm/parallel/tp_runner.py: its shard of the weights; the smallest pool of all ranks).
+    def _load_model(self):
+        cfg = self.cfg
+        return load_model(cfg.model.model, cfg.model.load_format, self.dtype, self.device, self.attn_backend,
+                          seed=cfg.runtime.seed, kernels=self.plan.model_kernels())
+
+    def _choose_num_blocks(self) -> int:
+        return choose_num_blocks(self, self.cfg.cache)
 
     def _capture_all(self) -> None:
         """The decode graphs (and the megakernel's), which the plan allows only where the decode path is

@@ -11,6 +11,8 @@ blocks on the queue only when idle. Events per request:
 `{"abort": ID}` aborts a request in flight (its "done" event has finish_reason "abort"). At EOF the requests in
 flight finish and the server exits 0; SIGINT or SIGTERM aborts them all, emits their final events, and exits
 130 or 143. If stdout goes away (the reader closed the pipe), the server aborts everything and exits 1 quietly.
+If the engine-core process dies (parallel.engine_process), every request in flight gets an engine_error event
+and the server stops (`fatal` says why; the command exits 1).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import queue
 import threading
 from typing import Any, BinaryIO
 
+from minillm.engine.core_client import EngineDeadError, RequestsFailed
 from minillm.serve.generate_jsonl import logprobs_json, usage
 from minillm.serve.requests import AbortCommand, LineError, is_blank, iter_lines, parse_line, write_line
 from minillm.serve.shutdown import StopSignals
@@ -27,13 +30,16 @@ _EOF = object()
 _IDLE_POLL_S = 0.5   # how often an idle server wakes up, so a signal is seen promptly on every platform
 
 
-def _reader(stream: BinaryIO, q: queue.Queue) -> None:
+def _reader(stream: BinaryIO, q: queue.Queue, wake) -> None:
+    """wake(): a step() waiting on an engine process returns, so the line is admitted at once."""
     try:
         for item in iter_lines(stream):
             q.put(item)
+            wake()
     except (OSError, ValueError) as e:   # stdin closed under us: treat like EOF, after saying why
         q.put((0, e))
     q.put(_EOF)
+    wake()
 
 
 class StdinServer:
@@ -44,11 +50,12 @@ class StdinServer:
         self.eof = False
         self.stop = StopSignals()
         self.write_error: OSError | None = None   # stdout failed (closed pipe, full disk): stop serving
+        self.fatal: str | None = None             # the engine process died: stop serving
 
     # ---- input ----------------------------------------------------------------------------------------
     @property
     def stopping(self) -> bool:
-        return self.stop.requested or self.write_error is not None
+        return self.stop.requested or self.write_error is not None or self.fatal is not None
 
     def _write(self, event: dict) -> None:
         if self.write_error is not None:
@@ -57,6 +64,12 @@ class StdinServer:
             write_line(self.out, event)
         except OSError as e:
             self.write_error = e
+
+    def _check_engine(self) -> None:
+        try:
+            self.llm.check_engine()
+        except EngineDeadError as e:
+            self.fatal = str(e)
 
     def _handle(self, line_no: int, raw) -> None:
         if isinstance(raw, Exception):
@@ -100,6 +113,7 @@ class StdinServer:
                 item = self.queue.get(timeout=_IDLE_POLL_S) if block else self.queue.get_nowait()
             except queue.Empty:
                 if block:
+                    self._check_engine()
                     continue
                 return
             block = False
@@ -140,14 +154,15 @@ class StdinServer:
         """Run until EOF and every request has its final event (0), until SIGINT / SIGTERM (130 / 143), or
         until stdout fails (1)."""
         self.queue: queue.Queue = queue.Queue()
-        threading.Thread(target=_reader, args=(stream, self.queue), daemon=True, name="stdin-reader").start()
+        threading.Thread(target=_reader, args=(stream, self.queue, self.llm.wake), daemon=True,
+                         name="stdin-reader").start()
         with self.stop:
             self._loop()
             if self.stopping:
                 self._abort_all()
         if self.stop.requested:
             return self.stop.exit_code
-        return 1 if self.write_error is not None else 0
+        return 1 if self.write_error is not None or self.fatal is not None else 0
 
     def _loop(self) -> None:
         while not self.stopping and not (self.eof and not self.llm.has_unfinished_requests()):
@@ -159,6 +174,17 @@ class StdinServer:
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
+        except EngineDeadError as e:
+            self.fatal = str(e)
+            self._fail_inflight(self.fatal)
+            return
+        except RequestsFailed as e:   # one data-parallel replica died: its requests end, the others go on
+            for eid in e.request_ids:
+                if eid in self.inflight:
+                    rid = self.inflight.pop(eid)[0]
+                    del self.by_user[rid]
+                    self._error(LineError(rid, "engine_error", str(e)))
+            return
         except Exception as e:  # noqa: BLE001 - a failed step must still end every request it was serving
             self._fail_inflight(f"{type(e).__name__}: {e}")
             return

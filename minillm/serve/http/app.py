@@ -48,7 +48,10 @@ class _EngineStream(StreamingResponse):
 class OpenAIServer:
     def __init__(self, llm, defaults: dict, settings: ServerSettings):
         self.llm, self.defaults, self.settings = llm, dict(defaults), settings
-        self.metrics = ServerMetrics(lambda: self.engine.snapshot())
+        core = llm.engine.core
+        replicas = (llm.config.parallel.data_parallel_size, core.replica_stats) \
+            if llm.config.parallel.data_parallel_size > 1 else None
+        self.metrics = ServerMetrics(lambda: self.engine.snapshot(), replicas)
         self.engine = AsyncEngine(llm, self.metrics, settings.max_waiting)
         self.token_text = TokenText(llm.tokenizer)
         self.created = int(time.time())

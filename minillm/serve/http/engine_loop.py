@@ -7,6 +7,10 @@
     _dispatch(): route each StepOutput  <----  one call_soon_threadsafe per step: the step's outputs as they are
            to its request's asyncio.Queue
 
+With the engine core in its own process (parallel.engine_process), step() waits on the core's outputs instead
+of computing them, and every command put on the queue also wakes it (llm.wake()). If that process dies, every
+request gets an error, the thread ends, and on_fatal() tells the server to exit (non-zero).
+
 NOTE: the engine thread does no per-token work beyond handing the step's list over; routing, metrics and JSON all
 happen on the event loop's thread. Commands reach the engine thread through a SimpleQueue, so it blocks on that
 queue when there is nothing to step (no polling) and never waits on the HTTP side.
@@ -20,11 +24,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from minillm.engine.core_client import EngineDeadError, RequestsFailed
 from minillm.engine.outputs import EngineStats
 
 log = logging.getLogger("minillm.serve")
 
 _STOP = ("stop",)
+_IDLE_CHECK_S = 0.25       # an idle engine thread checks this often that the engine (process) is alive
 _FAILURE_BACKOFF_S = 0.05   # after a failed step, so an engine that fails every step cannot spin a core
 
 
@@ -55,6 +61,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self.fatal: str | None = None             # why the engine is gone for good (an engine process died)
+        self.on_fatal = None                      # called on the event loop's thread once fatal is set
+        self._in_process = llm.engine_in_process
 
     # ---- event loop side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -89,7 +98,7 @@ class AsyncEngine:
         fut = self._loop.create_future()
         self._streams[rid] = _Stream(q, arrival)
         self._adding += _sequences(params)
-        self._inbox.put(("add", rid, prompt_ids, params, priority, fut))
+        self._put(("add", rid, prompt_ids, params, priority, fut))
         try:
             await fut
         except asyncio.CancelledError:   # the client left while the request was on its way: drop it there
@@ -102,7 +111,11 @@ class AsyncEngine:
         """Abort a request that has not finished (no-op otherwise). Its blocks are freed by the engine thread at
         once; its final output (finish_reason "abort") is still dispatched, so metrics count it."""
         if rid in self._streams:
-            self._inbox.put(("abort", rid))
+            self._put(("abort", rid))
+
+    def _put(self, cmd) -> None:
+        self._inbox.put(cmd)
+        self.llm.wake()   # a step() waiting on an engine process returns, so the command is taken now
 
     def begin_drain(self, grace_s: float) -> None:
         """Refuse new requests from now on; abort whatever still runs after grace_s, so every stream still ends
@@ -112,12 +125,12 @@ class AsyncEngine:
 
     def abort_all(self) -> None:
         for rid in list(self._streams):
-            self._inbox.put(("abort", rid))
+            self._put(("abort", rid))
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Abort everything still registered, let the engine report it, and end the thread."""
         self.abort_all()
-        self._inbox.put(_STOP)
+        self._put(_STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     def _admitted(self, results: list) -> None:
@@ -148,12 +161,31 @@ class AsyncEngine:
         if tokens and self.metrics is not None:
             self.metrics.generation_tokens.inc(tokens)
 
+    def _set_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
+
     def _fail_all(self, message: str) -> None:
         """A step raised: end every registered request with an error and have the engine drop them."""
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(EngineFailure(message))
-            self._inbox.put(("abort", rid))
+            self._put(("abort", rid))
             del self._streams[rid]
+
+    def _fail_some(self, rids: list[str], message: str) -> None:
+        """End these requests with an error (the engine has dropped them already)."""
+        for rid in rids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(EngineFailure(message))
+
+    def _die(self, message: str) -> None:
+        """The engine is gone: fail what is registered or on its way, refuse new requests, tell the server."""
+        self.fatal = message
+        self.draining = True
+        self._admitted(self._unsent_adds(message))   # the engine thread is gone: nobody else answers them
+        self._fail_all(message)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def call_soon(self, callback, *args) -> None:
         """Run callback on the event loop's thread; safe from any thread and from a signal handler."""
@@ -167,6 +199,13 @@ class AsyncEngine:
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._steps()
+        except EngineDeadError as e:
+            log.error("%s; failing every request", e)
+            self._post(self._die, str(e))
+
+    def _steps(self) -> None:
         llm = self.llm
         while True:
             idle = not llm.has_unfinished_requests()
@@ -177,6 +216,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = llm.step()
+            except EngineDeadError:
+                raise
+            except RequestsFailed as e:   # one data-parallel replica died: its requests end, the others go on
+                log.error("%s", e)
+                self._post(self._fail_some, e.request_ids, str(e))
+                continue
             except Exception as e:  # noqa: BLE001 - every request in flight must still get an answer
                 log.exception("engine step failed")
                 self._post(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
@@ -184,13 +229,32 @@ class AsyncEngine:
                 continue
             self._post(self._dispatch, outputs, llm.stats())
 
+    def _unsent_adds(self, message: str) -> list:
+        """The adds still queued for a dead engine, as failed admissions (their handlers are waiting)."""
+        failed = []
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                failed.append((cmd[1], cmd[5], EngineDeadError(message)))
+        return failed
+
     def _take_commands(self, block: bool) -> None:
         """Admit and abort whatever has arrived; when `block`, first wait for at least one command."""
         admitted = []
         while True:
             try:
-                cmd = self._inbox.get() if block else self._inbox.get_nowait()
+                # Idle with engine processes: wait on them (their stats, a wake-up from _put, their death)
+                # rather than on the queue, so gauges follow an abort at once.
+                remote = block and not self._in_process
+                cmd = self._inbox.get(timeout=_IDLE_CHECK_S) if block and not remote else self._inbox.get_nowait()
             except queue.Empty:
+                if block:   # an engine process that died meanwhile raises EngineDeadError here
+                    self.llm.check_engine(_IDLE_CHECK_S if remote else 0.0)
+                    self._post(self._set_stats, self.llm.stats())
+                    continue
                 break
             block = False
             if cmd[0] == "add":

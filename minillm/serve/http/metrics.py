@@ -18,8 +18,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    def __init__(self, snapshot):
-        """snapshot(): the latest EngineStats plus requests handed to the engine thread but not yet admitted."""
+    def __init__(self, snapshot, replicas=None):
+        """snapshot(): the latest EngineStats (summed over data-parallel replicas; KV usage their mean) plus
+        requests handed to the engine thread but not yet admitted. replicas: (count, stats()) of data-parallel
+        replicas, whose own gauges are labelled replica="i"."""
         self.registry = r = CollectorRegistry()
         Gauge("minillm_requests_running", "Requests (completions) scheduled and holding KV blocks.",
               registry=r).set_function(lambda: snapshot()[0].num_running)
@@ -30,6 +32,8 @@ class ServerMetrics:
               registry=r).set_function(lambda: snapshot()[0].kv_cache_usage)
         Gauge("minillm_preemptions", "Preemptions since start.",
               registry=r).set_function(lambda: snapshot()[0].num_preemptions)
+        if replicas is not None:
+            self._replica_gauges(*replicas)
         self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("minillm_generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter("minillm_requests_finished", "Finished requests by finish reason.",
@@ -42,6 +46,15 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("minillm_e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=_E2E_BUCKETS, registry=r)
+
+    def _replica_gauges(self, count: int, stats) -> None:
+        gauges = {"running": ("num_running", "Requests running on each data-parallel replica."),
+                  "waiting": ("num_waiting", "Requests waiting on each data-parallel replica."),
+                  "kv_cache_usage": ("kv_cache_usage", "KV-cache usage of each data-parallel replica (0..1).")}
+        for name, (field, doc) in gauges.items():
+            g = Gauge(f"minillm_replica_{name}", doc, ["replica"], registry=self.registry)
+            for i in range(count):
+                g.labels(str(i)).set_function(lambda i=i, field=field: getattr(stats()[i], field))
 
     def on_finished(self, output, arrival: float) -> None:
         """One finished request (all its completions): its reason and latencies (arrival = when the HTTP layer
