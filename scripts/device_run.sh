@@ -81,7 +81,7 @@ for s in "$@"; do
       stage e2e 200 python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
         tests/test_engine_gpu.py ;;
     gputests)   # every GPU test file but the start-up matrix (stage matrix) and the 131k-token prompts (slow)
-      stage gputests 300 bash -c "python3 -m pytest -m 'gpu and not slow' -q --tb=short -p no:cacheprovider \
+      stage gputests 200 bash -c "python3 -m pytest -m 'gpu and not slow' -q --tb=short -p no:cacheprovider \
         --deselect tests/test_startup_matrix_gpu.py \$(ls tests/test_*gpu*.py | grep -v startup_matrix) \
         tests/test_plan.py tests/test_nonfinite.py | tee $OUT/gputests.log" ;;
     matrix)   # the start-up matrix (scripts/startup_matrix.py --quick): every case in its own process
@@ -92,13 +92,20 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       cp "$LOG/fp8_timing.log" "$OUT/fp8_timing.jsonl"
       stage fp8_kl 200 python3 scripts/kv_fp8_accuracy.py gpu --out "$OUT/kv_fp8.jsonl" ;;
     benchfp8)   # the offline reference with an fp8 cache, then bf16, in one run
-      stage benchfp8 200 python3 -m minillm bench --no-progress --kv-cache-dtype fp8 --output "$OUT/bench.jsonl"
-      stage benchbf16 200 python3 -m minillm bench --no-progress --output "$OUT/bench.jsonl" ;;
+      stage benchfp8 110 python3 -m minillm bench --no-progress --kv-cache-dtype fp8 --output "$OUT/bench.jsonl"
+      stage benchbf16 110 python3 -m minillm bench --no-progress --output "$OUT/bench.jsonl" ;;
     sweepfp8)
       stage sweepfp8 200 python3 -m minillm bench --decode-sweep --no-progress --kv-cache-dtype fp8 \
         -o "$OUT/decode_steps.jsonl" ;;
     structured)   # json_schema-constrained decode steps against unconstrained (scripts/structured_bench.py)
-      stage structured 200 python3 scripts/structured_bench.py --output "$OUT/structured.jsonl" ;;
+      stage structured 150 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --profile \
+        --out "$OUT/structured.jsonl"
+      tar -C results/profiles -czf "$OUT/structured_profiles.tgz" $(cd results/profiles && ls structured_B* 2>/dev/null) ;;
+    httpquick)   # scripts/http_latency.py on 120 requests at 4 and 8 req/s: HTTP (engine process) vs in-process
+      mkdir -p "$LOG/http"
+      stage httpquick 200 python3 scripts/http_latency.py --rates 4,8 --num-requests 120 --engine-process true \
+        --output "$LOG/http/latency_http.jsonl"
+      cp "$LOG"/http/latency_http.jsonl "$OUT"/ 2>/dev/null ;;
     sweep)
       stage sweep 200 python3 -m minillm bench --decode-sweep --no-progress -o "$OUT/decode_steps.jsonl" ;;
     latency)   # the in-process latency sweep, chunked-2048 at 4 and 8 req/s
