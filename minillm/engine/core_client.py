@@ -52,6 +52,7 @@ class _Remote:
     def __init__(self, facts):
         self.model_dir, self.arch, self.dtype = facts.model_dir, facts.arch, facts.dtype
         self.device, self.plan, self.num_blocks = facts.device, facts.plan, facts.num_blocks
+        self.vocab_size = facts.vocab_size
 
 
 class CoreClient:

@@ -37,6 +37,7 @@ class EngineFacts:
     dtype: object                # torch.dtype
     device: object               # torch.device
     plan: object                 # the runner's ExecutionPlan (minillm/runner/plan.py)
+    vocab_size: int              # the sampled vocabulary (a tensor-parallel rank's arch holds only its slice)
     max_model_len: int
     num_blocks: int
     block_size: int
@@ -44,7 +45,7 @@ class EngineFacts:
 
 def facts_of(core) -> EngineFacts:
     r = core.runner
-    return EngineFacts(r.model_dir, r.arch, r.dtype, r.device, r.plan, core.max_model_len,
+    return EngineFacts(r.model_dir, r.arch, r.dtype, r.device, r.plan, r.vocab_size, core.max_model_len,
                        r.num_blocks, core.cfg.cache.block_size)
 
 
