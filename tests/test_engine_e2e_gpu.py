@@ -79,6 +79,20 @@ def engine(path, **kw) -> LLM:
                max_num_seqs=16, **kw)
 
 
+def assert_greedy_up_to_near_ties(llm, hf, prompts_) -> None:
+    """Each prompt's greedy tokens equal HF fp32's until a near-tie (within TIE_NATS of HF's best), and the first
+    token's logprob is within MAX_LOGPROB_ERR of HF's (the other GPU end-to-end files use this rule too)."""
+    outs = llm.generate(prompts_, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS,
+                                                 logprobs=0), use_tqdm=False)
+    for prompt, out in zip(prompts_, outs):
+        ours, ref = out.token_ids, hf.greedy(prompt)
+        assert abs(out.logprobs[0].logprob - hf.logprobs(prompt)[ours[0]].item()) <= MAX_LOGPROB_ERR
+        k = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        if k is not None:
+            lp = hf.logprobs(prompt + ours[:k])
+            assert (lp.max() - lp[ours[k]]).item() <= TIE_NATS, f"prompt {len(prompt)}: token {k} not a near-tie"
+
+
 def test_cuda_kernels_bf16_match_hf_fp32_up_to_near_ties(ckpt):
     hf = HF(ckpt)
     llm = engine(ckpt, dtype="bfloat16", kernels="cuda")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from test_engine_e2e_gpu import HF, MAX_LOGPROB_ERR, NEW_TOKENS, TIE_NATS
+from test_engine_e2e_gpu import HF, NEW_TOKENS, assert_greedy_up_to_near_ties
 from tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -42,15 +42,7 @@ def test_yarn_cuda_kernels_bf16_match_hf_fp32_up_to_near_ties(yarn_ckpt):
     hf = HF(yarn_ckpt)
     llm = _engine(yarn_ckpt, dtype="bfloat16", kernels="cuda")
     assert llm.model_arch.rope.rope_type == "yarn" and llm.engine.runner.plan.fused_ops.on
-    outs = llm.generate(prompts(), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS,
-                                                  logprobs=0), use_tqdm=False)
-    for prompt, out in zip(prompts(), outs):
-        ours, ref = out.token_ids, hf.greedy(prompt)
-        assert abs(out.logprobs[0].logprob - hf.logprobs(prompt)[ours[0]].item()) <= MAX_LOGPROB_ERR
-        k = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        if k is not None:
-            lp = hf.logprobs(prompt + ours[:k])
-            assert (lp.max() - lp[ours[k]]).item() <= TIE_NATS, f"prompt {len(prompt)}: token {k} not a near-tie"
+    assert_greedy_up_to_near_ties(llm, hf, prompts())
 
 
 def test_yarn_torch_path_fp32_on_gpu_equals_hf(yarn_ckpt):

@@ -16,21 +16,14 @@ from minillm import LLM, SamplingParams
 from minillm.config import ConfigError
 from minillm.model.arch import ModelArchConfig
 from minillm.parallel.tp_model import first_kv_head, local_arch, shard_tensor
-from tiny_models import hf_greedy, make_tiny_checkpoint
+from tiny_models import hf_greedy
 
 MAX_LEN = 96
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("q3"), arch="qwen3", vocab=256, seed=1)
-
-
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
-    # 4 query heads over 2 KV heads, q/k/v bias, an untied LM head
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("q2"), arch="qwen2", vocab=256, tie=False, seed=2)
+# The tiny checkpoints of test_engine_hf (qwen2_dir: 4 query heads over 2 KV heads, q/k/v bias, an untied head).
+from test_engine_hf import qwen2_dir, qwen3_dir  # noqa: E402,F401  (pytest fixtures)
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
