@@ -41,7 +41,8 @@ def serve_command(
         help="The model id clients name; default: --model as given, or minillm-demo.")] = None,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = DEFAULT_MAX_BODY_BYTES,
     max_waiting: Annotated[int, typer.Option(
-        help="New requests get 503 (Retry-After) while this many wait for the engine.")] = DEFAULT_MAX_WAITING,
+        help="New requests get 503 (Retry-After) while this many sequences (prompts x n) wait for the engine; a "
+             "request of more sequences than this alone gets 400.")] = DEFAULT_MAX_WAITING,
     drain_timeout: Annotated[float, typer.Option(
         help="Seconds requests in flight may run on after SIGTERM/SIGINT before they are aborted.")]
     = DEFAULT_DRAIN_TIMEOUT_S,
