@@ -120,7 +120,10 @@ def test_every_kernel_source_is_in_the_build_key_and_the_package_data():
 def test_editable_install_finds_the_top_level_sources_and_configs(tmp_path):
     """`pip install -e .` maps minillm.cuda and minillm.configs onto cuda/ and configs/ of the checkout."""
     prefix = tmp_path / "prefix"
-    _pip("install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO), "--prefix", str(prefix), cwd=tmp_path)
+    # --ignore-installed: without it pip first uninstalls the minillm of the environment running the tests (also
+    # with --prefix), which breaks every later test that starts a script in a subprocess.
+    _pip("install", "-q", "--no-deps", "--no-build-isolation", "--ignore-installed", "-e", str(REPO), "--prefix",
+         str(prefix), cwd=tmp_path)
     (site_dir,) = prefix.glob("lib/python*/site-packages")
     deps = [p for p in sys.path if p.endswith("site-packages")]
     # -S: only this editable install's .pth runs (not one the current environment may hold); the dependencies
