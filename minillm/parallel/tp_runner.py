@@ -34,6 +34,8 @@ class TPModelRunner(ModelRunner):
         super().__init__(tp_config(cfg))
         inner = self.sampler
         self.sampler = _BroadcastSampler(inner, group) if group.rank == 0 else _ReceivedSampler(group)
+        if group.rank != 0:
+            self.grammar = _NoGrammar()   # only rank 0 samples: the others would compile and fill masks for nothing
 
     def _load_model(self):
         from minillm.limits import check_weights_fit
@@ -61,6 +63,16 @@ class TPModelRunner(ModelRunner):
     @property
     def vocab_size(self) -> int:
         return self.full_arch.vocab_size   # rank 0 samples over the gathered, whole vocabulary
+
+
+class _NoGrammar:
+    """The grammar rows of a rank that does not sample: no matcher, no mask."""
+
+    def update(self, so) -> None:
+        pass
+
+    def masks(self, sampled, seq_lens, prev):
+        return None
 
 
 class _BroadcastSampler:
