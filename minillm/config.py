@@ -190,6 +190,7 @@ class StructuredConfig:
     max_whitespace: int = 2               # json_whitespace any: the most whitespace characters in one run
     compile_timeout_s: float = 10.0       # a grammar that does not compile in time is refused
     compile_threads: int = 2              # compiles run on this many threads, never on the engine's
+    mask_threads: int = 4                 # threads xgrammar fills one step's bitmask rows on (its own pool)
     max_spec_bytes: int = 65536           # a schema, regex, choice list or grammar longer than this is refused
     max_grammar_bytes: int = 64 << 20     # a compiled grammar larger than this is refused
     cache_size: int = 256                 # compiled grammars kept (least recently used go first)
@@ -204,6 +205,8 @@ class StructuredConfig:
                and 0 < self.compile_timeout_s <= 600, "structured.compile_timeout_s", self.compile_timeout_s,
                "a number of seconds in (0, 600]")
         _check(_is_int(self.compile_threads, 1, 64), "structured.compile_threads", self.compile_threads,
+               "an integer in [1, 64]")
+        _check(_is_int(self.mask_threads, 1, 64), "structured.mask_threads", self.mask_threads,
                "an integer in [1, 64]")
         _check(_is_int(self.max_spec_bytes, 16), "structured.max_spec_bytes", self.max_spec_bytes,
                "an integer >= 16")
@@ -294,6 +297,7 @@ class EngineConfig:
         "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"), "pdl": ("kernels", "pdl"),
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
+                                                  "mask_threads",
                                                          "max_spec_bytes", "max_grammar_bytes", "cache_size")},
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "tensor_parallel_size": ("parallel", "tensor_parallel_size"),

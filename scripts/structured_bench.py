@@ -8,6 +8,9 @@ random weights and a synthetic byte-level vocabulary of the same size (151,936 t
 bytes; the real Qwen vocabulary is not shipped). The masks' device work depends on the vocabulary size only; the
 host fill depends on the vocabulary's strings too, so the synthetic one is an approximation of Qwen's.
 
+Requests carry no seed unless --seeded: a seeded row samples with its own generator, a host cost of its own
+that would hide the masks' cost.
+
 Per step: wall time of LLMEngine.step() (async scheduling on: host work of step N+1 overlaps step N), counted
 only on steps where all B requests are decoding; the median is reported. Constrained rows get min_tokens =
 max_tokens, so they stop only where their grammar is complete (those steps, with fewer rows, are not counted).
@@ -38,10 +41,13 @@ from minillm.llm import LLM  # noqa: E402
 from minillm.sampling_params import SamplingParams  # noqa: E402
 from minillm.structured.spec import from_response_format  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
-    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
-                                     "tags": {"type": "array", "items": {"type": "string"}}},
-    "required": ["id", "name", "tags"]}}}, "required": ["items"]}
+ITEM = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                                         "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["id", "name", "tags"]}
+# minItems keeps every constrained row inside its object for all the timed steps: with a shorter schema the
+# rows complete (and stop) after a dozen tokens, and too few full steps are left to time.
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": ITEM, "minItems": 40}},
+          "required": ["items"]}
 PRESET = Path(__file__).resolve().parents[1] / "minillm" / "presets" / "qwen3-0.6b.json"
 
 
@@ -72,11 +78,11 @@ def synthetic_model_dir(root: Path) -> Path:
     return root
 
 
-def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_steps: int = 0):
+def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_steps: int = 0, seeded: bool = False):
     """Step times (s) of steps where all `batch` rows decode; with prof_steps, a profiler over that many."""
     rng = random.Random(batch)
     for i in range(batch):
-        kw = dict(temperature=1.0, max_tokens=steps + 8, seed=i)
+        kw = dict(temperature=1.0, max_tokens=steps + 8, seed=i if seeded else None)
         params = SamplingParams(structured=spec, min_tokens=steps + 8, **kw) if i < constrained else \
             SamplingParams(ignore_eos=True, **kw)
         llm.add_request([rng.randrange(1000, 100000) for _ in range(32)], params)
@@ -124,24 +130,28 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--seeded", action="store_true", help="give every request a seed")
+    ap.add_argument("--mask-threads", type=int, default=None, help="structured.mask_threads (default: config)")
     ap.add_argument("--out", default="results/structured.jsonl")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic"))
+    extra = {} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads}
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
-              max_model_len=1024)
+              max_model_len=1024, **extra)
+    mask_threads = llm.engine.cfg.structured.mask_threads
     spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
     llm.compile_grammar(spec).result()
     for b in batches:
         base = None
         for mode, constrained in (("none", 0), ("all", b), ("mixed", b // 2)):
             prof_steps = args.profile_steps if args.profile and b == max(batches) else 0
-            times, prof = run_mode(llm, b, constrained, args.steps, spec, prof_steps)
+            times, prof = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded)
             med = statistics.median(times) if times else None
             base = med if mode == "none" else base
             line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
                     "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
-                    "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
+                    "seeded": args.seeded, "mask_threads": mask_threads, "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
                     "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
             if isinstance(prof, tuple):
                 line.update(summarise(prof[0], prof[1], Path(f"results/profiles/structured_B{b}_{mode}.txt")))

@@ -127,22 +127,18 @@ def test_matcher_rolls_back_to_the_outputs_the_engine_holds(service):
 
 
 def test_min_tokens_ban_clears_eos_bits_unless_nothing_else_is_allowed():
-    import types
+    from minillm.structured.rows import GrammarRows, GrammarState
 
-    from minillm.structured.rows import GrammarRows
-
-    rows = GrammarRows(None, 100, StructuredConfig(), torch.device("cpu"), 2)
-    sp = types.SimpleNamespace(min_tokens=5, stop_token_ids=[31], ignore_eos=False)
-    req = types.SimpleNamespace(sampling_params=sp, num_prompt_tokens=1, eos_token_ids=frozenset({2, 63}))
-    row = torch.tensor([-1, -1, -1, 0], dtype=torch.int32)
-    rows._min_tokens(row, req, 2)
-    assert [x & 0xFFFFFFFF for x in row.tolist()] == [0x7FFFFFFB, 0x7FFFFFFF, 0xFFFFFFFF, 0]
-    only_banned = torch.tensor([(1 << 2) | -2**31, -2**31, 0, 0], dtype=torch.int32)
-    kept = only_banned.clone()
-    rows._min_tokens(only_banned, req, 2)   # the grammar allows nothing but EOS / stop ids: the ban yields
-    assert torch.equal(only_banned, kept)
-    rows._min_tokens(row, req, 6)           # past min_tokens: untouched
-    assert [x & 0xFFFFFFFF for x in row.tolist()] == [0x7FFFFFFB, 0x7FFFFFFF, 0xFFFFFFFF, 0]
+    rows = GrammarRows(None, 100, StructuredConfig(), torch.device("cpu"), 3)
+    banned = (2, 31, 63)   # EOS ids 2 and 63, stop token id 31
+    states = [GrammarState(None, banned=banned) for _ in range(3)]
+    only_banned = [(1 << 2) | -2**31, -2**31, 0, 0]   # the grammar allows nothing but EOS / stop ids
+    mask = torch.tensor([[-1, -1, -1, 0], only_banned, [-1, -1, -1, 0]], dtype=torch.int32)
+    rows._min_tokens(mask, [5] * 3, states, [1, 1, 5], [0, 1, 2])   # min_tokens 5: row 2 is past it
+    words = [[x & 0xFFFFFFFF for x in r] for r in mask.tolist()]
+    assert words[0] == [0x7FFFFFFB, 0x7FFFFFFF, 0xFFFFFFFF, 0]
+    assert words[1] == [x & 0xFFFFFFFF for x in only_banned]   # the ban yields to the grammar
+    assert words[2] == [0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0]
 
 
 def test_the_whitespace_key_reaches_the_engines_grammars():

@@ -27,6 +27,7 @@ class GrammarState:
     matcher: object                 # xgrammar.GrammarMatcher
     accepted: int = 0               # output tokens the matcher has accepted
     failed: bool = False            # a token the grammar refused (cannot happen under the mask): left unmasked
+    banned: tuple[int, ...] = ()    # what min_tokens bans: EOS (unless ignore_eos) and the stop token ids
 
 
 class GrammarRows:
@@ -47,14 +48,16 @@ class GrammarRows:
         for new in so.new_requests:
             spec = new.sampling_params.structured
             if spec is not None:
-                self.states[new.req_id] = self._new_state(spec, new.eos_token_ids)
+                self.states[new.req_id] = self._new_state(new.sampling_params, new.eos_token_ids)
 
-    def _new_state(self, spec, eos_ids) -> GrammarState:
+    def _new_state(self, sp, eos_ids) -> GrammarState:
         import xgrammar as xgr
         from minillm.structured.compiler import grammar_service
 
-        compiled = grammar_service(self.model_dir, self.vocab_size, self.cfg).compiled(spec)
-        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(eos_ids) or None))
+        compiled = grammar_service(self.model_dir, self.vocab_size, self.cfg).compiled(sp.structured)
+        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
+        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(eos_ids) or None),
+                            banned=tuple(sorted(t for t in banned if 0 <= t < self.vocab_size)))
 
     def masks(self, sampled, seq_lens, prev) -> GrammarMask | None:
         """The bitmask of this step's constrained rows (None when there is none: the sampler skips masking).
@@ -65,25 +68,17 @@ class GrammarRows:
         rows = [i for i, r in enumerate(sampled) if r.request_id in self.states]
         if not rows:
             return None
-        pending = None
+        outputs = [int(seq_lens[i]) - sampled[i].num_prompt_tokens for i in rows]
+        states = [self.states[sampled[i].request_id] for i in rows]
+        self._advance_all([sampled[i] for i in rows], states, outputs, prev)
         bitmask = self._host_buffer(len(rows))
-        live, live_at = [], []
-        for j, i in enumerate(rows):
-            r = sampled[i]
-            st = self.states[r.request_id]
-            before = int(seq_lens[i]) - r.num_prompt_tokens
-            if before > r.num_output_tokens and pending is None:
-                pending = _pending_tokens(prev)
-            self._advance(st, r, before, pending)
-            if st.failed or st.matcher.is_terminated():
-                bitmask[j].fill_(-1)       # its token is dropped (the request has ended) or unconstrained
-            else:
-                live.append(st.matcher)
-                live_at.append(j)
-        if live:
-            self._fill(live, bitmask, live_at)
-            for j in live_at:
-                self._min_tokens(bitmask[j], sampled[rows[j]], int(seq_lens[rows[j]]))
+        live_at = [j for j, st in enumerate(states) if not (st.failed or st.matcher.is_terminated())]
+        if len(live_at) < len(rows):
+            bitmask.fill_(-1)              # a dropped token (its request has ended) or an unconstrained one
+        if live_at:
+            self._fill([states[j].matcher for j in live_at], bitmask, live_at)
+            self._min_tokens(bitmask, [sampled[i].sampling_params.min_tokens for i in rows], states, outputs,
+                             live_at)
         if len(rows) == len(sampled):
             return GrammarMask(self._to_device(bitmask), None)
         index = self._index[self._turn][:len(rows)]
@@ -95,15 +90,31 @@ class GrammarRows:
         # resolved step N by then, and its event follows the copy).
         return host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host.clone()
 
+    def _advance_all(self, reqs, states, outputs, prev) -> None:
+        """Bring every matcher to the outputs before this step's token. The common case, one new token per row,
+        goes to xgrammar in one batched call; rollbacks and catch-ups (preemption, a resync) go row by row."""
+        pending = None
+        if any(n > r.num_output_tokens for r, n in zip(reqs, outputs)):
+            pending = _pending_tokens(prev)
+        one, tokens = [], []
+        for r, st, n in zip(reqs, states, outputs):
+            if n == st.accepted + 1 and not st.failed:
+                one.append(st)
+                tokens.append(_output_token(r, st.accepted, pending))
+            else:
+                self._advance(st, r, n, pending)
+        if one:
+            import xgrammar as xgr
+            for st, ok in zip(one, xgr.BatchGrammarMatcher.batch_accept_token([st.matcher for st in one], tokens)):
+                st.failed = not ok
+                st.accepted += 1
+
     def _advance(self, st: GrammarState, r, before: int, pending: dict | None) -> None:
         if before < st.accepted:
             st.matcher.rollback(st.accepted - before)
             st.accepted = before
-        ids, start = r.all_token_ids, r.num_prompt_tokens
         while st.accepted < before and not st.failed:
-            k = start + st.accepted
-            token = ids[k] if k < len(ids) else pending[r.request_id]
-            st.failed = not st.matcher.accept_token(token)
+            st.failed = not st.matcher.accept_token(_output_token(r, st.accepted, pending))
             st.accepted += 1
 
     def _fill(self, matchers, bitmask, at) -> None:
@@ -112,25 +123,20 @@ class GrammarRows:
             return
         if self._batch is None:
             import xgrammar as xgr
-            self._batch = xgr.BatchGrammarMatcher(max_threads=self.cfg.compile_threads)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=self.cfg.mask_threads)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=at)
 
-    def _min_tokens(self, row: torch.Tensor, r, seq_len: int) -> None:
+    def _min_tokens(self, bitmask: torch.Tensor, min_tokens, states, outputs, live_at) -> None:
         """min_tokens bans EOS and stop token ids, unless the grammar allows nothing else (it is complete):
-        then EOS stays allowed, so the ban never fights the grammar. Works on a numpy view of the host row."""
-        sp = r.sampling_params
-        if sp.min_tokens == 0 or seq_len - r.num_prompt_tokens >= sp.min_tokens:
-            return
-        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(r.eos_token_ids))
-        banned = [t for t in banned if 0 <= t < self.vocab_size]
-        if not banned:
-            return
-        words = row.numpy().view(np.uint32)
-        saved = words[[t >> 5 for t in banned]].copy()
-        for t in banned:
-            words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
-        if not words.any():
-            words[[t >> 5 for t in banned]] = saved
+        then EOS stays allowed, so the ban never fights the grammar. Rows sharing a banned set are cleared with a
+        few numpy operations on the host buffer, whatever their number."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for j in live_at:
+            if outputs[j] < min_tokens[j] and states[j].banned:
+                groups.setdefault(states[j].banned, []).append(j)
+        words = bitmask.numpy().view(np.uint32)
+        for banned, js in groups.items():
+            _ban(words, np.asarray(js), np.asarray(banned, dtype=np.int64))
 
     def _host_buffer(self, n: int) -> torch.Tensor:
         if not self._host:
@@ -140,6 +146,25 @@ class GrammarRows:
             self._index = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn ^= 1
         return self._host[self._turn][:n]
+
+
+def _ban(words: np.ndarray, rows: np.ndarray, banned: np.ndarray) -> None:
+    """Clear the banned tokens' bits in `rows` of the uint32 bitmask `words`, except in a row left with none."""
+    cols, bits = banned >> 5, np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32))
+    keep = np.full(words.shape[1], 0xFFFFFFFF, dtype=np.uint32)
+    np.bitwise_and.at(keep, cols, ~bits)
+    saved = words[rows]
+    cleared = saved & keep
+    empty = ~cleared.any(axis=1)
+    cleared[empty] = saved[empty]
+    words[rows] = cleared
+
+
+def _output_token(r, k: int, pending: dict | None) -> int:
+    """Output token k of request state r, from the host copy or, for the step still in flight, `pending`."""
+    i = r.num_prompt_tokens + k
+    ids = r.all_token_ids
+    return ids[i] if i < len(ids) else pending[r.request_id]
 
 
 def _pending_tokens(prev) -> dict[str, int]:
