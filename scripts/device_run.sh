@@ -18,6 +18,7 @@
 #   l2probe   decode GEMMs with cold, L2-resident and prefetched weights -> $OUT/gemm_l2_probe.jsonl
 #   checks    `minillm check-kernels --quick` -> $OUT/kernels.jsonl
 #   matrix    the start-up matrix; fp8, benchfp8, sweepfp8: the fp8 KV cache; structured: constrained decoding cost
+#   parallelab  scripts/parallel_ab.sh: the offline bench on this tree against .old/, interleaved
 #   http      scripts/http_latency.py: latency through the HTTP server vs in-process -> $OUT/latency_http.jsonl
 #
 # MINILLM_COMMIT names the commit on the results lines (a copied tree may carry a stale .git).
@@ -100,7 +101,14 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
     structured)   # json_schema-constrained decode steps against unconstrained (scripts/structured_bench.py)
       stage structured 150 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --profile \
         --out "$OUT/structured.jsonl"
+      stage structured_t1 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-threads 1 \
+        --out "$OUT/structured.jsonl"
+      stage structured_seeded 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --seeded \
+        --out "$OUT/structured.jsonl"
       tar -C results/profiles -czf "$OUT/structured_profiles.tgz" $(cd results/profiles && ls structured_B* 2>/dev/null) ;;
+    parallelab)   # TP=1/DP=1 cost nothing: offline bench, this tree against the one in .old/, interleaved
+      stage parallelab 330 env OUT="$LOG/ab" BASE_TREE="$PWD/.old" ROUNDS=2 REQUESTS=256 scripts/parallel_ab.sh
+      cp "$LOG"/ab/ab_*.jsonl "$OUT"/ 2>/dev/null ;;
     httpquick)   # scripts/http_latency.py on 120 requests at 4 and 8 req/s: HTTP (engine process) vs in-process
       mkdir -p "$LOG/http"
       stage httpquick 200 python3 scripts/http_latency.py --rates 4,8 --num-requests 120 --engine-process true \

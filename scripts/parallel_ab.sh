@@ -20,8 +20,10 @@ if [ -z "${BASE_TREE:-}" ]; then
     [ -d "$BASE_TREE" ] || git worktree add --detach "$BASE_TREE" "$BASE" > "$OUT/worktree.log" 2>&1
 fi
 export PYTHONUNBUFFERED=1
-run() {   # run TREE LABEL ROUND
-    (cd "$1" && MINILLM_EXT_DIR=$1/.ext PYTHONPATH=$1 python3 -m minillm bench --num-requests "$REQUESTS" \
+run() {   # run TREE LABEL ROUND (the base tree's lines name BASE as their commit)
+    local commit=${MINILLM_COMMIT:-}
+    [ "$2" = base ] && commit=$BASE
+    (cd "$1" && MINILLM_COMMIT=$commit MINILLM_EXT_DIR=$1/.ext PYTHONPATH=$1 python3 -m minillm bench --num-requests "$REQUESTS" \
         --no-progress -o "$OUT/ab_$2.jsonl" > "$OUT/bench_$2_$3.log" 2>&1)
 }
 for tree in "$NEW_TREE" "$BASE_TREE"; do   # build each extension once, untimed
