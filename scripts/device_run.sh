@@ -102,10 +102,14 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       stage structured 150 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --profile \
         --out "$OUT/structured.jsonl"
       stage structured_t1 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-threads 1 \
-        --out "$OUT/structured.jsonl"
+        --host-profile --out "$OUT/structured.jsonl"
       stage structured_seeded 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --seeded \
         --out "$OUT/structured.jsonl"
-      tar -C results/profiles -czf "$OUT/structured_profiles.tgz" $(cd results/profiles && ls structured_B* 2>/dev/null) ;;
+      tar -C results/profiles -czf "$OUT/structured_profiles.tgz" $(cd results/profiles && ls structured_* 2>/dev/null) ;;
+    structuredhost)   # the all-constrained B=64 run under cProfile: where building its masks spends host time
+      stage structuredhost 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-threads 1 \
+        --host-profile --out "$OUT/structured.jsonl"
+      cp results/profiles/structured_host_B64.txt "$OUT"/ 2>/dev/null ;;
     parallelab)   # TP=1/DP=1 cost nothing: offline bench, this tree against the one in .old/, interleaved
       stage parallelab 330 env OUT="$LOG/ab" BASE_TREE="$PWD/.old" ROUNDS=2 REQUESTS=256 scripts/parallel_ab.sh
       cp "$LOG"/ab/ab_*.jsonl "$OUT"/ 2>/dev/null ;;

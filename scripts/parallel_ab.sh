@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1
 run() {   # run TREE LABEL ROUND (the base tree's lines name BASE as their commit)
     local commit=${MINILLM_COMMIT:-}
     [ "$2" = base ] && commit=$BASE
-    (cd "$1" && MINILLM_COMMIT=$commit MINILLM_EXT_DIR=$1/.ext PYTHONPATH=$1 python3 -m minillm bench --num-requests "$REQUESTS" \
+    (cd "$1" && MINILLM_COMMIT=$commit MINILLM_EXT_DIR=$1/.ext PYTHONPATH=$1${PYTHONPATH:+:$PYTHONPATH} python3 -m minillm bench --num-requests "$REQUESTS" \
         --no-progress -o "$OUT/ab_$2.jsonl" > "$OUT/bench_$2_$3.log" 2>&1)
 }
 for tree in "$NEW_TREE" "$BASE_TREE"; do   # build each extension once, untimed

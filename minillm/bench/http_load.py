@@ -169,14 +169,49 @@ async def _sweep(target: str, workload: Workload, rates, time_scale, show_progre
         warmup_s = await _warm_up(client, card["id"], workload)
         for i, rate in enumerate(rates):
             # salted as in-process: the previous rate's prompts are still in the server's prefix cache
+            before = await _server_latency(client)
             outcomes = await _replay(client, card["id"], workload.salted(i), rate, time_scale, show_progress)
+            server = _server_means(before, await _server_latency(client))
             append({"kind": "latency", "engine": card.get("owned_by", "unknown"), "transport": "http",
                     "target": target, "served_model": card["id"], "label": label, "time_scale": time_scale,
                     "budget": cfg.scheduler.max_num_batched_tokens if cfg else None,
                     "chunked": cfg.scheduler.enable_chunked_prefill if cfg else None,
                     "attention_mode": cfg.runtime.attention_mode if cfg else None,
                     "config": dataclasses.asdict(cfg) if cfg else {}, "workload": workload.summary(),
-                    "load_s": None, "warmup_s": warmup_s, **_row(outcomes, workload, rate)})
+                    "load_s": None, "warmup_s": warmup_s, **server, **_row(outcomes, workload, rate)})
+
+
+_SERVER_SERIES = {"ttft": "minillm_time_to_first_token_seconds", "itl": "minillm_inter_token_latency_seconds"}
+
+
+async def _server_latency(client) -> dict | None:
+    """The server's own TTFT and ITL histogram sums and counts (its /metrics), or None if it has none."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    values = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in _SERVER_SERIES.values():
+            values[name] = float(value)
+    return values
+
+
+def _server_means(before: dict | None, after: dict | None) -> dict:
+    """Mean TTFT and ITL over one replay as the server measured them (when its engine loop saw the tokens),
+    next to the client's percentiles: what the server adds is told apart from what the client and HTTP add."""
+    out = {}
+    for key, series in _SERVER_SERIES.items():
+        if not before or not after or f"{series}_count" not in after:
+            out[f"server_{key}_mean_s"] = None
+            continue
+        n = after[f"{series}_count"] - before.get(f"{series}_count", 0.0)
+        total = after[f"{series}_sum"] - before.get(f"{series}_sum", 0.0)
+        out[f"server_{key}_mean_s"] = total / n if n > 0 else None
+    return out
 
 
 def sweep_target(target: str, workload: Workload, rates: list[float], time_scale: float, show_progress: bool,

@@ -56,6 +56,8 @@ def latency_summary(timelines: list[RequestTimeline]) -> dict:
     span = max(ends) - min(t.arrival for t in timelines) if ends else 0.0
     return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+            "itl_mean_s": sum(itls) / len(itls) if itls else None,
+            "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
             "itl_max_s": max(itls) if itls else None, "itl_worst_s": worst_gaps(timelines),
             "output_tokens": tokens,
             "output_tok_s": tokens / span if span > 0 else None}

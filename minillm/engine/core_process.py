@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -117,6 +118,7 @@ class CoreLoop:
         self.poller = zmq.Poller()
         self.poller.register(inp, zmq.POLLIN)
         self.reported = core.stats()
+        self.times = LoopTimes()
 
     def run(self) -> None:
         core = self.core
@@ -165,6 +167,7 @@ class CoreLoop:
     def _step(self) -> bool:
         """One step; True if it sent outputs (with the stats)."""
         core = self.core
+        t0 = time.perf_counter()
         try:
             outputs = core.step()
         except Exception as e:  # noqa: BLE001 - the requests it held are answered with the error
@@ -174,10 +177,13 @@ class CoreLoop:
             _send(self.out, Failed(self.replica, ids, f"engine step failed: {type(e).__name__}: {e}"),
                   self.parent_pid)
             return False
+        t1 = time.perf_counter()
         if not outputs:
+            self.times.add(t1 - t0, 0.0)
             return False
         self.reported = core.stats()
         _send(self.out, StepOutputs(self.replica, outputs, self.reported, self._load()), self.parent_pid)
+        self.times.add(t1 - t0, time.perf_counter() - t1)
         return True
 
     def _load(self) -> int:
@@ -188,4 +194,24 @@ class CoreLoop:
     def close(self) -> None:
         from minillm.engine.engine import close_core
         close_core(self.core)
+        if self.times.steps:
+            sys.stderr.write(f"minillm engine core {self.replica}: {self.times.summary()}\n")
         sys.stdout.flush()
+
+
+@dataclass
+class LoopTimes:
+    """Where the core loop's busy time went (reported once, at exit): the steps, and sending their outputs."""
+    steps: int = 0
+    step_s: float = 0.0
+    send_s: float = 0.0
+
+    def add(self, step_s: float, send_s: float) -> None:
+        self.steps += 1
+        self.step_s += step_s
+        self.send_s += send_s
+
+    def summary(self) -> str:
+        n = self.steps
+        return (f"{n} steps, {1e3 * self.step_s / n:.3f} ms a step, {1e3 * self.send_s / n:.3f} ms a step "
+                f"encoding and sending outputs")
