@@ -6,6 +6,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -302,3 +303,16 @@ def test_random_schemas_are_satisfied_or_refused(llm, schema):
         return   # refused cleanly, naming the parameter
     if out.finish_reason == "stop":
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_min_tokens_ban_on_rows_that_are_not_contiguous():
+    from minillm.structured.rows import _ban
+
+    words = np.full((4, 3), 0xFFFFFFFF, dtype=np.uint32)
+    words[2] = 0
+    words[2, 1] = 1 << 3                      # row 2 allows only token 35, which is banned: it keeps it
+    _ban(words, np.array([0, 2, 3]), np.array([35, 64, 1], dtype=np.int64))
+    assert words[0].tolist() == [0xFFFFFFFD, 0xFFFFFFF7, 0xFFFFFFFE]
+    assert words[1].tolist() == [0xFFFFFFFF] * 3   # not a banned row
+    assert words[2].tolist() == [0, 1 << 3, 0]
+    assert words[3].tolist() == words[0].tolist()

@@ -15,19 +15,36 @@ from minillm.structured.spec import from_structured_outputs
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("rows", [None, [1, 5, 6]])
-def test_mask_op_on_the_device_equals_the_cpu_op(rows):
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("rows,v,words", [(None, 151936, None), ([1, 5, 6], 151936, None), ([7, 0], 1000, 40),
+                                          (None, 33, None)])
+def test_mask_op_on_the_device_equals_the_cpu_op(rows, v, words, kernel):
+    """The torch path on the device and the kernel (cuda/grammar_mask.cu) both equal the CPU reference, also with
+    a vocabulary that is not a multiple of 32 and a bitmask wider than it (its extra bits never reach logits)."""
+    if kernel:
+        from minillm.ops.build import load_extension
+        load_extension()
     g = torch.Generator().manual_seed(0)
-    n, v = 8, 151936
+    n = 8
     logits = torch.randn(n, v, generator=g)
     m = n if rows is None else len(rows)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (m, (v + 31) // 32), dtype=torch.int32, generator=g)
+    words = words or (v + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (m, words), dtype=torch.int32, generator=g)
     idx = None if rows is None else torch.tensor(rows)
     cpu = logits.clone()
     apply_grammar_mask(cpu, GrammarMask(bitmask, idx))
+    assert torch.isinf(cpu).any() and torch.isfinite(cpu).any()
     dev = logits.cuda()
-    apply_grammar_mask(dev, GrammarMask(bitmask.cuda(), None if idx is None else idx.cuda()))
+    apply_grammar_mask(dev, GrammarMask(bitmask.cuda(), None if idx is None else idx.cuda()), cuda=kernel)
     assert torch.equal(dev.cpu(), cpu)
+
+
+def test_mask_kernel_refuses_a_bitmask_narrower_than_the_vocabulary():
+    from minillm.ops.build import load_extension
+    load_extension()
+    logits = torch.zeros(2, 100, device="cuda")
+    with pytest.raises(ValueError, match="words a row"):
+        torch.ops.minillm.grammar_mask_(logits, torch.zeros(2, 3, dtype=torch.int32, device="cuda"), None)
 
 
 def test_constrained_async_equals_sync_on_the_gpu():

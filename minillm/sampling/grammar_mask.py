@@ -2,9 +2,10 @@
 
 The bitmask is xgrammar's layout: int32 words, bit j of word w allows token 32 * w + j (0 = masked). Only the
 constrained rows carry one; a batch without any has no GrammarMask at all, so unconstrained batches pay nothing.
-The op unpacks the words as little-endian bytes (8 bits each) into a bool [M, V] and fills masked logits with
--inf: three elementwise passes over M x V bytes, and an index_select / index_copy pair when only some rows are
-constrained. This is also the reference a fused kernel would be tested against.
+On CUDA (when the sampler's kernels run) one kernel (cuda/grammar_mask.cu) writes -inf into the forbidden
+logits in place. The torch path below, the kernel's reference, unpacks the words as little-endian bytes into a
+bool [M, V] and fills masked logits with -inf: several elementwise passes over M x V bytes, and an
+index_select / index_copy pair when only some rows are constrained.
 """
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
-    """logits [N, V] (modified in place): every token a constrained row's grammar forbids becomes -inf."""
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask, cuda: bool = False) -> None:
+    """logits [N, V] (modified in place): every token a constrained row's grammar forbids becomes -inf.
+    cuda: the kernel may run (float32 CUDA logits only; anything else takes the torch path)."""
+    if cuda and logits.is_cuda and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        torch.ops.minillm.grammar_mask_(logits, mask.bitmask.contiguous(), mask.rows)
+        return
     forbidden = ~allowed_tokens(mask.bitmask, logits.shape[1])
     if mask.rows is None:
         logits.masked_fill_(forbidden, -math.inf)

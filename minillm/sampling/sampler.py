@@ -77,7 +77,7 @@ class Sampler:
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_cols] = -math.inf
         if grammar is not None:
-            apply_grammar_mask(logits, grammar)
+            apply_grammar_mask(logits, grammar, cuda=self.cuda)
         if fused:
             return SamplerResult(self._fused_race(logits, batch), None)
         if batch.all_greedy:

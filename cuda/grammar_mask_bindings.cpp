@@ -1,0 +1,54 @@
+// Torch binding of the grammar-bitmask kernel (cuda/grammar_mask.cu): writes -inf into forbidden logits in place.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "bindings_util.h"
+#include "grammar_mask.h"
+
+namespace {
+
+using at::Tensor;
+
+// logits: float32 CUDA [N, V] with unit column stride; bitmask: int32 [M, >= ceil(V / 32)] contiguous on the same
+// device; rows: int64 [M] indices into logits' rows, or None for rows 0..M-1 (then M <= N).
+void grammar_mask_(Tensor& logits, const Tensor& bitmask, const std::optional<Tensor>& rows) {
+  MINILLM_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+                "logits must be a float32 CUDA tensor [N, V] with unit column stride, got ", logits.sizes(), " ",
+                logits.scalar_type(), " on ", logits.device());
+  MINILLM_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                    bitmask.device() == logits.device(),
+                "bitmask must be contiguous int32 [M, words] on logits' device, got ", bitmask.sizes(), " ",
+                bitmask.scalar_type(), " on ", bitmask.device());
+  const int64_t num_rows = bitmask.size(0), words = bitmask.size(1), vocab = logits.size(1);
+  MINILLM_CHECK(words * 32 >= vocab, "bitmask has ", words, " words a row, fewer than the ", vocab,
+                " logits need");
+  MINILLM_CHECK(num_rows <= 65535, "bitmask has ", num_rows, " rows, more than 65535");
+  const int64_t* row_ptr = nullptr;
+  if (rows.has_value()) {
+    MINILLM_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == num_rows &&
+                      rows->is_contiguous() && rows->device() == logits.device(),
+                  "rows must be contiguous int64 [", num_rows, "] on logits' device, got ", rows->sizes(), " ",
+                  rows->scalar_type());
+    row_ptr = rows->data_ptr<int64_t>();
+  } else {
+    MINILLM_CHECK(num_rows <= logits.size(0), "bitmask has ", num_rows, " rows, logits only ", logits.size(0));
+  }
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaError_t err = minillm::launch_grammar_mask(logits.data_ptr<float>(), logits.stride(0),
+                                                       bitmask.data_ptr<int32_t>(), words, row_ptr, num_rows, vocab,
+                                                       at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, minillm::bindings::msg("minillm.grammar_mask_: CUDA error ",
+                                                         cudaGetErrorString(err)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minillm, m) {
+  m.def("grammar_mask_(Tensor(a!) logits, Tensor bitmask, Tensor? rows) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
+  m.impl("grammar_mask_", &grammar_mask_);
+}
