@@ -11,6 +11,7 @@ import time
 from minillm.bench.offline import build_llm, free_device_memory, progress_bar, sampling_params, warm_up
 from minillm.bench.stats import RequestTimeline, latency_summary
 from minillm.bench.workloads import Workload
+from minillm.engine.profile import StepProfile
 
 
 def replay(llm, workload: Workload, rate: float, time_scale: float = 1.0,
@@ -56,7 +57,9 @@ def run_sweep_config(cfg, label: str, workload: Workload, rates: list[float], ti
         warmup_s = warm_up(llm, workload)
         for i, rate in enumerate(rates):
             # salted: the previous rate's prompts are still in the prefix cache
+            llm.engine.profile = profile = StepProfile()
             timelines = replay(llm, workload.salted(i), rate, time_scale, show_progress)
+            llm.engine.profile = None
             summary = latency_summary(timelines)
             if summary["output_tokens"] != workload.output_tokens:
                 raise RuntimeError(f"{label} at {rate} req/s: {summary['output_tokens']} output tokens, "
@@ -67,7 +70,8 @@ def run_sweep_config(cfg, label: str, workload: Workload, rates: list[float], ti
                           "attention_mode": cfg.runtime.attention_mode,
                           "kv_cache_dtype": cfg.cache.kv_cache_dtype, "config": dataclasses.asdict(cfg),
                           "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
-                          "kernels": llm.engine.runner.plan.record(), **summary})
+                          "kernels": llm.engine.runner.plan.record(), "step_profile": profile.summary(),
+                          **summary})
     finally:
         del llm
         free_device_memory()

@@ -205,10 +205,10 @@ class CoreClient:
                     pass
             while True:
                 try:
-                    data = self._out.recv(zmq.NOBLOCK, copy=False)
+                    data = self._out.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                msgs.append(from_core.decode(data.buffer))
+                msgs.append(from_core.decode(data))
             if msgs and not self._ready:   # why a core failed to start comes before its exit
                 return msgs                 # (its sentinel stays readable for the next call)
             fired = [(fd, index) for fd, index in self._sentinels.items() if fd in events]

@@ -17,17 +17,19 @@ import pickle
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
 from minillm.engine.core_messages import (AddRequest, Failed, FinishRequests, Ready, Rejected, Shutdown,
                                           StepOutputs, encoder, to_core)
+from minillm.engine.profile import StepProfile
 
 log = logging.getLogger("minillm.engine")
 
 _IDLE_POLL_MS = 500          # an idle core checks on its parent this often
 _SEND_TIMEOUT_MS = 1000      # a send blocked this long (nobody reads) checks on the parent
+_ZERO_COPY_BYTES = 1 << 16   # pyzmq's zero-copy send pays for itself only on large messages
 
 
 @dataclass
@@ -101,7 +103,7 @@ def _send(sock, msg, parent_pid: int) -> None:
     data = encoder.encode(msg)
     while True:
         try:
-            sock.send(data, copy=False)
+            sock.send(data, copy=len(data) < _ZERO_COPY_BYTES)
             return
         except zmq.Again:        # nobody reads: carry on only while the front end lives
             if os.getppid() != parent_pid:
@@ -119,6 +121,7 @@ class CoreLoop:
         self.poller.register(inp, zmq.POLLIN)
         self.reported = core.stats()
         self.times = LoopTimes()
+        core.profile = self.times.profile   # a few clock reads a step: the exit line's breakdown
 
     def run(self) -> None:
         core = self.core
@@ -138,10 +141,10 @@ class CoreLoop:
         """Apply every message that has arrived; False on Shutdown."""
         while True:
             try:
-                data = self.inp.recv(zmq.NOBLOCK, copy=False)
+                data = self.inp.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            msg = to_core.decode(data.buffer)
+            msg = to_core.decode(data)
             if isinstance(msg, AddRequest):
                 self._add(msg)
             elif isinstance(msg, FinishRequests):
@@ -201,10 +204,12 @@ class CoreLoop:
 
 @dataclass
 class LoopTimes:
-    """Where the core loop's busy time went (reported once, at exit): the steps, and sending their outputs."""
+    """Where the core loop's busy time went (reported once, at exit): the steps by phase, and sending their
+    outputs."""
     steps: int = 0
     step_s: float = 0.0
     send_s: float = 0.0
+    profile: StepProfile = field(default_factory=StepProfile)
 
     def add(self, step_s: float, send_s: float) -> None:
         self.steps += 1
@@ -213,5 +218,6 @@ class LoopTimes:
 
     def summary(self) -> str:
         n = self.steps
-        return (f"{n} steps, {1e3 * self.step_s / n:.3f} ms a step, {1e3 * self.send_s / n:.3f} ms a step "
-                f"encoding and sending outputs")
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in self.profile.summary()["ms_per_step"].items())
+        return (f"{n} steps, {1e3 * self.step_s / n:.3f} ms a step ({phases} ms per scheduled step), "
+                f"{1e3 * self.send_s / n:.3f} ms a step encoding and sending outputs")
