@@ -103,10 +103,12 @@ __device__ __forceinline__ void fp8x4_to_bf16x2_split(uint32_t w, uint32_t& even
   odd = *reinterpret_cast<uint32_t*>(&ro);
 }
 
-// Bit 7 of a byte of the result is set iff that fp8 byte is a NaN (e4m3: S.1111.111; e5m2: S.11111.xx, xx != 0).
+// Nonzero in some bit 7 of the result iff a byte of w is a NaN (e4m3: S.1111.111; e5m2: S.11111.xx, xx != 0):
+// adding 1 (3) flips bit 7 of exactly those bytes. A NaN with its sign set carries into the next byte, which can
+// only add flags where a NaN already is. OR the results over many words, then test & 0x80808080.
 template <int CF>
 __device__ __forceinline__ uint32_t fp8_nan_bits(uint32_t w) {
-  return (w & 0x7f7f7f7fu) + (CF == kCacheE5M2 ? 0x03030303u : 0x01010101u);  // no carry leaves a byte
+  return w ^ (w + (CF == kCacheE5M2 ? 0x03030303u : 0x01010101u));
 }
 
 }  // namespace minillm
