@@ -1,5 +1,6 @@
 """FP8 KV-cache kernels against the torch path (skipped without a GPU): the check-kernels fp8 cases, the CUDA
-backend against the torch backend on a mixed batch, and the engine with an fp8 cache on the CUDA kernels."""
+backend against the torch backend on a mixed batch, the engine with an fp8 cache on the CUDA kernels, and the
+decode kernel's in-register reads of every fp8 value and of NaN."""
 import pytest
 import torch
 
