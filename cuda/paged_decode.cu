@@ -378,12 +378,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (g >= group) continue;
     float* acc = sm_acc + (warp * kMaxGroup + g) * D;
 #pragma unroll
-    for (int i = 0; i < DT; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = (lane % 4) * 2 + e;  // the accumulator's column in n-tile i; fp8 permutes the dims
-        acc[CF == kCacheNative ? i * 8 + col : col * DT + i] = o[i][2 * r + e];
-      }
+    for (int i = 0; i < DT; ++i) {  // n-tile i, column col at i * 8 + col: dim i * 8 + col, or (fp8) col * DT + i
+      acc[i * 8 + (lane % 4) * 2] = o[i][2 * r];
+      acc[i * 8 + (lane % 4) * 2 + 1] = o[i][2 * r + 1];
+    }
     if (lane % 4 == 0) {
       sm_m[warp * kMaxGroup + g] = mrow[r];
       sm_l[warp * kMaxGroup + g] = l;
@@ -393,6 +391,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   for (int i = threadIdx.x; i < group * D; i += kWarps * 32) {
     const int g = i / D, d = i % D;
+    // fp8 permutes the dims of P V (n-tile t, column n is dim n * DT + t): dim d was staged at (d % DT) * 8 + d / DT
+    const int src = CF == kCacheNative ? d : (d % DT) * 8 + d / DT;
     float mmax = -CUDART_INF_F;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mmax = fmaxf(mmax, sm_m[w * kMaxGroup + g]);
@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int w = 0; w < kWarps; ++w) {
       const float f = exp2f(sm_m[w * kMaxGroup + g] - mmax);  // 0 for a warp that saw no chunk (m = -inf)
       lsum += sm_l[w * kMaxGroup + g] * f;
-      o_d += sm_acc[(w * kMaxGroup + g) * D + d] * f;
+      o_d += sm_acc[(w * kMaxGroup + g) * D + src] * f;
     }
     if constexpr (CF != kCacheNative) o_d = k_nan ? CUDART_NAN_F : o_d * v_scale[kvh];
     const int h = kvh * group + g;
