@@ -2,6 +2,7 @@
 // round to nearest even, saturating to the largest finite value (inf included; NaN stays NaN, as torch's
 // clamp-then-cast leaves it), read back exactly as bf16 / fp16 (every e4m3 and e5m2 value is exact in both).
 // The scale is applied outside: to the fp32 scores (K) and to the output (V), never to a widened copy.
+// (e5m2 inf never occurs in a cache: the write saturates it; a NaN stays NaN.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -57,6 +58,57 @@ __device__ __forceinline__ void fp8x16_to_pairs(const uint4& in, uint4& lo, uint
   }
   lo = make_uint4(o[0], o[1], o[2], o[3]);
   hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// ---- in-register widening for the mma B operands (paged_decode.cu) ------------------------------------------
+// Each returns two fp8 elements of a 32-bit word as one register of two fp16 (low half = lower byte), exactly:
+// bytes 0-1 (lo) or 2-3 (hi). e4m3 uses the hardware conversion; e5m2 is the top byte of an fp16, so a byte move.
+template <int CF>
+__device__ __forceinline__ uint32_t fp8x2_lo_to_half2(uint32_t w) {
+  if constexpr (CF == kCacheE5M2) {
+    return __byte_perm(w, 0u, 0x1404);
+  } else {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  }
+}
+template <int CF>
+__device__ __forceinline__ uint32_t fp8x2_hi_to_half2(uint32_t w) {
+  if constexpr (CF == kCacheE5M2) {
+    return __byte_perm(w, 0u, 0x3424);
+  } else {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  }
+}
+
+// Four fp8 elements -> two registers of two bf16, exactly, without a conversion instruction (those issue at a
+// fraction of the integer rate): each byte's 7 exponent and mantissa bits move into bf16's fields, which reads the
+// value 2^-120 (e4m3) / 2^-112 (e5m2) times too small, subnormals included, and one bf16 multiply by that power
+// of two (exact: no rounding, and the fma path keeps subnormal inputs) restores it. Pairs bytes (0, 2) -> even
+// and (1, 3) -> odd, which takes fewer shifts than (0, 1), (2, 3). An fp8 NaN comes out finite (480 for e4m3),
+// so the caller checks for NaN bytes itself (fp8_nan_bits).
+template <int CF>
+__device__ __forceinline__ void fp8x4_to_bf16x2_split(uint32_t w, uint32_t& even, uint32_t& odd) {
+  constexpr int kM = CF == kCacheE5M2 ? 5 : 4;           // bf16 mantissa bits the fp8 format lacks
+  constexpr uint32_t kField = 0x7fu << kM;               // where the 7 bits land in each bf16
+  constexpr uint32_t kMask = kField | (kField << 16);
+  constexpr uint32_t kPow2 = CF == kCacheE5M2 ? 0x77807780u : 0x7b807b80u;  // bf16 2^112 / 2^120, twice
+  const uint32_t e = ((w << 8) & 0x80008000u) | ((w << kM) & kMask);
+  const uint32_t o = (w & 0x80008000u) | ((w >> (8 - kM)) & kMask);
+  const __nv_bfloat162 p = *reinterpret_cast<const __nv_bfloat162*>(&kPow2);
+  __nv_bfloat162 re = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&e), p);
+  __nv_bfloat162 ro = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&o), p);
+  even = *reinterpret_cast<uint32_t*>(&re);
+  odd = *reinterpret_cast<uint32_t*>(&ro);
+}
+
+// Nonzero in some bit 7 of the result iff a byte of w is a NaN (e4m3: S.1111.111; e5m2: S.11111.xx, xx != 0):
+// adding 1 (3) flips bit 7 of exactly those bytes. A NaN with its sign set carries into the next byte, which can
+// only add flags where a NaN already is. OR the results over many words, then test & 0x80808080.
+template <int CF>
+__device__ __forceinline__ uint32_t fp8_nan_bits(uint32_t w) {
+  return w ^ (w + (CF == kCacheE5M2 ? 0x03030303u : 0x01010101u));
 }
 
 }  // namespace minillm

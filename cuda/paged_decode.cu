@@ -25,10 +25,21 @@
 // reduce kernel was tried: every CTA then holds its SM slot through a fence and an atomic round trip, and the
 // kernel got ~25% slower in the offline bench, far more than the ~5 us reduce launch it saves; docs/perf-log.md.)
 //
-// An fp8 cache (CF = kCacheE4M3 / kCacheE5M2, kv_fp8.cuh) streams fp8 bytes through the same ring (half the
-// bytes per chunk); each lane widens the pieces it copied itself into one bf16/fp16 staging slot per warp (exact),
-// and the mma code above reads that slot unchanged. The K scale goes into the fp32 softmax scale, the V scale
-// onto the fp32 output: P V stays a bf16/fp16 mma with fp32 accumulation, never an fp8 one.
+// An fp8 cache (CF = kCacheE4M3 / kCacheE5M2, kv_fp8.cuh) streams fp8 bytes through a deeper ring (kStagesFp8
+// slots of half the bytes: the same shared memory, five chunks in flight per warp) and forms the mma operands in
+// registers straight from those bytes, with no widened copy in shared memory and no extra sync:
+//   S = Q K^T: lane (n = lane / 4, c = lane % 4) reads D / 4 consecutive bytes of K rows n and 8 + n, one 32-bit
+//     word per k-step. The k order inside a k-step is free as long as Q uses the same one, so q is loaded in that
+//     order (fp16: bytes (0,1), (2,3) of the word are the two B registers; bf16: (0,2), (1,3), see kv_fp8.cuh).
+//   O += P V: the head dims (the n of the B operand) are permuted instead: n-tile t, column n is dim n * D/8 + t,
+//     so lane n reads D / 8 consecutive bytes of each of its four V rows (tokens 2c, 2c+1, 2c+8, 2c+9) and a byte
+//     permute pairs the tokens; the merge writes each accumulator to its real dim. P V is an fp16 mma for either
+//     activation dtype (every e4m3 and e5m2 value is exact in fp16, P in [0, 1] rounds at least as finely as in
+//     bf16), so V needs one hardware conversion per pair (e4m3) or a byte move (e5m2).
+//   Slots are XOR-swizzled (fp8_off) so that these loads hit distinct banks (D = 128; D = 64 V: 2-way at worst).
+// The K scale goes into the fp32 softmax scale, the V scale onto the fp32 output; softmax and both accumulations
+// stay fp32. With bf16 activations an fp8 NaN in K would read as a finite value, so the lanes OR a NaN test of
+// every K word and a CTA that saw one writes NaN, as the reference (and a bf16 cache) would.
 #include <math_constants.h>
 
 #include <type_traits>
@@ -46,6 +57,7 @@ constexpr int kWarps = 4;
 // crosses a cache block (block sizes are multiples of it), so its 16 slots are consecutive.
 constexpr int kChunk = 16;
 constexpr int kStages = 3;  // chunk buffers per warp in the shared-memory ring (two in flight while one is used)
+constexpr int kStagesFp8 = 6;  // fp8: slots of half the bytes, so the same 96 KB (D = 128) keeps five in flight
 constexpr int kSplitQuantum = kWarps * kChunk;  // equal partitions are multiples of this: whole steps of all warps
 // Equal partitions are never shorter than this: a CTA's fixed costs (q load, merge, workspace row, its share of
 // the reduce) want a few hundred tokens to hide behind, and a short context then simply uses fewer partitions.
@@ -62,14 +74,12 @@ __device__ __forceinline__ int partition_len(int partition_size, int num_partiti
 template <int D>
 constexpr int stage_elems() { return 2 * kChunk * D; }  // one ring slot: the chunk's K rows, then its V rows
 
-template <int D>
-constexpr int ring_bytes() { return kWarps * kStages * stage_elems<D>() * 2; }  // 2-byte elements
+template <int CF>
+constexpr int ring_stages() { return CF == kCacheNative ? kStages : kStagesFp8; }
 
-// fp8: kStages slots of fp8 bytes per warp, then one 2-byte staging slot per warp (the widened chunk).
+// Every warp's ring: 2-byte elements, or fp8 bytes.
 template <int D, int CF>
-constexpr int smem_bytes() {
-  return CF == kCacheNative ? ring_bytes<D>() : kWarps * kStages * stage_elems<D>() + kWarps * stage_elems<D>() * 2;
-}
+constexpr int smem_bytes() { return kWarps * ring_stages<CF>() * stage_elems<D>() * (CF == kCacheNative ? 2 : 1); }
 
 // The cache's element type: T itself, or fp8 bytes.
 template <typename T, int CF>
@@ -93,7 +103,17 @@ __device__ __forceinline__ void issue_chunk(T* slot, const T* kc, const T* vc, i
   }
 }
 
-// fp8: the same chunk as 16-byte pieces of 16 bytes, unswizzled (row p / CH8, column p % CH8), zero past `end`.
+// fp8 slot: K rows 0-15, then V rows 16-31, D bytes each; 16-byte chunk c of a row sits at chunk c ^ x. K is read
+// as rows n and n + 1 at the same chunks in one quarter warp (x = row & 1 splits them over the banks at D = 128; at
+// D = 64 two rows already fill them); V as rows 2c (+1, +8, +9) at chunk n (x = row & 6, or row & 2 at D = 64).
+template <int D>
+__device__ __forceinline__ int fp8_off(int row, int c) {
+  constexpr int CH8 = D / 16;
+  const int x = row < kChunk ? (CH8 == 8 ? row & 1 : 0) : row & (CH8 - 2);
+  return row * D + (c ^ x) * 16;
+}
+
+// fp8: the same chunk as 16-byte pieces of 16 bytes (row p / CH8, column p % CH8), zero past `end`.
 template <int D, int BS>
 __device__ __forceinline__ void issue_chunk_fp8(uint8_t* slot, const uint8_t* kc, const uint8_t* vc, int blk, int tok0,
                                                 int end, int lane, int64_t tok_stride) {
@@ -104,30 +124,73 @@ __device__ __forceinline__ void issue_chunk_fp8(uint8_t* slot, const uint8_t* kc
     const int p = lane + 32 * i, row = p / CH8, c = p % CH8, t = row % kChunk;
     const bool valid = tok0 + t < end;
     const uint8_t* base = row < kChunk ? kc : vc;
-    cp_async16(slot + row * D + c * 16, valid ? base + (slot0 + t) * tok_stride + c * 16 : base, valid ? 16 : 0);
+    cp_async16(slot + fp8_off<D>(row, c), valid ? base + (slot0 + t) * tok_stride + c * 16 : base, valid ? 16 : 0);
   }
 }
 
-// Widen the pieces this lane copied (issue_chunk_fp8's assignment, so no other lane's copy is waited for) into the
-// swizzled 2-byte layout issue_chunk would have produced.
+// bf16 activations read K as byte pairs (0,2), (1,3) of each word (kv_fp8.cuh), fp16 as (0,1), (2,3).
+template <typename T>
+constexpr bool kSplitPairs = std::is_same_v<T, __nv_bfloat16>;
+
+// S = Q K^T of one fp8 chunk (see the header): this lane's KS words of K rows n and 8 + n, widened per k-step.
 template <typename T, int D, int CF>
-__device__ __forceinline__ void widen_chunk(T* stage, const uint8_t* slot, int lane) {
-  constexpr int CH = D / 8, CH8 = D / 16, PIECES = 2 * kChunk * CH8 / 32;
+__device__ __forceinline__ void fp8_scores(const uint8_t* slot, const uint32_t (&qa)[D / 16][4], int lane,
+                                           float (&sc)[2][4], uint32_t& nan_bits) {
+  constexpr int KS = D / 16, KPW = D / 64;  // k-steps; 16-byte chunks per lane and row
+  const int n = lane / 4, c = lane % 4;
+  uint32_t kw[2][KS];
 #pragma unroll
-  for (int i = 0; i < PIECES; ++i) {
-    const int p = lane + 32 * i, row = p / CH8, c = p % CH8;
-    uint4 lo, hi;
-    fp8x16_to_pairs<T, CF>(*reinterpret_cast<const uint4*>(slot + row * D + c * 16), lo, hi);
-    *reinterpret_cast<uint4*>(stage + swz<CH>(row, 2 * c)) = lo;
-    *reinterpret_cast<uint4*>(stage + swz<CH>(row, 2 * c + 1)) = hi;
-  }
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int h = 0; h < KPW; ++h) {
+      const uint4 v = *reinterpret_cast<const uint4*>(slot + fp8_off<D>(nt * 8 + n, c * KPW + h));
+      kw[nt][4 * h] = v.x, kw[nt][4 * h + 1] = v.y, kw[nt][4 * h + 2] = v.z, kw[nt][4 * h + 3] = v.w;
+    }
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      uint32_t b0, b1;
+      if constexpr (kSplitPairs<T>) {
+        fp8x4_to_bf16x2_split<CF>(kw[nt][ks], b0, b1);
+        nan_bits |= fp8_nan_bits<CF>(kw[nt][ks]);
+      } else {
+        b0 = fp8x2_lo_to_half2<CF>(kw[nt][ks]);
+        b1 = fp8x2_hi_to_half2<CF>(kw[nt][ks]);
+      }
+      mma16816<T>(sc[nt], qa[ks], b0, b1);
+    }
 }
 
-// fp8: a warp's staging slot (the widened chunk), after every warp's ring of fp8 slots.
-template <typename T, int D>
-__device__ __forceinline__ T* stage_slot(uint4* smem, int warp) {
-  return reinterpret_cast<T*>(reinterpret_cast<uint8_t*>(smem) + kWarps * kStages * stage_elems<D>()) +
-         warp * stage_elems<D>();
+// O += P V of one fp8 chunk: pa is P in fp16; this lane's D / 8 bytes of V rows 2c, 2c+1, 2c+8, 2c+9; n-tile
+// 4q + j takes byte j of word q of each row, paired by token.
+template <int D, int CF>
+__device__ __forceinline__ void fp8_pv(const uint8_t* slot, const uint32_t (&pa)[4], int lane, float (&o)[D / 8][4]) {
+  constexpr int DT = D / 8, W = DT / 4;  // n-tiles; words per lane and row
+  const int n = lane / 4, c = lane % 4;
+  uint32_t vw[4][W];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = kChunk + 2 * c + (r & 1) + (r >> 1) * 8;
+    const uint8_t* p = slot + fp8_off<D>(row, n * DT / 16) + (n * DT) % 16;
+    if constexpr (W == 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      vw[r][0] = v.x, vw[r][1] = v.y, vw[r][2] = v.z, vw[r][3] = v.w;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      vw[r][0] = v.x, vw[r][1] = v.y;
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < W; ++q) {
+    // bytes (token 2c, token 2c+1) of dims j, j+1: the low and high halves of these words
+    const uint32_t lo01 = __byte_perm(vw[0][q], vw[1][q], 0x5140), hi01 = __byte_perm(vw[0][q], vw[1][q], 0x7362);
+    const uint32_t lo89 = __byte_perm(vw[2][q], vw[3][q], 0x5140), hi89 = __byte_perm(vw[2][q], vw[3][q], 0x7362);
+    mma16816<__half>(o[4 * q], pa, fp8x2_lo_to_half2<CF>(lo01), fp8x2_lo_to_half2<CF>(lo89));
+    mma16816<__half>(o[4 * q + 1], pa, fp8x2_hi_to_half2<CF>(lo01), fp8x2_hi_to_half2<CF>(lo89));
+    mma16816<__half>(o[4 * q + 2], pa, fp8x2_lo_to_half2<CF>(hi01), fp8x2_lo_to_half2<CF>(hi89));
+    mma16816<__half>(o[4 * q + 3], pa, fp8x2_hi_to_half2<CF>(hi01), fp8x2_hi_to_half2<CF>(hi89));
+  }
 }
 
 template <typename T, int D, int BS, int CF>
@@ -189,68 +252,82 @@ __global__ void __launch_bounds__(kWarps * 32)
   const C* vc = static_cast<const C*>(a.v_cache) + kvh * D;
   const int first = start / kChunk, last = (end + kChunk - 1) / kChunk;
 
-  // Each warp streams every kWarps-th chunk of the partition through its own ring of kStages slots.
-  C* ring = reinterpret_cast<C*>(ring_smem) + warp * kStages * SLOT;
+  // Each warp streams every kWarps-th chunk of the partition through its own ring of S slots.
+  constexpr int S = ring_stages<CF>();
+  C* ring = reinterpret_cast<C*>(ring_smem) + warp * S * SLOT;
   const int ch0 = first + warp;
   const int mine = ch0 < last ? (last - ch0 + kWarps - 1) / kWarps : 0;  // chunks of this warp
   // The ring's first chunks are in flight before pdl_wait (they overlap the end of the kernel before this one),
   // except from the chunk holding the step's newest token (ctx - 1) on: that kernel writes it.
   const int fresh = (ctx - 1) / kChunk;
   int pre = 0;
-  for (; pre < kStages - 1 && pre < mine && ch0 + pre * kWarps < fresh; ++pre) {
+  for (; pre < S - 1 && pre < mine && ch0 + pre * kWarps < fresh; ++pre) {
     const int tok = (ch0 + pre * kWarps) * kChunk;
     issue_any<T, D, BS, CF>(ring + pre * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     cp_async_commit();
   }
   pdl_enter();
-  for (int i = pre; i < kStages - 1; ++i) {
+  for (int i = pre; i < S - 1; ++i) {
     const int tok = (ch0 + i * kWarps) * kChunk;
     if (i < mine) issue_any<T, D, BS, CF>(ring + i * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     cp_async_commit();  // empty groups too: the wait count below stays uniform
   }
 
   // The group's query heads are the rows of the A operand (rows past the group are zero), read straight from
-  // global memory in the fragment layout: this thread holds rows lane/4 and lane/4 + 8.
+  // global memory in the fragment layout: this thread holds rows lane/4 and lane/4 + 8. Over an fp8 cache the
+  // k order is the one fp8_scores reads K in: lane c's dims c * D/4 + 4 ks + {0..3} for k-step ks.
   const int r0 = lane / 4;
   uint32_t qa[KS][4];
   {
-    const T* qb = static_cast<const T*>(a.q) + s * a.q_stride_t + (int64_t)kvh * group * a.q_stride_h + (lane % 4) * 2;
+    const T* qb = static_cast<const T*>(a.q) + s * a.q_stride_t + (int64_t)kvh * group * a.q_stride_h;
     const T* q_lo = qb + r0 * a.q_stride_h;
     const T* q_hi = qb + (r0 + 8) * a.q_stride_h;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      qa[ks][0] = q_pair(q_lo + ks * 16, r0 < group);
-      qa[ks][1] = q_pair(q_hi + ks * 16, r0 + 8 < group);
-      qa[ks][2] = q_pair(q_lo + ks * 16 + 8, r0 < group);
-      qa[ks][3] = q_pair(q_hi + ks * 16 + 8, r0 + 8 < group);
+      if constexpr (CF == kCacheNative) {
+        const int d = ks * 16 + (lane % 4) * 2;
+        qa[ks][0] = q_pair(q_lo + d, r0 < group);
+        qa[ks][1] = q_pair(q_hi + d, r0 + 8 < group);
+        qa[ks][2] = q_pair(q_lo + d + 8, r0 < group);
+        qa[ks][3] = q_pair(q_hi + d + 8, r0 + 8 < group);
+      } else {
+        const int d = (lane % 4) * (D / 4) + 4 * ks;
+        const uint32_t l01 = q_pair(q_lo + d, r0 < group), l23 = q_pair(q_lo + d + 2, r0 < group);
+        const uint32_t h01 = q_pair(q_hi + d, r0 + 8 < group), h23 = q_pair(q_hi + d + 2, r0 + 8 < group);
+        if constexpr (kSplitPairs<T>) {  // dims (0, 2) and (1, 3)
+          qa[ks][0] = __byte_perm(l01, l23, 0x5410), qa[ks][2] = __byte_perm(l01, l23, 0x7632);
+          qa[ks][1] = __byte_perm(h01, h23, 0x5410), qa[ks][3] = __byte_perm(h01, h23, 0x7632);
+        } else {
+          qa[ks][0] = l01, qa[ks][2] = l23, qa[ks][1] = h01, qa[ks][3] = h23;
+        }
+      }
     }
   }
+  uint32_t nan_bits = 0;  // fp8 with bf16 activations: bit 7 of a byte set once a K NaN was read
   for (int i = 0; i < mine; ++i) {
-    const int j = i + kStages - 1;
+    const int j = i + S - 1;
     __syncwarp();  // every lane has read chunk i - 1 out of the slot refilled here
     if (j < mine) {
       const int tok = (ch0 + j * kWarps) * kChunk;
-      issue_any<T, D, BS, CF>(ring + (j % kStages) * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
+      issue_any<T, D, BS, CF>(ring + (j % S) * SLOT, kc, vc, bt[tok / BS], tok, end, lane, tok_stride);
     }
     cp_async_commit();
-    cp_async_wait<kStages - 1>();  // this lane's copies of chunk i have landed ...
-    if constexpr (CF != kCacheNative) widen_chunk<T, D, CF>(stage_slot<T, D>(ring_smem, warp), ring + (i % kStages) * SLOT, lane);
-    __syncwarp();                  // ... and, after this, every lane's
-    const T* sK;
-    if constexpr (CF == kCacheNative)
-      sK = ring + (i % kStages) * SLOT;
-    else
-      sK = stage_slot<T, D>(ring_smem, warp);
-    const T* sV = sK + kChunk * D;
+    cp_async_wait<S - 1>();  // this lane's copies of chunk i have landed ...
+    __syncwarp();            // ... and, after this, every lane's
+    const C* slot = ring + (i % S) * SLOT;
     const int tok0 = (ch0 + i * kWarps) * kChunk;
 
     float sc[2][4] = {};
+    if constexpr (CF == kCacheNative) {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      uint32_t b[4];
-      ldmatrix_x4(b, sK + swz<CH>((lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
-      mma16816<T>(sc[0], qa[ks], b[0], b[1]);
-      mma16816<T>(sc[1], qa[ks], b[2], b[3]);
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t b[4];
+        ldmatrix_x4(b, slot + swz<CH>((lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
+        mma16816<T>(sc[0], qa[ks], b[0], b[1]);
+        mma16816<T>(sc[1], qa[ks], b[2], b[3]);
+      }
+    } else {
+      fp8_scores<T, D, CF>(slot, qa, lane, sc, nan_bits);
     }
     if (tok0 + kChunk > end) {  // the partition's last chunk: keys past its end do not count
 #pragma unroll
@@ -265,18 +342,30 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (hi_rows) online_softmax_row<2, DT>(sc, o, mrow[1], lrow[1], sl2, 1);
 
     // The S accumulators of the two n-tiles are exactly the A fragment of one k-step of P V.
-    const uint32_t pa[4] = {DType<T>::from_float2(sc[0][0], sc[0][1]), DType<T>::from_float2(sc[0][2], sc[0][3]),
-                            DType<T>::from_float2(sc[1][0], sc[1][1]), DType<T>::from_float2(sc[1][2], sc[1][3])};
+    using P = std::conditional_t<CF == kCacheNative, T, __half>;
+    const uint32_t pa[4] = {DType<P>::from_float2(sc[0][0], sc[0][1]), DType<P>::from_float2(sc[0][2], sc[0][3]),
+                            DType<P>::from_float2(sc[1][0], sc[1][1]), DType<P>::from_float2(sc[1][2], sc[1][3])};
+    if constexpr (CF == kCacheNative) {
+      const T* sV = slot + kChunk * D;
 #pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sV + swz<CH>((lane & 7) + ((lane >> 3) & 1) * 8, 2 * dp + (lane >> 4)));
-      mma16816<T>(o[2 * dp], pa, b[0], b[1]);
-      mma16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sV + swz<CH>((lane & 7) + ((lane >> 3) & 1) * 8, 2 * dp + (lane >> 4)));
+        mma16816<T>(o[2 * dp], pa, b[0], b[1]);
+        mma16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+      }
+    } else {
+      fp8_pv<D, CF>(slot, pa, lane, o);
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // every warp is out of its ring: the merge reuses that shared memory
+  // Every warp is out of its ring: the merge reuses that shared memory. (The vote is a plain barrier unless a
+  // bf16-activation fp8 CTA read a NaN in K: its whole output is then NaN, as the reference's would be.)
+  bool k_nan = false;
+  if constexpr (CF != kCacheNative && kSplitPairs<T>)
+    k_nan = __syncthreads_or((nan_bits & 0x80808080u) != 0);
+  else
+    __syncthreads();
 
   // Stage each warp's rows (acc [warp][head][D], then max and sum [warp][head]) and merge the warps.
   float* sm_acc = reinterpret_cast<float*>(ring_smem);
@@ -287,11 +376,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int g = r0 + 8 * r;
     const float l = warp_sum_xor(lrow[r], 1, 4);
     if (g >= group) continue;
-    float* acc = sm_acc + (warp * kMaxGroup + g) * D + (lane % 4) * 2;
+    float* acc = sm_acc + (warp * kMaxGroup + g) * D;
 #pragma unroll
-    for (int i = 0; i < DT; ++i) {
-      acc[i * 8] = o[i][2 * r];
-      acc[i * 8 + 1] = o[i][2 * r + 1];
+    for (int i = 0; i < DT; ++i) {  // n-tile i, column col at i * 8 + col: dim i * 8 + col, or (fp8) col * DT + i
+      acc[i * 8 + (lane % 4) * 2] = o[i][2 * r];
+      acc[i * 8 + (lane % 4) * 2 + 1] = o[i][2 * r + 1];
     }
     if (lane % 4 == 0) {
       sm_m[warp * kMaxGroup + g] = mrow[r];
@@ -302,6 +391,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   for (int i = threadIdx.x; i < group * D; i += kWarps * 32) {
     const int g = i / D, d = i % D;
+    // fp8 permutes the dims of P V (n-tile t, column n is dim n * DT + t): dim d was staged at (d % DT) * 8 + d / DT
+    const int src = CF == kCacheNative ? d : (d % DT) * 8 + d / DT;
     float mmax = -CUDART_INF_F;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mmax = fmaxf(mmax, sm_m[w * kMaxGroup + g]);
@@ -310,9 +401,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int w = 0; w < kWarps; ++w) {
       const float f = exp2f(sm_m[w * kMaxGroup + g] - mmax);  // 0 for a warp that saw no chunk (m = -inf)
       lsum += sm_l[w * kMaxGroup + g] * f;
-      o_d += sm_acc[(w * kMaxGroup + g) * D + d] * f;
+      o_d += sm_acc[(w * kMaxGroup + g) * D + src] * f;
     }
-    if constexpr (CF != kCacheNative) o_d *= v_scale[kvh];
+    if constexpr (CF != kCacheNative) o_d = k_nan ? CUDART_NAN_F : o_d * v_scale[kvh];
     const int h = kvh * group + g;
     if (psz == 0) {
       T* op = static_cast<T*>(a.out) + s * a.out_stride_t + h * a.out_stride_h;

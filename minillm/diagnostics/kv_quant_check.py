@@ -142,14 +142,18 @@ def run_fp8_cases(quick: bool = False) -> list[dict]:
     return rows
 
 
-def run_fp8_timings(batch: int = 256, ctx: int = 1024, hq=16, hkv=8, d=128, bs=16) -> list[dict]:
-    """Decode over an fp8 cache against the same over bf16, each in its own bytes (CUDA-graph replays)."""
+def run_fp8_timings(batch: int = 256, ctx: int = 1024, hq=16, hkv=8, d=128, bs=16,
+                    caches: tuple[str, ...] = ("bfloat16", "fp8")) -> list[dict]:
+    """Decode over each cache ("bfloat16" or an FP8_DTYPES name) in its own bytes (CUDA-graph replays, the
+    dispatcher's partitioning): ms and us per call, the bytes it reads (K and V of every context token in the
+    cache's element size) and TB/s of those bytes."""
     from minillm.ops import attention_ops as ops
     from minillm.diagnostics.kernel_check import _rotations, _time_graph
 
     dev, scale, nb = "cuda", d ** -0.5, ctx // bs
     rows = []
-    for name, cache in (("bfloat16", torch.bfloat16), ("fp8", FP8_DTYPES["fp8"])):
+    for name in caches:
+        cache = torch.bfloat16 if name == "bfloat16" else FP8_DTYPES[name]
         esize = torch.empty(0, dtype=cache).element_size()
         kv_bytes = batch * ctx * hkv * d * 2 * esize
         rot = _rotations(kv_bytes)
@@ -159,10 +163,13 @@ def run_fp8_timings(batch: int = 256, ctx: int = 1024, hq=16, hkv=8, d=128, bs=1
         q = torch.randn(rot, batch, hq, d, device=dev, dtype=torch.bfloat16)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         out = torch.empty(batch, hq, d, device=dev, dtype=torch.bfloat16)
-        sc = torch.ones(hkv, device=dev) if name == "fp8" else None
+        sc = None if name == "bfloat16" else torch.ones(hkv, device=dev)
         fns = [lambda i=i: ops.paged_decode(out, q[i], kc, vc, bt[i], lens, scale, ctx, k_scale=sc, v_scale=sc)
                for i in range(rot)]
         ms = _time_graph(fns)
+        part = ops.decode_partition_size(batch, hkv, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
         rows.append(dict(bench=f"decode B={batch} ctx={ctx} H{hq}/{hkv} D{d} bs{bs}", impl=f"minillm {name} cache",
-                         ms=ms, tb_s=kv_bytes / ms / 1e9))
+                         ms=ms, us=ms * 1e3, kv_bytes=kv_bytes, tb_s=kv_bytes / ms / 1e9, partition_size=part))
+        del kc, vc, fns
+        torch.cuda.empty_cache()
     return rows
