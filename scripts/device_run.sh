@@ -92,6 +92,10 @@ for s in "$@"; do
 from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dumps(r)) for r in run_fp8_timings()]"
       cp "$LOG/fp8_timing.log" "$OUT/fp8_timing.jsonl"
       stage fp8_kl 200 python3 scripts/kv_fp8_accuracy.py gpu --out "$OUT/kv_fp8.jsonl" ;;
+    fp8dec)   # the fp8 decode kernel: its GPU tests, then fp8 against bf16 decode timings
+      stage fp8dec_tests 200 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider tests/test_kv_fp8_gpu.py \
+        tests/test_kernels_gpu.py -k "decode or fp8"
+      stage fp8dec_bench 120 python3 scripts/bench_fp8_decode.py --output "$OUT/kv_fp8_decode.jsonl" ;;
     benchfp8)   # the offline reference with an fp8 cache, then bf16, in one run
       stage benchfp8 110 python3 -m minillm bench --no-progress --kv-cache-dtype fp8 --output "$OUT/bench.jsonl"
       stage benchbf16 110 python3 -m minillm bench --no-progress --output "$OUT/bench.jsonl" ;;
