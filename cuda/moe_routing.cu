@@ -1,0 +1,193 @@
+// MoE routing in one CTA: softmax over each token's E router logits (fp32), its top-k, the renormalised
+// weights, then the per-expert counts, offsets, the expert-sorted (stable) order of the T*k pairs and the list of
+// experts that have rows. Everything the grouped expert GEMMs need, with outputs whose sizes depend only on T
+// (graph-safe: no host sync, nothing allocated per launch).
+//
+// One CTA of 32 warps: the decode steps this runs for have T <= a few hundred tokens, so one CTA avoids a second
+// launch (or a grid-wide handoff) between the per-token top-k and the grouping, which needs every token's ids.
+//
+// Top-k: a warp per token, lane l holding logits l, l + 32, ... (EPL = ceil(E / 32) registers); k rounds of a
+// warp argmax. Order: larger logit first, equal logits by lower expert index (softmax is monotonic, so the
+// top-k of the logits is the top-k of the probabilities; choosing on the logits never meets a tie that softmax
+// rounding created). torch.topk leaves the order of equal values unspecified (on CPU it is not by index), so
+// on exact ties this is a defined choice, not torch's; the probabilities are expf(l - max) / sum as
+// torch.softmax computes them, the sums in another order (last-bit differences).
+//
+// Grouping: counts by shared-memory atomics (a count does not depend on the order of the adds), a warp scan for
+// offsets and the active list, then a stable counting sort in chunks of 1024 pairs: within a warp,
+// __match_any_sync ranks the lanes that share an expert; per-warp counts in shared memory give the rank across
+// the chunk's warps; a running cursor per expert carries it across chunks.
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "launch.h"
+#include "moe.h"
+
+namespace minillm {
+namespace {
+
+constexpr int kThreads = 1024, kWarps = kThreads / 32;
+
+// (value, index) argmax of a warp: larger value wins, equal values go to the lower index.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, m);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, m);
+    if (ov > v || (ov == v && oi < i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+template <int EPL>
+__device__ void topk_token(const float* row, int E, int k, bool renormalize, int32_t* ids, float* weights) {
+  const int lane = threadIdx.x % 32;
+  float v[EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const int e = lane + 32 * j;
+    const float l = e < E ? row[e] : -CUDART_INF_F;
+    v[j] = l != l ? -CUDART_INF_F : l;  // a NaN logit ranks last, so every chosen id stays a real expert
+  }
+  float mx = -CUDART_INF_F;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) mx = fmaxf(mx, v[j]);
+  mx = warp_max_xor(mx, 1, 32);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j)
+    if (lane + 32 * j < E) sum += expf(v[j] - mx);
+  sum = warp_sum_xor(sum, 1, 32);
+
+  uint32_t taken = 0;  // bit j: expert lane + 32 j already chosen
+  float chosen_sum = 0.f, my_p = 0.f;
+  int my_id = 0;
+  for (int s = 0; s < k; ++s) {
+    float bv = -CUDART_INF_F;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int e = lane + 32 * j;
+      // Lanes scan their experts in ascending order, so a strict > keeps the lower index among equals.
+      if (e < E && !(taken >> j & 1u) && (v[j] > bv || bi == 0x7fffffff)) {
+        bv = v[j];
+        bi = e;
+      }
+    }
+    warp_argmax(bv, bi);
+    if (bi % 32 == lane) taken |= 1u << (bi / 32);
+    const float p = expf(bv - mx) / sum;
+    chosen_sum += p;
+    if (lane == s) {
+      my_p = p;
+      my_id = bi;
+    }
+  }
+  if (lane < k) {
+    ids[lane] = my_id;
+    weights[lane] = renormalize ? my_p / chosen_sum : my_p;
+  }
+}
+
+template <int EPL>
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_route_kernel(const float* __restrict__ logits, int64_t ld, int T, int E, int k, bool renormalize,
+                     int32_t* __restrict__ ids, float* __restrict__ weights, int32_t* __restrict__ counts,
+                     int32_t* __restrict__ offsets, int32_t* __restrict__ order, int32_t* __restrict__ active) {
+  __shared__ int hist[kMoeMaxExperts], cursor[kMoeMaxExperts];
+  __shared__ uint8_t warp_hist[kWarps][kMoeMaxExperts];  // pairs of the chunk per (warp, expert): <= 32
+  pdl_enter();
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int e = tid; e < E; e += kThreads) hist[e] = 0;
+  for (int t = warp; t < T; t += kWarps)
+    topk_token<EPL>(logits + t * ld, E, k, renormalize, ids + t * k, weights + t * k);
+  __syncthreads();  // the ids written above are visible to the whole CTA from here
+  const int n = T * k;
+  for (int i = tid; i < n; i += kThreads) atomicAdd(&hist[ids[i]], 1);
+  __syncthreads();
+
+  if (warp == 0) {  // exclusive scans of the counts and of the has-rows flags; lane l owns a contiguous run
+    const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
+    int run = 0, run_active = 0;
+    for (int e = e0; e < e1; ++e) {
+      run += hist[e];
+      run_active += hist[e] > 0;
+    }
+    int incl = run, incl_active = run_active;
+    for (int m = 1; m < 32; m <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, incl, m), b = __shfl_up_sync(0xffffffffu, incl_active, m);
+      if (lane >= m) {
+        incl += a;
+        incl_active += b;
+      }
+    }
+    int off = incl - run, slot = incl_active - run_active;
+    for (int e = e0; e < e1; ++e) {
+      const int c = hist[e];
+      counts[e] = c;
+      offsets[e] = off;
+      cursor[e] = off;
+      if (c > 0) active[slot++] = e;
+      off += c;
+    }
+    if (lane == 31) {
+      offsets[E] = incl;
+      active[E] = incl_active;
+    }
+  }
+  __syncthreads();
+
+  const uint32_t lower = (1u << lane) - 1u;
+  for (int base = 0; base < n; base += kThreads) {
+    for (int i = tid; i < kWarps * E; i += kThreads) warp_hist[i / E][i % E] = 0;
+    __syncthreads();
+    const int i = base + tid;
+    const int e = i < n ? ids[i] : -1;
+    const uint32_t same = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(same & lower);
+    if (e >= 0 && rank == 0) warp_hist[warp][e] = static_cast<uint8_t>(__popc(same));
+    __syncthreads();
+    if (e >= 0) {
+      int before = 0;
+      for (int w = 0; w < warp; ++w) before += warp_hist[w][e];
+      order[cursor[e] + before + rank] = i;
+    }
+    __syncthreads();
+    for (int x = tid; x < E; x += kThreads) {
+      int add = 0;
+      for (int w = 0; w < kWarps; ++w) add += warp_hist[w][x];
+      cursor[x] += add;
+    }
+    __syncthreads();
+  }
+}
+
+template <int EPL>
+cudaError_t launch_epl(const float* logits, int64_t ld, int T, int E, int k, bool renormalize, int32_t* ids,
+                       float* weights, int32_t* counts, int32_t* offsets, int32_t* order, int32_t* active,
+                       cudaStream_t stream) {
+  return launch_kernel(moe_route_kernel<EPL>, dim3(1), dim3(kThreads), 0, stream, logits, ld, T, E, k, renormalize,
+                       ids, weights, counts, offsets, order, active);
+}
+
+}  // namespace
+
+cudaError_t launch_moe_route(const float* logits, int64_t ld_logits, int T, int E, int k, bool renormalize,
+                             int32_t* ids, float* weights, int32_t* counts, int32_t* offsets, int32_t* order,
+                             int32_t* active, cudaStream_t stream) {
+  if (T < 0 || E < 1 || E > kMoeMaxExperts || k < 1 || k > kMoeMaxTopK || k > E || ld_logits < E)
+    return cudaErrorInvalidValue;
+  const int epl = (E + 31) / 32;
+#define MINILLM_ROUTE(N) launch_epl<N>(logits, ld_logits, T, E, k, renormalize, ids, weights, counts, offsets, \
+                                       order, active, stream)
+  if (epl <= 1) return MINILLM_ROUTE(1);
+  if (epl <= 2) return MINILLM_ROUTE(2);
+  if (epl <= 4) return MINILLM_ROUTE(4);
+  if (epl <= 8) return MINILLM_ROUTE(8);
+  return MINILLM_ROUTE(16);
+#undef MINILLM_ROUTE
+}
+
+}  // namespace minillm
