@@ -1,0 +1,293 @@
+"""The fused MoE kernels (cuda/moe_routing.cu, cuda/moe_gemm.cu): their torch twins against the references, the
+coverage declaration against the C++ launchers, the execution plan's moe verdict, and on a GPU the kernels against
+their twins (zero-token experts, every token on one expert, NaN-poisoned buffers and untouched experts, CUDA-graph
+replays under new routing)."""
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.model.loader import resolve_arch
+from minillm.ops import build, moe_ops
+from minillm.ops.build import CUDA_DIR
+from test_plan import A100, CPU, H200, plan
+
+
+def _src(name: str) -> str:
+    return (CUDA_DIR / name).read_text()
+
+
+def _router_case(t, e, k, seed, rule=None):
+    g = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(t, e, generator=g)
+    if rule == "one":        # expert e - 1 wins every token by far
+        logits[:, e - 1] += 100.0
+    if rule == "ties":       # whole rows of equal logits, and equal pairs inside the others
+        logits[::3] = 0.5
+        logits[1::3, 1::2] = logits[1::3, 0::2][:, : logits[1::3, 1::2].shape[1]]
+    return logits
+
+
+# ---- torch twins (CPU) ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t,e,k", [(37, 8, 1), (37, 16, 4), (5, 128, 8), (64, 512, 8), (3, 4, 4)])
+def test_route_twin_is_route_without_ties(t, e, k, renormalize):
+    logits = _router_case(t, e, k, e + k)
+    want, got = moe_ops.route(logits, k, renormalize, weight_dtype=torch.float32), \
+        moe_ops.route_twin(logits, k, renormalize)
+    assert torch.equal(got.experts.long(), want.experts) and torch.equal(got.order.long(), want.order)
+    assert torch.equal(got.counts, want.counts) and torch.equal(got.offsets, want.offsets)
+    torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)
+    n = int(got.active[e])
+    assert n == int((want.counts > 0).sum()) and got.active[:n].tolist() == torch.nonzero(want.counts).flatten().tolist()
+
+
+def test_route_twin_breaks_ties_by_lower_index():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.0] * 5])
+    r = moe_ops.route_twin(logits, 3, True)
+    assert r.experts.tolist() == [[1, 2, 4], [0, 1, 2]]
+    torch.testing.assert_close(r.weights, torch.full((2, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("rule", [None, "one"])
+def test_experts_twin_matches_the_float64_reference(rule):
+    t, e, k, h, i = 13, 8, 2, 64, 32
+    g = torch.Generator().manual_seed(3)
+    x, router = torch.randn(t, h, generator=g), torch.randn(e, h, generator=g)
+    if rule == "one":
+        x, router[5] = x.abs(), 10.0
+    w13, w2 = 0.2 * torch.randn(e, 2 * i, h, generator=g), 0.2 * torch.randn(e, h, i, generator=g)
+    r = moe_ops.route_twin(F.linear(x, router), k, True)
+    if rule == "one":
+        assert r.counts[5] == t
+    act, pairs, out = moe_ops.experts_twin(x, w13, w2, r)
+    assert act.shape == (t * k, i) and pairs.shape == (t * k, h)
+    torch.testing.assert_close(out.double(), moe_ops.moe_reference(x, router, w13, w2, k, True), atol=1e-5, rtol=1e-5)
+
+
+def test_active_experts_lists_ids_then_their_number():
+    assert moe_ops.active_experts(torch.tensor([0, 3, 0, 1, 2], dtype=torch.int32)).tolist() == [1, 3, 4, 0, 0, 3]
+
+
+def test_fused_shape_reason_names_the_size():
+    assert moe_ops.fused_shape_reason(128, 8, 2048, 768) is None
+    assert moe_ops.fused_shape_reason(16, 4, 256, 128) is None
+    assert "num_experts=513" in moe_ops.fused_shape_reason(513, 8, 2048, 768)
+    assert "num_experts_per_tok=9" in moe_ops.fused_shape_reason(128, 9, 2048, 768)
+    assert "hidden_size=64" in moe_ops.fused_shape_reason(8, 2, 64, 128)
+    assert "moe_intermediate_size=48" in moe_ops.fused_shape_reason(8, 2, 256, 48)
+
+
+# ---- the declaration against the launchers (CPU) --------------------------------------------------------------
+
+def test_fused_declaration_matches_the_launchers():
+    h, route_cu, gemm_cu, bindings = _src("moe.h"), _src("moe_routing.cu"), _src("moe_gemm.cu"), _src("moe_bindings.cpp")
+    consts = {m[0]: int(m[1]) for m in re.findall(r"constexpr int (kMoe\w+) = (\d+);", h)}
+    assert consts == {"kMoeMaxExperts": moe_ops.MAX_EXPERTS, "kMoeMaxTopK": moe_ops.MAX_TOP_K,
+                      "kMoeTileK": moe_ops.TILE_K, "kMoeKWarps": moe_ops.K_WARPS, "kMoeGateCols": moe_ops.GATE_COLS,
+                      "kMoeDownCols": moe_ops.DOWN_COLS}
+    # the launchers refuse exactly the sizes fused_shape_reason names
+    assert "E > kMoeMaxExperts || k < 1 || k > kMoeMaxTopK || k > E" in route_cu
+    assert "H % kMoeTileK || H / kMoeTileK < kMoeKWarps || I % kMoeGateCols" in gemm_cu
+    assert "I % kMoeTileK || I / kMoeTileK < kMoeKWarps || H % kMoeDownCols" in gemm_cu
+    # dtypes: bf16 and fp16 experts, fp32 logits
+    assert "t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf" in bindings
+    assert set(moe_ops.FUSED_COVERAGE.dtypes) == {"bfloat16", "float16"}
+    assert "logits_in.scalar_type() == at::kFloat" in bindings
+    # sm_80 floor: mma.sync and cache hints, no sm_90-only body
+    for src in (route_cu, gemm_cu):
+        assert "__CUDA_ARCH__ >= 900" not in src
+    assert "mma16816" in gemm_cu and moe_ops.FUSED_COVERAGE.min_capability == (8, 0)
+    assert moe_ops.FUSED_COVERAGE.max_major is None and moe_ops.FUSED_COVERAGE.graph_safe
+
+
+def test_the_build_compiles_the_moe_sources():
+    from minillm.ops.build import extension_sources
+    names = {p.name for p in extension_sources()}
+    assert {"moe_routing.cu", "moe_gemm.cu", "moe_bindings.cpp"} <= names
+
+
+# ---- the execution plan (CPU, made-up GPUs) -------------------------------------------------------------------
+
+MOE = "qwen3-30b-a3b"
+
+
+@pytest.fixture
+def fake_extension(monkeypatch):
+    """The CUDA extension 'loads' (nothing is built): the plan's logic is what is tested."""
+    monkeypatch.setattr(build, "load_extension", lambda: object())
+
+
+@pytest.mark.usefixtures("fake_extension")
+def test_30b_a3b_on_an_h200_takes_the_fused_kernels_under_graphs():
+    p = plan(MOE, max_num_seqs=64)
+    assert p.moe.on and p.moe.max_rows == moe_ops.FUSED_MAX_TOKENS and p.cuda_graphs.on
+    assert p.model_kernels().moe_rows == moe_ops.FUSED_MAX_TOKENS
+    assert p.record()["plan"]["moe"] == {"on": True, "reason": p.moe.reason, "max_rows": p.moe.max_rows}
+    assert f"moe<={p.moe.max_rows}" in p.describe()
+
+
+@pytest.mark.usefixtures("fake_extension")
+def test_fp16_keeps_graphs_only_while_the_fused_kernels_take_every_captured_step():
+    assert plan(MOE, dtype="float16").cuda_graphs.on        # grouped_mm needs bf16; the fused kernels take fp16
+    big = plan(MOE, dtype="float16", max_num_seqs=moe_ops.FUSED_MAX_TOKENS + 1)
+    assert big.moe.on and not big.cuda_graphs.on and "float16" in big.cuda_graphs.reason
+    off = plan(MOE, dtype="float16", moe_kernels=False)
+    assert not off.moe.on and off.moe.reason == "kernels.moe=false" and off.model_kernels().moe_rows == 0
+    assert not off.cuda_graphs.on and "host" in off.cuda_graphs.reason
+    assert plan(MOE, moe_kernels=False).cuda_graphs.on       # bf16: grouped_mm is graph-safe by itself
+
+
+@pytest.mark.usefixtures("fake_extension")
+@pytest.mark.parametrize("kw,device,words", [
+    (dict(dtype="float32"), H200, "dtype float32"),
+    (dict(kernels="torch"), H200, "kernels.backend=torch"),
+    ({}, CPU, "runs on cpu"),
+])
+def test_the_moe_verdict_says_why_it_is_off(kw, device, words):
+    p = plan(MOE, device=device, **kw)
+    assert not p.moe.on and words in p.moe.reason and p.model_kernels().moe_rows == 0
+
+
+@pytest.mark.usefixtures("fake_extension")
+def test_an_a100_takes_the_fused_kernels_and_a_dense_model_has_none():
+    assert plan(MOE, device=A100).moe.on
+    dense = plan("qwen3-0.6b")
+    assert not dense.moe.on and "no mixture-of-experts" in dense.moe.reason
+
+
+@pytest.mark.usefixtures("fake_extension")
+def test_a_shape_the_kernels_refuse_stays_on_torch():
+    odd = dataclasses.replace(resolve_arch(MOE), moe_intermediate_size=48)
+    p = plan(MOE, arch=odd)
+    assert not p.moe.on and "moe_intermediate_size=48" in p.moe.reason
+
+
+# ---- the kernels on a GPU ---------------------------------------------------------------------------------------
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from minillm.ops.build import load_extension
+    load_extension()
+    reason = moe_ops.FUSED_COVERAGE.reason(dtype="bfloat16", capability=torch.cuda.get_device_capability())
+    if reason:
+        pytest.skip(reason)
+    return torch.device("cuda")
+
+
+ROUTE_CASES = [(1, 128, 8, None), (7, 8, 1, None), (64, 128, 8, None), (256, 128, 8, None), (33, 512, 8, None),
+               (40, 60, 3, None), (19, 16, 4, "one"), (30, 16, 4, "ties"), (0, 16, 2, None), (1100, 64, 2, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t,e,k,rule", ROUTE_CASES)
+def test_routing_kernel_matches_its_twin(t, e, k, rule, renormalize):
+    dev = _gpu()
+    logits = _router_case(t, e, k, t + e, rule).to(dev)
+    got, want = moe_ops.route_fused(logits, k, renormalize), moe_ops.route_twin(logits, k, renormalize)
+    assert got.experts.dtype == got.order.dtype == got.active.dtype == torch.int32 and got.weights.dtype == torch.float32
+    assert torch.equal(got.experts, want.experts), "top-k ids (ties: lower index first)"
+    assert torch.equal(got.counts, want.counts) and torch.equal(got.offsets, want.offsets)
+    assert torch.equal(got.order, want.order), "stable expert order"
+    n = int(want.active[e])
+    assert int(got.active[e]) == n and torch.equal(got.active[:n], want.active[:n])
+    torch.testing.assert_close(got.weights, want.weights, rtol=2e-6, atol=1e-7)
+
+
+SHAPES = [  # tokens, experts, top_k, hidden, intermediate, routing rule
+    (1, 128, 8, 2048, 768, None), (8, 128, 8, 2048, 768, None), (13, 16, 4, 256, 128, None),
+    (64, 128, 8, 2048, 768, None), (200, 16, 4, 256, 128, None), (40, 16, 2, 256, 128, "one"),
+    (3, 64, 1, 512, 256, None)]
+
+
+def _experts(e, h, i, dt, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return (0.05 * torch.randn(e, 2 * i, h, generator=g, device=dev)).to(dt), \
+        (0.05 * torch.randn(e, h, i, generator=g, device=dev)).to(dt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,e,k,h,i,rule", SHAPES)
+def test_expert_kernels_match_their_twin_and_read_only_touched_experts(t, e, k, h, i, rule, dtype):
+    dev = _gpu()
+    w13, w2 = _experts(e, h, i, dtype, dev, t + e)
+    x = torch.randn(t, h, device=dev).to(dtype)
+    r = moe_ops.route_fused(_router_case(t, e, k, t, rule).to(dev), k, True)
+    untouched = r.counts == 0
+    w13[untouched], w2[untouched] = float("nan"), float("nan")   # never to be read
+    n = t * k
+    act = torch.full((n, i), float("nan"), dtype=dtype, device=dev)
+    pairs = torch.full((n, h), float("nan"), device=dev)
+    out = torch.full((t, h), float("nan"), dtype=dtype, device=dev)
+    moe_ops.fused_experts(x, w13, w2, r, act=act, pairs=pairs, out=out)
+    want_act, want_pairs, want = moe_ops.experts_twin(x, w13, w2, r)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(act.float(), want_act, **tol)
+    torch.testing.assert_close(pairs, want_pairs, **tol)
+    torch.testing.assert_close(out.float(), want, **tol)
+    # and the whole layer against the float64 token-by-token reference of the torch path
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_fused_layer_matches_grouped_mm_path():
+    dev = _gpu()
+    if moe_ops.grouped_mm_unsupported_reason(dev, torch.bfloat16, 2048, 768) is not None:
+        pytest.skip(moe_ops.grouped_mm_unsupported_reason(dev, torch.bfloat16, 2048, 768))
+    t, e, k, h, i = 64, 128, 8, 2048, 768
+    w13, w2 = _experts(e, h, i, torch.bfloat16, dev, 1)
+    x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+    logits = _router_case(t, e, k, 9).to(dev)
+    fused = moe_ops.fused_experts(x, w13, w2, moe_ops.route_fused(logits, k, True))
+    torch_path = moe_ops.grouped_experts(x, w13, w2, moe_ops.route(logits, k, True, weight_dtype=x.dtype))
+    torch.testing.assert_close(fused.float(), torch_path.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_fused_path_replays_under_a_cuda_graph_with_new_routing():
+    """Captured once, replayed with logits that route differently (other counts, empty experts, everything on k
+    experts): each replay equals the eager result bit for bit (no count baked in, no atomics in the sums)."""
+    dev = _gpu()
+    t, e, k, h, i = 48, 32, 4, 256, 128
+    w13, w2 = _experts(e, h, i, torch.bfloat16, dev, 2)
+    x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+    logits = torch.randn(t, e, device=dev)
+
+    def step():
+        return moe_ops.fused_experts(x, w13, w2, moe_ops.route_fused(logits, k, True))
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    g = torch.Generator(device=dev).manual_seed(5)
+    for trial in range(4):
+        new = 2.0 * torch.randn(t, e, generator=g, device=dev)
+        if trial == 3:
+            new[:, :k] += 100.0
+        logits.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+        _, _, want = moe_ops.experts_twin(x, w13, w2, moe_ops.route_twin(logits, k, True))
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_the_bindings_refuse_bad_tensors_naming_them():
+    dev = _gpu()
+    with pytest.raises(ValueError, match="logits must be a CUDA float32"):
+        torch.ops.minillm.moe_route(torch.zeros(2, 8, device=dev, dtype=torch.bfloat16), 2, True)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        torch.ops.minillm.moe_route(torch.zeros(2, 8, device=dev), 9, True)
+    r = moe_ops.route_fused(torch.zeros(2, 8, device=dev), 2, True)
+    w13, w2 = _experts(8, 256, 48, torch.bfloat16, dev, 0)
+    with pytest.raises(ValueError, match="intermediate must be a multiple"):
+        moe_ops.fused_experts(torch.zeros(2, 256, device=dev, dtype=torch.bfloat16), w13, w2, r)
