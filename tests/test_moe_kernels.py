@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minillm.diagnostics.moe_check import router_logits
 from minillm.model.loader import resolve_arch
 from minillm.ops import build, moe_ops
 from minillm.ops.build import CUDA_DIR
@@ -19,23 +20,12 @@ def _src(name: str) -> str:
     return (CUDA_DIR / name).read_text()
 
 
-def _router_case(t, e, k, seed, rule=None):
-    g = torch.Generator().manual_seed(seed)
-    logits = 3.0 * torch.randn(t, e, generator=g)
-    if rule == "one":        # expert e - 1 wins every token by far
-        logits[:, e - 1] += 100.0
-    if rule == "ties":       # whole rows of equal logits, and equal pairs inside the others
-        logits[::3] = 0.5
-        logits[1::3, 1::2] = logits[1::3, 0::2][:, : logits[1::3, 1::2].shape[1]]
-    return logits
-
-
 # ---- torch twins (CPU) ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("t,e,k", [(37, 8, 1), (37, 16, 4), (5, 128, 8), (64, 512, 8), (3, 4, 4)])
 def test_route_twin_is_route_without_ties(t, e, k, renormalize):
-    logits = _router_case(t, e, k, e + k)
+    logits = router_logits(t, e, e + k, None)
     want, got = moe_ops.route(logits, k, renormalize, weight_dtype=torch.float32), \
         moe_ops.route_twin(logits, k, renormalize)
     assert torch.equal(got.experts.long(), want.experts) and torch.equal(got.order.long(), want.order)
@@ -188,7 +178,7 @@ ROUTE_CASES = [(1, 128, 8, None), (7, 8, 1, None), (64, 128, 8, None), (256, 128
 @pytest.mark.parametrize("t,e,k,rule", ROUTE_CASES)
 def test_routing_kernel_matches_its_twin(t, e, k, rule, renormalize):
     dev = _gpu()
-    logits = _router_case(t, e, k, t + e, rule).to(dev)
+    logits = router_logits(t, e, t + e, rule, dev)
     got, want = moe_ops.route_fused(logits, k, renormalize), moe_ops.route_twin(logits, k, renormalize)
     assert got.experts.dtype == got.order.dtype == got.active.dtype == torch.int32 and got.weights.dtype == torch.float32
     assert torch.equal(got.experts, want.experts), "top-k ids (ties: lower index first)"
@@ -218,7 +208,7 @@ def test_expert_kernels_match_their_twin_and_read_only_touched_experts(t, e, k, 
     dev = _gpu()
     w13, w2 = _experts(e, h, i, dtype, dev, t + e)
     x = torch.randn(t, h, device=dev).to(dtype)
-    r = moe_ops.route_fused(_router_case(t, e, k, t, rule).to(dev), k, True)
+    r = moe_ops.route_fused(router_logits(t, e, t, rule, dev), k, True)
     untouched = r.counts == 0
     w13[untouched], w2[untouched] = float("nan"), float("nan")   # never to be read
     n = t * k
@@ -243,7 +233,7 @@ def test_fused_layer_matches_grouped_mm_path():
     t, e, k, h, i = 64, 128, 8, 2048, 768
     w13, w2 = _experts(e, h, i, torch.bfloat16, dev, 1)
     x = torch.randn(t, h, device=dev).to(torch.bfloat16)
-    logits = _router_case(t, e, k, 9).to(dev)
+    logits = router_logits(t, e, 9, None, dev)
     fused = moe_ops.fused_experts(x, w13, w2, moe_ops.route_fused(logits, k, True))
     torch_path = moe_ops.grouped_experts(x, w13, w2, moe_ops.route(logits, k, True, weight_dtype=x.dtype))
     torch.testing.assert_close(fused.float(), torch_path.float(), atol=3e-2, rtol=3e-2)
@@ -291,3 +281,26 @@ def test_the_bindings_refuse_bad_tensors_naming_them():
     w13, w2 = _experts(8, 256, 48, torch.bfloat16, dev, 0)
     with pytest.raises(ValueError, match="intermediate must be a multiple"):
         moe_ops.fused_experts(torch.zeros(2, 256, device=dev, dtype=torch.bfloat16), w13, w2, r)
+
+
+# ---- check-kernels' MoE cases ---------------------------------------------------------------------------------
+
+def test_check_kernels_cases_cover_empty_experts_one_expert_ties_and_both_dtypes():
+    from minillm.diagnostics import moe_check
+    experts = list(moe_check.expert_cases(quick=True))
+    assert any(t * k < e for _, t, e, k, *_ in experts)                    # experts with zero tokens
+    assert any(rule == "one" and t > 32 for _, t, *_, rule in experts)    # one expert, several 32-row passes
+    assert any(k == 1 for _, _, _, k, *_ in experts)
+    assert any(rule == "ties" for *_, rule in moe_check.route_cases(quick=True))
+    one = router_logits(40, 16, 0, "one")
+    assert (one.argmax(-1) == 15).all()
+    ties = router_logits(6, 16, 0, "ties")
+    assert (ties[0] == 0.5).all() and torch.equal(ties[1, 1::2], ties[1, 0::2])
+
+
+@pytest.mark.gpu
+def test_check_kernels_moe_cases_pass():
+    _gpu()
+    from minillm.diagnostics.moe_check import run_moe_cases
+    rows = run_moe_cases(quick=False)
+    assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
