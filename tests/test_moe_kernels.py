@@ -304,3 +304,39 @@ def test_check_kernels_moe_cases_pass():
     from minillm.diagnostics.moe_check import run_moe_cases
     rows = run_moe_cases(quick=False)
     assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+
+
+# ---- scripts/moe_bench.py ---------------------------------------------------------------------------------------
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "moe_bench.py"
+    spec = importlib.util.spec_from_file_location("moe_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_moe_bench_refuses_without_a_gpu(monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    monkeypatch.setattr("sys.argv", ["moe_bench.py"])
+    assert _bench_module().main() == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_moe_bench_appends_a_line_per_path_and_token_count(tmp_path, monkeypatch):
+    _gpu()
+    if moe_ops.grouped_mm_unsupported_reason(torch.device("cuda"), torch.bfloat16, 2048, 768) is not None:
+        pytest.skip("the torch path needs torch._grouped_mm on this GPU")
+    import json
+    out = tmp_path / "moe.jsonl"
+    monkeypatch.setattr("sys.argv", ["moe_bench.py", "--out", str(out), "--tokens", "1,8", "--layers", "1",
+                                     "--replays", "3"])
+    assert _bench_module().main() == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["tokens"], x["impl"]) for x in lines] == [(1, "torch"), (1, "fused"), (8, "torch"), (8, "fused")]
+    assert all(x["layer_us"] > 0 and x["commit"] and x["fingerprint"] for x in lines)
+    assert lines[1]["touched_experts"] == 8 and lines[1]["rel_err_vs_torch"] < 3e-2
