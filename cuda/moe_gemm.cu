@@ -7,10 +7,11 @@
 // on the token count, so a CUDA graph captured for T tokens replays whatever the step's routing is.
 //
 // Register-direct mma.sync as in decode_gemm.cu: a warp owns 16 weight rows (A fragments loaded straight from
-// global memory, 16 bytes per lane and row per k32 block, two batches of kU blocks in flight) and a quarter of K
-// (kMoeKWarps warps along K, summed through shared memory); x rows are the mma's n side, in passes of 32 (four
-// n8 tiles; an expert with more rows re-reads its weights per pass, from L2 when they are still there). Rows of
-// a pass past the expert's count are loaded as its last row (in bounds) and never stored.
+// global memory, 16 bytes per lane and row per k32 block, two register batches in flight) and a 1 / KW share of
+// K; a CTA is 8 warps, RW row warps x KW = 8 / RW along K, summed through shared memory (Tile below). x rows are
+// the mma's n side, in passes of 8 NT rows (NT fixed by T: 1, 2 or 4 n8 tiles); an expert with more rows than a
+// pass re-reads its weights per pass, from L2 while they are still there. Rows of a pass past the expert's count
+// are loaded as its last row (in bounds) and never stored.
 //
 // gate_up: warp rows g are gate rows n0 + g and rows g + 8 the matching up rows, so each lane holds gate and up
 // of the same (row, column) after the K sum and SwiGLU is applied before the one store of act (bf16 / fp16).
@@ -27,12 +28,24 @@
 namespace minillm {
 namespace {
 
-constexpr int kWarps = 8, kThreads = 32 * kWarps, kRowWarps = kWarps / kMoeKWarps;
-constexpr int kBlockK = kMoeTileK, kMaxTiles = 4, kMaxPassRows = 8 * kMaxTiles;
-constexpr int kStride = 16 * kRowWarps + 4;  // floats per row of a K-slice tile (+4: conflict-free stores)
-constexpr int kSmemFloats = kMoeKWarps * kMaxPassRows * kStride;
+constexpr int kWarps = 8, kThreads = 32 * kWarps, kBlockK = kMoeTileK;
 
-static_assert(kRowWarps * 8 == kMoeGateCols && kRowWarps * 16 == kMoeDownCols, "CTA tile and moe.h disagree");
+// k32 blocks per register batch: 4 with up to two x tiles, 2 with four (as decode_gemm.cu's batch_blocks), so
+// that weights, x and the accumulators fit in 128 registers (two CTAs per SM) without spills.
+constexpr int batch_blocks(int nt) { return nt >= 4 ? 2 : 4; }
+
+// A CTA's shape: NT x tiles (8 NT rows) per pass; RW row warps (16 RW weight rows) x KW = 8 / RW warps along K.
+template <int NT_, int RW_>
+struct Tile {
+  static constexpr int NT = NT_, RW = RW_, KW = kWarps / RW, U = batch_blocks(NT), kRows = 8 * NT;
+  static constexpr int kStride = 16 * RW + 4;  // floats per row of a K-slice tile (+4: conflict-free stores)
+  static constexpr int kSmemFloats = KW * kRows * kStride;
+};
+
+// moe.h's limits are those of the two-row-warp tile (the one every shape can take); the one-row-warp gate_up
+// tile (twice the CTAs, for steps that touch few experts) runs only where K / kBlockK >= 8.
+static_assert(2 * 8 == kMoeGateCols && 2 * 16 == kMoeDownCols && kWarps / 2 == kMoeKWarps,
+              "CTA tile and moe.h disagree");
 
 template <typename T>
 struct Stream {
@@ -40,10 +53,6 @@ struct Stream {
   const T* w1;  // A-fragment row g + 8
   int n_kb;     // k32 blocks of this warp
 };
-
-// k32 blocks per register batch: 4 with up to two x tiles, 2 with four (as decode_gemm.cu's batch_blocks), so
-// that weights, x and the accumulators fit in 128 registers (two CTAs per SM) without spills.
-constexpr int batch_blocks(int nt) { return nt >= 4 ? 2 : 4; }
 
 template <typename T, int kU>
 __device__ __forceinline__ void load_batch(uint4 (&r)[kU][2], const Stream<T>& s, int b, uint64_t pol) {
@@ -81,14 +90,14 @@ __device__ __forceinline__ void compute_batch(float (&acc)[kTiles][4], const uin
   }
 }
 
-// One pass: the warp's 16 x 32 fp32 tile over its K range, then the CTA's kMoeKWarps slices into shared memory
-// as red[wk][m][col] (col = 16 wr + A-fragment row). Caller syncs before reading.
-template <typename T, int kTiles>
-__device__ __forceinline__ void pass_tile(const Stream<T>& s, const T* xc, const int (&xoff)[kTiles], int tiles,
+// One pass: the warp's 16 x 8 NT fp32 tile over its K range, then the CTA's KW slices into shared memory as
+// red[wk][m][col] (col = 16 wr + A-fragment row). Caller syncs before reading.
+template <typename T, class C>
+__device__ __forceinline__ void pass_tile(const Stream<T>& s, const T* xc, const int (&xoff)[C::NT], int tiles,
                                           float* red, uint64_t pol) {
-  constexpr int kU = batch_blocks(kTiles), kPassRows = 8 * kTiles;
+  constexpr int kTiles = C::NT, kU = C::U, kPassRows = C::kRows, kStride = C::kStride;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int wr = warp % kRowWarps, wk = warp / kRowWarps;
+  const int wr = warp % C::RW, wk = warp / C::RW;
   float acc[kTiles][4];
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -111,35 +120,36 @@ __device__ __forceinline__ void pass_tile(const Stream<T>& s, const T* xc, const
       mine[(8 * j + 2 * t + (e & 1)) * kStride + wr * 16 + g + 8 * (e >> 1)] = acc[j][e];
 }
 
-template <int kPassRows>
+template <class C>
 __device__ __forceinline__ float slice_sum(const float* red, int m, int col) {
   float v = 0.f;
 #pragma unroll
-  for (int q = 0; q < kMoeKWarps; ++q) v += red[(q * kPassRows + m) * kStride + col];
+  for (int q = 0; q < C::KW; ++q) v += red[(q * C::kRows + m) * C::kStride + col];
   return v;
 }
 
-// The warp's k32-block range: part wk of kMoeKWarps contiguous ranges of K / kBlockK blocks.
+// The warp's k32-block range: part wk of KW contiguous ranges of K / kBlockK blocks.
+template <class C>
 __device__ __forceinline__ void k_range(int K, int& kb0, int& n_kb) {
-  const int wk = (threadIdx.x / 32) / kRowWarps, total = K / kBlockK;
-  kb0 = wk * total / kMoeKWarps;
-  n_kb = (wk + 1) * total / kMoeKWarps - kb0;
+  const int wk = (threadIdx.x / 32) / C::RW, total = K / kBlockK;
+  kb0 = wk * total / C::KW;
+  n_kb = (wk + 1) * total / C::KW - kb0;
 }
 
-template <typename T, int NT>
+template <typename T, class C>
 __global__ void __launch_bounds__(kThreads, 2)
     moe_gate_up_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w13,
                        const int32_t* __restrict__ order, const int32_t* __restrict__ offsets,
                        const int32_t* __restrict__ active, int k, int E, int H, int I, T* __restrict__ act) {
-  constexpr int kPassRows = 8 * NT;
-  __shared__ __align__(16) float red[kSmemFloats];
+  constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 8 * C::RW;  // gate (and up) columns of the CTA
+  __shared__ __align__(16) float red[C::kSmemFloats];
   pdl_enter();  // the routing (previous kernel) decides which weights to read, so nothing moves before it ends
   if (static_cast<int>(blockIdx.y) >= active[E]) return;
   const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int wr = warp % kRowWarps, c0 = blockIdx.x * kMoeGateCols;
+  const int wr = warp % C::RW, c0 = blockIdx.x * kCols;
   int kb0, n_kb;
-  k_range(H, kb0, n_kb);
+  k_range<C>(H, kb0, n_kb);
   const T* we = w13 + static_cast<int64_t>(e) * 2 * I * H + kb0 * kBlockK + 8 * t;
   const Stream<T> s{we + static_cast<int64_t>(c0 + wr * 8 + g) * H, we + static_cast<int64_t>(I + c0 + wr * 8 + g) * H,
                     n_kb};
@@ -149,16 +159,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     int xoff[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) xoff[j] = order[row0 + p0 + min(8 * j + g, n - 1)] / k * static_cast<int>(ldx);
-    pass_tile<T, NT>(s, x + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
+    pass_tile<T, C>(s, x + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
     __syncthreads();
     // (m, pair of gate columns c, c + 1): SwiGLU of the K-summed gate and up, one 4-byte store.
-    for (int i = threadIdx.x; i < n * (kMoeGateCols / 2); i += kThreads) {
-      const int m = i / (kMoeGateCols / 2), c = 2 * (i % (kMoeGateCols / 2));
+    for (int i = threadIdx.x; i < n * (kCols / 2); i += kThreads) {
+      const int m = i / (kCols / 2), c = 2 * (i % (kCols / 2));
       float out[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = (c + h) / 8 * 16 + (c + h) % 8;  // A-row (c + h) % 8 of row warp (c + h) / 8
-        const float gate = slice_sum<kPassRows>(red, m, col), up = slice_sum<kPassRows>(red, m, col + 8);
+        const float gate = slice_sum<C>(red, m, col), up = slice_sum<C>(red, m, col + 8);
         out[h] = gate / (1.f + expf(-gate)) * up;
       }
       *reinterpret_cast<uint32_t*>(act + static_cast<int64_t>(row0 + p0 + m) * I + c0 + c) =
@@ -168,20 +178,20 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-template <typename T, int NT>
+template <typename T, class C>
 __global__ void __launch_bounds__(kThreads, 2)
     moe_down_kernel(const T* __restrict__ act, const T* __restrict__ w2, const float* __restrict__ weights,
                     const int32_t* __restrict__ order, const int32_t* __restrict__ offsets,
                     const int32_t* __restrict__ active, int E, int H, int I, float* __restrict__ pairs) {
-  constexpr int kPassRows = 8 * NT;
-  __shared__ __align__(16) float red[kSmemFloats];
+  constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 16 * C::RW;  // output columns of the CTA
+  __shared__ __align__(16) float red[C::kSmemFloats];
   pdl_enter();
   if (static_cast<int>(blockIdx.y) >= active[E]) return;
   const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int wr = warp % kRowWarps, n0 = blockIdx.x * kMoeDownCols;
+  const int wr = warp % C::RW, n0 = blockIdx.x * kCols;
   int kb0, n_kb;
-  k_range(I, kb0, n_kb);
+  k_range<C>(I, kb0, n_kb);
   const T* we = w2 + static_cast<int64_t>(e) * H * I + kb0 * kBlockK + 8 * t;
   const Stream<T> s{we + static_cast<int64_t>(n0 + wr * 16 + g) * I, we + static_cast<int64_t>(n0 + wr * 16 + g + 8) * I,
                     n_kb};
@@ -191,17 +201,17 @@ __global__ void __launch_bounds__(kThreads, 2)
     int xoff[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) xoff[j] = (row0 + p0 + min(8 * j + g, n - 1)) * I;
-    pass_tile<T, NT>(s, act + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
+    pass_tile<T, C>(s, act + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
     __syncthreads();
-    for (int i = threadIdx.x; i < n * (kMoeDownCols / 4); i += kThreads) {
-      const int m = i / (kMoeDownCols / 4), c = 4 * (i % (kMoeDownCols / 4));
+    for (int i = threadIdx.x; i < n * (kCols / 4); i += kThreads) {
+      const int m = i / (kCols / 4), c = 4 * (i % (kCols / 4));
       const int q = order[row0 + p0 + m];
       const float wq = weights[q];
       float4 v;
-      v.x = wq * slice_sum<kPassRows>(red, m, c);
-      v.y = wq * slice_sum<kPassRows>(red, m, c + 1);
-      v.z = wq * slice_sum<kPassRows>(red, m, c + 2);
-      v.w = wq * slice_sum<kPassRows>(red, m, c + 3);
+      v.x = wq * slice_sum<C>(red, m, c);
+      v.y = wq * slice_sum<C>(red, m, c + 1);
+      v.z = wq * slice_sum<C>(red, m, c + 2);
+      v.w = wq * slice_sum<C>(red, m, c + 3);
       *reinterpret_cast<float4*>(pairs + static_cast<int64_t>(q) * H + n0 + c) = v;
     }
     __syncthreads();
@@ -251,13 +261,22 @@ cudaError_t by_tiles(int T, ScalarType dtype, Args... args) {
   return half ? Launch<__half, 4>::run(args...) : Launch<__nv_bfloat16, 4>::run(args...);
 }
 
+// gate_up with one row warp (8 gate columns per CTA, K over 8 warps) where a step touches few experts (T <= 8):
+// twice the CTAs of the two-row-warp tile, so the few experts' weights spread over every SM (Qwen3-30B-A3B at
+// B = 1: 768 CTAs instead of 384 for 264 resident slots, 2.9 waves instead of 1.45).
+bool gate_up_one_row_warp(int T, int H) { return T <= 8 && H / kBlockK >= 8; }
+
 template <typename T, int NT>
 struct GateUp {
-  static cudaError_t run(dim3 grid, cudaStream_t stream, const void* x, int64_t ldx, const void* w13,
-                         const int32_t* order, const int32_t* offsets, const int32_t* active, int k, int E, int H,
-                         int I, void* act) {
-    return launch_kernel(moe_gate_up_kernel<T, NT>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(x), ldx,
-                         static_cast<const T*>(w13), order, offsets, active, k, E, H, I, static_cast<T*>(act));
+  static cudaError_t run(int rw, int cols, int slots, cudaStream_t stream, const void* x, int64_t ldx,
+                         const void* w13, const int32_t* order, const int32_t* offsets, const int32_t* active, int k,
+                         int E, int H, int I, void* act) {
+    auto kernel = moe_gate_up_kernel<T, Tile<NT, 2>>;
+    if constexpr (NT == 1) {
+      if (rw == 1) kernel = moe_gate_up_kernel<T, Tile<1, 1>>;
+    }
+    return launch_kernel(kernel, dim3(cols / (8 * rw), slots), dim3(kThreads), 0, stream, static_cast<const T*>(x),
+                         ldx, static_cast<const T*>(w13), order, offsets, active, k, E, H, I, static_cast<T*>(act));
   }
 };
 
@@ -266,7 +285,7 @@ struct Down {
   static cudaError_t run(dim3 grid, cudaStream_t stream, const void* act, const void* w2, const float* weights,
                          const int32_t* order, const int32_t* offsets, const int32_t* active, int E, int H, int I,
                          float* pairs) {
-    return launch_kernel(moe_down_kernel<T, NT>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(act),
+    return launch_kernel(moe_down_kernel<T, Tile<NT, 2>>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(act),
                          static_cast<const T*>(w2), weights, order, offsets, active, E, H, I, pairs);
   }
 };
@@ -281,8 +300,9 @@ cudaError_t launch_moe_gate_up(const void* x, int64_t ldx, const void* w13, cons
       reinterpret_cast<uintptr_t>(act) % 4)
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const dim3 grid(I / kMoeGateCols, expert_slots(T, k, E));
-  return by_tiles<GateUp>(T, dtype, grid, stream, x, ldx, w13, order, offsets, active, k, E, H, I, act);
+  const int rw = gate_up_one_row_warp(T, H) ? 1 : 2;
+  return by_tiles<GateUp>(T, dtype, rw, I, expert_slots(T, k, E), stream, x, ldx, w13, order, offsets, active, k, E,
+                          H, I, act);
 }
 
 cudaError_t launch_moe_down(const void* act, const void* w2, const float* weights, const int32_t* order,

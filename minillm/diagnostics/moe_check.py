@@ -43,6 +43,7 @@ def expert_cases(quick: bool):
         yield "a3b B=64", 64, 128, 8, 2048, 768, None
         yield "a3b B=256", 256, 128, 8, 2048, 768, None
         yield "E=16 k=4 B=13", 13, 16, 4, 256, 128, None
+        yield "H=128 (two row warps at T <= 8)", 5, 16, 2, 128, 128, None
 
 
 def router_logits(t: int, e: int, seed: int, rule: str | None, device="cpu"):
