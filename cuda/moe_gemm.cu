@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   int kb0, n_kb;
   k_range<C>(H, kb0, n_kb);
   const T* we = w13 + static_cast<int64_t>(e) * 2 * I * H + kb0 * kBlockK + 8 * t;
-  const Stream<T> s{we + static_cast<int64_t>(c0 + wr * 8 + g) * H, we + static_cast<int64_t>(I + c0 + wr * 8 + g) * H,
-                    n_kb};
+  const Stream<T> s{we + static_cast<int64_t>(c0 + wr * 8 + g) * H,  // gate row
+                    we + static_cast<int64_t>(I + c0 + wr * 8 + g) * H, n_kb};  // the matching up row
   const uint64_t pol = evict_first_policy();
   for (int p0 = 0; p0 < rows; p0 += kPassRows) {
     const int n = min(kPassRows, rows - p0), tiles = (n + 7) / 8;
@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   int kb0, n_kb;
   k_range<C>(I, kb0, n_kb);
   const T* we = w2 + static_cast<int64_t>(e) * H * I + kb0 * kBlockK + 8 * t;
-  const Stream<T> s{we + static_cast<int64_t>(n0 + wr * 16 + g) * I, we + static_cast<int64_t>(n0 + wr * 16 + g + 8) * I,
-                    n_kb};
+  const Stream<T> s{we + static_cast<int64_t>(n0 + wr * 16 + g) * I,
+                    we + static_cast<int64_t>(n0 + wr * 16 + g + 8) * I, n_kb};
   const uint64_t pol = evict_first_policy();
   for (int p0 = 0; p0 < rows; p0 += kPassRows) {
     const int n = min(kPassRows, rows - p0), tiles = (n + 7) / 8;

@@ -23,6 +23,8 @@ namespace minillm {
 }
 
 // 16 activation bytes through L1 (the CTAs and warps that share a row hit there).
-[[maybe_unused]] __device__ __forceinline__ uint4 ld_x(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+[[maybe_unused]] __device__ __forceinline__ uint4 ld_x(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
 
 }  // namespace minillm

@@ -32,7 +32,8 @@ def test_route_twin_is_route_without_ties(t, e, k, renormalize):
     assert torch.equal(got.counts, want.counts) and torch.equal(got.offsets, want.offsets)
     torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)
     n = int(got.active[e])
-    assert n == int((want.counts > 0).sum()) and got.active[:n].tolist() == torch.nonzero(want.counts).flatten().tolist()
+    assert n == int((want.counts > 0).sum())
+    assert got.active[:n].tolist() == torch.nonzero(want.counts).flatten().tolist()
 
 
 def test_route_twin_breaks_ties_by_lower_index():
@@ -74,7 +75,8 @@ def test_fused_shape_reason_names_the_size():
 # ---- the declaration against the launchers (CPU) --------------------------------------------------------------
 
 def test_fused_declaration_matches_the_launchers():
-    h, route_cu, gemm_cu, bindings = _src("moe.h"), _src("moe_routing.cu"), _src("moe_gemm.cu"), _src("moe_bindings.cpp")
+    h, route_cu, gemm_cu = _src("moe.h"), _src("moe_routing.cu"), _src("moe_gemm.cu")
+    bindings = _src("moe_bindings.cpp")
     consts = {m[0]: int(m[1]) for m in re.findall(r"constexpr int (kMoe\w+) = (\d+);", h)}
     assert consts == {"kMoeMaxExperts": moe_ops.MAX_EXPERTS, "kMoeMaxTopK": moe_ops.MAX_TOP_K,
                       "kMoeTileK": moe_ops.TILE_K, "kMoeKWarps": moe_ops.K_WARPS, "kMoeGateCols": moe_ops.GATE_COLS,
@@ -180,7 +182,8 @@ def test_routing_kernel_matches_its_twin(t, e, k, rule, renormalize):
     dev = _gpu()
     logits = router_logits(t, e, t + e, rule, dev)
     got, want = moe_ops.route_fused(logits, k, renormalize), moe_ops.route_twin(logits, k, renormalize)
-    assert got.experts.dtype == got.order.dtype == got.active.dtype == torch.int32 and got.weights.dtype == torch.float32
+    assert got.experts.dtype == got.order.dtype == got.active.dtype == torch.int32
+    assert got.weights.dtype == torch.float32
     assert torch.equal(got.experts, want.experts), "top-k ids (ties: lower index first)"
     assert torch.equal(got.counts, want.counts) and torch.equal(got.offsets, want.offsets)
     assert torch.equal(got.order, want.order), "stable expert order"
@@ -340,3 +343,46 @@ def test_moe_bench_appends_a_line_per_path_and_token_count(tmp_path, monkeypatch
     assert [(x["tokens"], x["impl"]) for x in lines] == [(1, "torch"), (1, "fused"), (8, "torch"), (8, "fused")]
     assert all(x["layer_us"] > 0 and x["commit"] and x["fingerprint"] for x in lines)
     assert lines[1]["touched_experts"] == 8 and lines[1]["rel_err_vs_torch"] < 3e-2
+
+
+# ---- the model --------------------------------------------------------------------------------------------------
+
+def test_the_plan_hands_the_model_its_fused_rows_and_torch_path_turns_them_off():
+    from minillm.attention.torch_backend import TorchAttentionBackend
+    from minillm.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+    from minillm.ops.choice import ModelKernels
+    model = Qwen3MoeForCausalLM(resolve_arch(MOE), TorchAttentionBackend(), dtype=torch.bfloat16, device="meta",
+                                kernels=ModelKernels(moe_rows=moe_ops.FUSED_MAX_TOKENS))
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == 48 and all(b.fused_rows == moe_ops.FUSED_MAX_TOKENS for b in blocks)
+    with model.torch_path():
+        assert all(b.fused_rows == 0 for b in blocks)
+    assert all(b.fused_rows == moe_ops.FUSED_MAX_TOKENS for b in blocks)
+    fp16 = Qwen3MoeForCausalLM(resolve_arch(MOE), TorchAttentionBackend(), dtype=torch.float16, device="meta",
+                               kernels=ModelKernels(moe_rows=moe_ops.FUSED_MAX_TOKENS))
+    assert fp16.graph_unsupported_reason() is None   # decode steps take the fused kernels, not the host loop
+
+
+@pytest.mark.gpu
+def test_the_moe_block_takes_the_fused_kernels_up_to_its_rows():
+    dev = _gpu()
+    from minillm.attention.torch_backend import TorchAttentionBackend
+    from minillm.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+    from minillm.ops.choice import ModelKernels
+    from minillm.model.arch import ModelArchConfig
+    arch = ModelArchConfig.from_hf_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4})
+    model = Qwen3MoeForCausalLM(arch, TorchAttentionBackend(), dtype=torch.bfloat16, device=dev,
+                                kernels=ModelKernels(moe_rows=8))
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    g = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g, device=dev))
+        for t in (8, 9):   # 8: the fused kernels; 9: above fused_rows, the grouped_mm / loop path
+            x = torch.randn(t, 256, generator=g, device=dev).to(torch.bfloat16)
+            want = moe_ops.moe_reference(x.float(), block.gate.weight, block.experts.gate_up_proj.float(),
+                                         block.experts.down_proj.float(), 4, arch.norm_topk_prob)
+            torch.testing.assert_close(block(x).double(), want, atol=3e-2, rtol=3e-2)

@@ -7,6 +7,8 @@ checkpoint layout (`Experts.checkpoint_targets`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,6 +95,20 @@ class Qwen3MoeForCausalLM(QwenForCausalLM):
         if layer_idx in self.arch.moe_layers:
             return SparseMoeBlock(self.arch, kernels, dtype=dtype, device=device)
         return None   # the dense Qwen3 MLP (mlp_only_layers, decoder_sparse_step)
+
+    @contextlib.contextmanager
+    def torch_path(self):
+        """QwenForCausalLM.torch_path, with the experts on the torch path too (not the fused MoE kernels)."""
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+        saved = [m.fused_rows for m in blocks]
+        for m in blocks:
+            m.fused_rows = 0
+        try:
+            with super().torch_path():
+                yield self
+        finally:
+            for m, rows in zip(blocks, saved):
+                m.fused_rows = rows
 
     def graph_unsupported_reason(self) -> str | None:
         """Why decode must not be captured in a CUDA graph: the experts' loop, which reads per-expert counts on

@@ -48,7 +48,7 @@ class Routing:
     """Which experts each token uses, and the expert-sorted order of the (token, slot) pairs."""
     weights: torch.Tensor    # [T, k], the activation dtype (HF casts the fp32 probabilities back); fused: fp32
     experts: torch.Tensor    # [T, k] int64 expert ids (fused: int32)
-    order: torch.Tensor      # [T * k] int64 (fused: int32): flat pair index (token * k + slot), sorted by expert, stable
+    order: torch.Tensor      # [T * k] int64 (fused: int32): pair index token * k + slot, sorted by expert, stable
     counts: torch.Tensor     # [E] int32 pairs routed to each expert
     offsets: torch.Tensor    # [E + 1] int32: expert e's rows are order[offsets[e]:offsets[e + 1]]
     # The fused kernels' routing only: [E + 1] int32, active[E] = experts with rows, active[:active[E]] their ids.
