@@ -2,7 +2,7 @@
 // moe_bindings.cpp turns tensors into these arguments, and minillm/ops/moe_ops.py mirrors the limits below in
 // COVERAGE and fused_shape_reason().
 //
-// The decode path of one MoE layer is four launches, all with fixed-size outputs and no host sync (graph-safe):
+// The decode path of one MoE layer is five launches (routing: two), all with fixed-size outputs and no host sync (graph-safe):
 //   route    logits [T, E] fp32 -> top-k ids and weights, per-expert counts / offsets, the expert-sorted order of
 //            the T*k (token, slot) pairs, and the list of experts that have rows
 //   gate_up  act[p] = silu(x[token(p)] Wg_e^T) * (x[token(p)] Wu_e^T) for each sorted pair p of expert e
@@ -28,7 +28,8 @@ constexpr int kMoeDownCols = 32;     // down: output columns per CTA: hidden mus
 // logits, top-k, divided by their sum when renormalize), counts [E], offsets [E + 1] (exclusive, offsets[E] =
 // T * k), order [T * k] (pair index t * k + s, grouped by expert ascending, pairs of one expert in pair order:
 // a stable sort), active [E + 1] (active[E] = how many experts have rows, active[0..] their ids ascending).
-// Top-k order: larger logit first, equal logits by lower expert index. One CTA. 1 <= k <= min(E,
+// Top-k order: larger logit first, equal logits by lower expert index. Two launches (top-k grid, grouping
+// CTA). 1 <= k <= min(E,
 // kMoeMaxTopK), 1 <= E <= kMoeMaxExperts, T >= 0. Returns cudaErrorInvalidValue outside these limits.
 cudaError_t launch_moe_route(const float* logits, int64_t ld_logits, int T, int E, int k, bool renormalize,
                              int32_t* ids, float* weights, int32_t* counts, int32_t* offsets, int32_t* order,

@@ -1,17 +1,17 @@
-// MoE routing in one CTA: softmax over each token's E router logits (fp32), its top-k, the renormalised
-// weights, then the per-expert counts, offsets, the expert-sorted (stable) order of the T*k pairs and the list of
-// experts that have rows. Everything the grouped expert GEMMs need, with outputs whose sizes depend only on T
-// (graph-safe: no host sync, nothing allocated per launch).
+// MoE routing: softmax over each token's E router logits (fp32), its top-k, the renormalised weights, then the
+// per-expert counts, offsets, the expert-sorted (stable) order of the T*k pairs and the list of experts that have
+// rows. Everything the grouped expert GEMMs need, with outputs whose sizes depend only on T (graph-safe: no host
+// sync, nothing allocated per launch).
 //
-// One CTA of 32 warps: the decode steps this runs for have T <= a few hundred tokens, so one CTA avoids a second
-// launch (or a grid-wide handoff) between the per-token top-k and the grouping, which needs every token's ids.
+// Two launches: the top-k over a grid of warps (a warp per token), then the grouping in one CTA, which needs
+// every token's ids (under PDL the second launch overlaps the first one's tail).
 //
-// Top-k: a warp per token, lane l holding logits l, l + 32, ... (EPL = ceil(E / 32) registers); k rounds of a
-// warp argmax. Order: larger logit first, equal logits by lower expert index (softmax is monotonic, so the
-// top-k of the logits is the top-k of the probabilities; choosing on the logits never meets a tie that softmax
-// rounding created). torch.topk leaves the order of equal values unspecified (on CPU it is not by index), so
-// on exact ties this is a defined choice, not torch's; the probabilities are expf(l - max) / sum as
-// torch.softmax computes them, the sums in another order (last-bit differences).
+// Top-k: lane l holds logits l, l + 32, ... (EPL = ceil(E / 32) registers); k rounds of a warp argmax. Order:
+// larger logit first, equal logits by lower expert index (softmax is monotonic, so the top-k of the logits is the
+// top-k of the probabilities; choosing on the logits never meets a tie that softmax rounding created).
+// torch.topk leaves the order of equal values unspecified (on CPU it is not by index), so on exact ties this is
+// a defined choice, not torch's; the probabilities are expf(l - max) / sum as torch.softmax computes them, the
+// sums in another order (last-bit differences).
 //
 // Grouping: counts by shared-memory atomics (a count does not depend on the order of the adds), a warp scan for
 // offsets and the active list, then a stable counting sort in chunks of 1024 pairs: within a warp,
@@ -26,7 +26,8 @@
 namespace minillm {
 namespace {
 
-constexpr int kThreads = 1024, kWarps = kThreads / 32;
+constexpr int kThreads = 1024, kWarps = kThreads / 32;  // the grouping CTA
+constexpr int kTopkWarps = 8;                            // tokens per CTA of the top-k grid
 
 // (value, index) argmax of a warp: larger value wins, equal values go to the lower index.
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
@@ -92,18 +93,23 @@ __device__ void topk_token(const float* row, int E, int k, bool renormalize, int
 }
 
 template <int EPL>
+__global__ void __launch_bounds__(32 * kTopkWarps)
+    moe_topk_kernel(const float* __restrict__ logits, int64_t ld, int T, int E, int k, bool renormalize,
+                    int32_t* __restrict__ ids, float* __restrict__ weights) {
+  pdl_enter();
+  const int t = blockIdx.x * kTopkWarps + threadIdx.x / 32;
+  if (t < T) topk_token<EPL>(logits + t * ld, E, k, renormalize, ids + t * k, weights + t * k);
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_route_kernel(const float* __restrict__ logits, int64_t ld, int T, int E, int k, bool renormalize,
-                     int32_t* __restrict__ ids, float* __restrict__ weights, int32_t* __restrict__ counts,
+    moe_group_kernel(const int32_t* __restrict__ ids, int T, int E, int k, int32_t* __restrict__ counts,
                      int32_t* __restrict__ offsets, int32_t* __restrict__ order, int32_t* __restrict__ active) {
   __shared__ int hist[kMoeMaxExperts], cursor[kMoeMaxExperts];
   __shared__ uint8_t warp_hist[kWarps][kMoeMaxExperts];  // pairs of the chunk per (warp, expert): <= 32
-  pdl_enter();
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   for (int e = tid; e < E; e += kThreads) hist[e] = 0;
-  for (int t = warp; t < T; t += kWarps)
-    topk_token<EPL>(logits + t * ld, E, k, renormalize, ids + t * k, weights + t * k);
-  __syncthreads();  // the ids written above are visible to the whole CTA from here
+  pdl_enter();  // ids come from the top-k grid
+  __syncthreads();
   const int n = T * k;
   for (int i = tid; i < n; i += kThreads) atomicAdd(&hist[ids[i]], 1);
   __syncthreads();
@@ -165,11 +171,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <int EPL>
-cudaError_t launch_epl(const float* logits, int64_t ld, int T, int E, int k, bool renormalize, int32_t* ids,
-                       float* weights, int32_t* counts, int32_t* offsets, int32_t* order, int32_t* active,
-                       cudaStream_t stream) {
-  return launch_kernel(moe_route_kernel<EPL>, dim3(1), dim3(kThreads), 0, stream, logits, ld, T, E, k, renormalize,
-                       ids, weights, counts, offsets, order, active);
+cudaError_t launch_topk(const float* logits, int64_t ld, int T, int E, int k, bool renormalize, int32_t* ids,
+                        float* weights, cudaStream_t stream) {
+  return launch_kernel(moe_topk_kernel<EPL>, dim3((T + kTopkWarps - 1) / kTopkWarps), dim3(32 * kTopkWarps), 0,
+                       stream, logits, ld, T, E, k, renormalize, ids, weights);
 }
 
 }  // namespace
@@ -180,14 +185,16 @@ cudaError_t launch_moe_route(const float* logits, int64_t ld_logits, int T, int 
   if (T < 0 || E < 1 || E > kMoeMaxExperts || k < 1 || k > kMoeMaxTopK || k > E || ld_logits < E)
     return cudaErrorInvalidValue;
   const int epl = (E + 31) / 32;
-#define MINILLM_ROUTE(N) launch_epl<N>(logits, ld_logits, T, E, k, renormalize, ids, weights, counts, offsets, \
-                                       order, active, stream)
-  if (epl <= 1) return MINILLM_ROUTE(1);
-  if (epl <= 2) return MINILLM_ROUTE(2);
-  if (epl <= 4) return MINILLM_ROUTE(4);
-  if (epl <= 8) return MINILLM_ROUTE(8);
-  return MINILLM_ROUTE(16);
-#undef MINILLM_ROUTE
+  cudaError_t err = cudaSuccess;
+  if (T > 0) {
+#define MINILLM_TOPK(N) launch_topk<N>(logits, ld_logits, T, E, k, renormalize, ids, weights, stream)
+    err = epl <= 1 ? MINILLM_TOPK(1) : epl <= 2 ? MINILLM_TOPK(2) : epl <= 4 ? MINILLM_TOPK(4)
+        : epl <= 8 ? MINILLM_TOPK(8) : MINILLM_TOPK(16);
+#undef MINILLM_TOPK
+  }
+  if (err != cudaSuccess) return err;
+  return launch_kernel(moe_group_kernel, dim3(1), dim3(kThreads), 0, stream, ids, T, E, k, counts, offsets, order,
+                       active);
 }
 
 }  // namespace minillm

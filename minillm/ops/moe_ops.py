@@ -12,7 +12,7 @@ Two torch paths compute the experts:
   the counts on the host: never inside a CUDA graph (`grouped_mm_unsupported_reason` says when that path runs).
 
 And minillm's fused kernels for decode-sized steps (cuda/moe_routing.cu, cuda/moe_gemm.cu; the execution plan
-puts a model on them, minillm/runner/plan.py): `route_fused` (one launch: softmax, top-k, renormalise, counts,
+puts a model on them, minillm/runner/plan.py): `route_fused` (two launches: softmax, top-k, renormalise, counts,
 offsets, the stable expert order and the list of experts with rows) and `fused_experts` (gate_up with SwiGLU,
 down with the routing weight, a fixed-order combine: three launches over the touched experts only, each
 expert's weights read once). Graph-safe: every size depends on the token count alone. Their torch twins are
