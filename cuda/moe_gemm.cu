@@ -9,7 +9,7 @@
 // Register-direct mma.sync as in decode_gemm.cu: a warp owns 16 weight rows (A fragments loaded straight from
 // global memory, 16 bytes per lane and row per k32 block, two register batches in flight) and a 1 / KW share of
 // K; a CTA is 8 warps, RW row warps x KW = 8 / RW along K, summed through shared memory (Tile below). x rows are
-// the mma's n side, in passes of 8 NT rows (NT fixed by T: 1, 2 or 4 n8 tiles); an expert with more rows than a
+// the mma's n side, in passes of 8 NT rows (NT: 1, 2 or 4 n8 tiles, pass_tiles); an expert with more rows than a
 // pass re-reads its weights per pass, from L2 while they are still there. Rows of a pass past the expert's count
 // are loaded as its last row (in bounds) and never stored.
 //
@@ -250,14 +250,22 @@ bool gemm_ok(int T, int k, int E, int H, int I) {
          int64_t(T) * k * std::max(H, I) < (int64_t(1) << 31);
 }
 
-// x tiles per pass: an expert has at most T rows (a token picks an expert once), so a step of T <= 8 tokens
-// needs one n8 tile and T <= 16 two; the rest take four (32 rows per pass). Fixed by T: graph-safe.
+// x tiles per pass (NT), fixed by the step's sizes alone (graph-safe). An expert has at most T rows (a token
+// picks an expert once): T <= 8 needs one n8 tile, T <= 16 two. Above, two while the mean rows per expert T k / E
+// is at most 6 (16 rows is then more than 4 standard deviations above it under uniform routing: Qwen3-30B-A3B at
+// B = 64 has 4 on average), else four. Two tiles keep twice the weight bytes in flight per warp (batch_blocks);
+// an expert with more rows than a pass takes more passes (correct, and rare).
+int pass_tiles(int T, int k, int E) {
+  if (T <= 8) return 1;
+  return T <= 16 || int64_t(T) * k <= int64_t(6) * E ? 2 : 4;
+}
+
 template <template <typename, int> class Launch, typename... Args>
-cudaError_t by_tiles(int T, ScalarType dtype, Args... args) {
+cudaError_t by_tiles(int nt, ScalarType dtype, Args... args) {
   const bool half = dtype == ScalarType::kFloat16;
   if (dtype != ScalarType::kBFloat16 && !half) return cudaErrorInvalidValue;
-  if (T <= 8) return half ? Launch<__half, 1>::run(args...) : Launch<__nv_bfloat16, 1>::run(args...);
-  if (T <= 16) return half ? Launch<__half, 2>::run(args...) : Launch<__nv_bfloat16, 2>::run(args...);
+  if (nt == 1) return half ? Launch<__half, 1>::run(args...) : Launch<__nv_bfloat16, 1>::run(args...);
+  if (nt == 2) return half ? Launch<__half, 2>::run(args...) : Launch<__nv_bfloat16, 2>::run(args...);
   return half ? Launch<__half, 4>::run(args...) : Launch<__nv_bfloat16, 4>::run(args...);
 }
 
@@ -301,8 +309,8 @@ cudaError_t launch_moe_gate_up(const void* x, int64_t ldx, const void* w13, cons
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   const int rw = gate_up_one_row_warp(T, H) ? 1 : 2;
-  return by_tiles<GateUp>(T, dtype, rw, I, expert_slots(T, k, E), stream, x, ldx, w13, order, offsets, active, k, E,
-                          H, I, act);
+  return by_tiles<GateUp>(pass_tiles(T, k, E), dtype, rw, I, expert_slots(T, k, E), stream, x, ldx, w13, order,
+                          offsets, active, k, E, H, I, act);
 }
 
 cudaError_t launch_moe_down(const void* act, const void* w2, const float* weights, const int32_t* order,
@@ -313,7 +321,8 @@ cudaError_t launch_moe_down(const void* act, const void* w2, const float* weight
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   const dim3 grid(H / kMoeDownCols, expert_slots(T, k, E));
-  return by_tiles<Down>(T, dtype, grid, stream, act, w2, weights, order, offsets, active, E, H, I, pairs);
+  return by_tiles<Down>(pass_tiles(T, k, E), dtype, grid, stream, act, w2, weights, order, offsets, active, E, H, I,
+                        pairs);
 }
 
 cudaError_t launch_moe_combine(const float* pairs, int T, int k, int H, void* y, int64_t ldy, ScalarType dtype,

@@ -9,7 +9,7 @@ Expert GEMMs (cuda/moe_gemm.cu): act, the weighted per-pair rows and the combine
 as the largest error relative to the largest reference value. The buffers the kernels write start as NaN, and so
 does every weight of the experts no token is routed to: a kernel that reads an unwritten row or an untouched
 expert shows as NaN (a non-finite error fails). Cases: experts with zero tokens (B = 1 over 128 experts), every
-token on one expert (several 32-row passes), top-1, bf16 and fp16.
+token on one expert (several passes), more rows per expert than a 32-row pass, top-1, bf16 and fp16.
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def expert_cases(quick: bool):
     """(label, tokens, experts, top_k, hidden, intermediate, rule)."""
     yield "a3b B=1 (120 empty experts)", 1, 128, 8, 2048, 768, None
     yield "a3b B=8", 8, 128, 8, 2048, 768, None
-    yield "all-on-one (2 passes)", 40, 16, 2, 256, 128, "one"
+    yield "all-on-one (16-row passes)", 40, 16, 2, 256, 128, "one"
     yield "top1", 3, 64, 1, 512, 256, None
+    yield "E=16 k=4 B=200 (32-row passes)", 200, 16, 4, 256, 128, None
     if not quick:
         yield "a3b B=64", 64, 128, 8, 2048, 768, None
         yield "a3b B=256", 256, 128, 8, 2048, 768, None
