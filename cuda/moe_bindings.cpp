@@ -179,6 +179,22 @@ void moe_combine(const Tensor& pairs, int64_t top_k, const Tensor& out) {
                "moe_combine");
 }
 
+// Meta implementations: the output shapes without running anything (torch.compile); the expert ops write only
+// into their buffers.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route_meta(const Tensor& logits, int64_t top_k,
+                                                                          bool) {
+  const int64_t t = logits.size(0), e = logits.size(1);
+  const auto i32 = logits.options().dtype(at::kInt);
+  return {at::empty({t, top_k}, i32), at::empty({t, top_k}, logits.options().dtype(at::kFloat)),
+          at::empty({e}, i32), at::empty({e + 1}, i32), at::empty({t * top_k}, i32), at::empty({e + 1}, i32)};
+}
+
+void moe_gate_up_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                      const Tensor&) {}
+void moe_down_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                   const Tensor&) {}
+void moe_combine_meta(const Tensor&, int64_t, const Tensor&) {}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minillm, m) {
@@ -195,4 +211,11 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("moe_gate_up", &moe_gate_up);
   m.impl("moe_down", &moe_down);
   m.impl("moe_combine", &moe_combine);
+}
+
+TORCH_LIBRARY_IMPL(minillm, Meta, m) {
+  m.impl("moe_route", &moe_route_meta);
+  m.impl("moe_gate_up", &moe_gate_up_meta);
+  m.impl("moe_down", &moe_down_meta);
+  m.impl("moe_combine", &moe_combine_meta);
 }
