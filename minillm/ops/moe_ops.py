@@ -59,7 +59,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
           weight_dtype: torch.dtype | None = None) -> Routing:
     """Softmax in fp32 over the experts, the top-k of it, renormalised to sum 1 when `renormalize`
     (norm_topk_prob), then the per-expert counts and offsets. router_logits [T, E]; the routing weights are
-    returned in weight_dtype (default: the logits' dtype)."""
+    returned in weight_dtype (default: the logits' dtype). Exactly equal probabilities come out in torch.topk's
+    order, which torch leaves unspecified (on CPU it is not by index), as in transformers; the routing kernel
+    picks the lower expert index (route_twin)."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
