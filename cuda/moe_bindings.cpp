@@ -84,7 +84,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route(const Tenso
 }
 
 void moe_gate_up(const Tensor& x_in, const Tensor& w13, const Tensor& order, const Tensor& offsets,
-                 const Tensor& active, int64_t top_k, const Tensor& act) {
+                 const Tensor& active, int64_t top_k, Tensor& act) {
   MINILLM_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [tokens, hidden], got ", x_in.sizes());
   const minillm::ScalarType dtype = expert_dtype(x_in, "x");
   const Tensor x = x_in.stride(1) == 1 && x_in.stride(0) % 8 == 0 && aligned16(x_in) ? x_in : x_in.contiguous();
@@ -118,7 +118,7 @@ void moe_gate_up(const Tensor& x_in, const Tensor& w13, const Tensor& order, con
 }
 
 void moe_down(const Tensor& act, const Tensor& w2, const Tensor& weights, const Tensor& order,
-              const Tensor& offsets, const Tensor& active, int64_t top_k, const Tensor& pairs) {
+              const Tensor& offsets, const Tensor& active, int64_t top_k, Tensor& pairs) {
   MINILLM_CHECK(act.is_cuda() && act.dim() == 2 && act.is_contiguous() && aligned16(act),
                 "act must be a contiguous, 16-byte aligned CUDA tensor [pairs, intermediate], got ", act.sizes());
   const minillm::ScalarType dtype = expert_dtype(act, "act");
@@ -156,7 +156,7 @@ void moe_down(const Tensor& act, const Tensor& w2, const Tensor& weights, const 
                "moe_down");
 }
 
-void moe_combine(const Tensor& pairs, int64_t top_k, const Tensor& out) {
+void moe_combine(const Tensor& pairs, int64_t top_k, Tensor& out) {
   MINILLM_CHECK(pairs.is_cuda() && pairs.scalar_type() == at::kFloat && pairs.dim() == 2 && pairs.is_contiguous() &&
                     aligned16(pairs),
                 "pairs must be a contiguous, 16-byte aligned CUDA float32 tensor [tokens * top_k, hidden], got ",
@@ -190,10 +190,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route_meta(const 
 }
 
 void moe_gate_up_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
-                      const Tensor&) {}
+                      Tensor&) {}
 void moe_down_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
-                   const Tensor&) {}
-void moe_combine_meta(const Tensor&, int64_t, const Tensor&) {}
+                   Tensor&) {}
+void moe_combine_meta(const Tensor&, int64_t, Tensor&) {}
 
 }  // namespace
 
