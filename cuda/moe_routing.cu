@@ -6,7 +6,8 @@
 // Two launches: the top-k over a grid of warps (a warp per token), then the grouping in one CTA, which needs
 // every token's ids (under PDL the second launch overlaps the first one's tail).
 //
-// Top-k: lane l holds logits l, l + 32, ... (EPL = ceil(E / 32) registers); k rounds of a warp argmax. Order:
+// Top-k: lane l holds logits l, l + 32, ... (EPL = ceil(E / 32) registers); k rounds of a warp argmax (two
+// redux.sync on order-preserving integer keys). Order:
 // larger logit first, equal logits by lower expert index (softmax is monotonic, so the top-k of the logits is the
 // top-k of the probabilities; choosing on the logits never meets a tie that softmax rounding created).
 // torch.topk leaves the order of equal values unspecified (on CPU it is not by index), so on exact ties this is
@@ -29,61 +30,60 @@ namespace {
 constexpr int kThreads = 1024, kWarps = kThreads / 32;  // the grouping CTA
 constexpr int kTopkWarps = 8;                            // tokens per CTA of the top-k grid
 
-// (value, index) argmax of a warp: larger value wins, equal values go to the lower index.
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, m);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, m);
-    if (ov > v || (ov == v && oi < i)) {
-      v = ov;
-      i = oi;
-    }
-  }
+// fp32 -> uint32 with the same order (for redux.sync, which compares integers). -0 is made +0 first, so the two
+// zeros are one value, as float comparison has them; NaN never gets here.
+__device__ __forceinline__ uint32_t ordered_key(float f) {
+  const uint32_t u = __float_as_uint(f + 0.f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
 template <int EPL>
 __device__ void topk_token(const float* row, int E, int k, bool renormalize, int32_t* ids, float* weights) {
   const int lane = threadIdx.x % 32;
   float v[EPL];
+  uint32_t key[EPL];  // 0: not a candidate (chosen already, or past E); every real logit's key is above 0
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     const int e = lane + 32 * j;
     const float l = e < E ? row[e] : -CUDART_INF_F;
     v[j] = l != l ? -CUDART_INF_F : l;  // a NaN logit ranks last, so every chosen id stays a real expert
+    key[j] = e < E ? ordered_key(v[j]) : 0u;
   }
-  float mx = -CUDART_INF_F;
-#pragma unroll
-  for (int j = 0; j < EPL; ++j) mx = fmaxf(mx, v[j]);
-  mx = warp_max_xor(mx, 1, 32);
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < EPL; ++j)
-    if (lane + 32 * j < E) sum += expf(v[j] - mx);
-  sum = warp_sum_xor(sum, 1, 32);
-
-  uint32_t taken = 0;  // bit j: expert lane + 32 j already chosen
-  float chosen_sum = 0.f, my_p = 0.f;
+  // Each round: the warp's largest key (one redux.sync), then the lowest expert index holding it (another): the
+  // lanes scan their experts in ascending order and keep the first of equal keys, so ties go to the lower index.
+  float mx = 0.f, sum = 0.f, chosen_sum = 0.f, my_p = 0.f;
   int my_id = 0;
   for (int s = 0; s < k; ++s) {
-    float bv = -CUDART_INF_F;
-    int bi = 0x7fffffff;
+    uint32_t best = 0;
+    int bj = 0;
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      const int e = lane + 32 * j;
-      // Lanes scan their experts in ascending order, so a strict > keeps the lower index among equals.
-      if (e < E && !(taken >> j & 1u) && (v[j] > bv || bi == 0x7fffffff)) {
-        bv = v[j];
-        bi = e;
+    for (int j = 0; j < EPL; ++j)
+      if (key[j] > best) {
+        best = key[j];
+        bj = j;
       }
+    const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+    const int id = static_cast<int>(
+        __reduce_min_sync(0xffffffffu, best == top ? static_cast<uint32_t>(lane + 32 * bj) : 0xffffffffu));
+#pragma unroll
+    for (int j = 0; j < EPL; ++j)
+      if (lane + 32 * j == id) key[j] = 0u;
+    if (s == 0) {  // the largest logit: the softmax's max, then its denominator
+      mx = key_value(top);
+#pragma unroll
+      for (int j = 0; j < EPL; ++j)
+        if (lane + 32 * j < E) sum += expf(v[j] - mx);
+      sum = warp_sum_xor(sum, 1, 32);
     }
-    warp_argmax(bv, bi);
-    if (bi % 32 == lane) taken |= 1u << (bi / 32);
-    const float p = expf(bv - mx) / sum;
+    const float p = expf(key_value(top) - mx) / sum;
     chosen_sum += p;
     if (lane == s) {
       my_p = p;
-      my_id = bi;
+      my_id = id;
     }
   }
   if (lane < k) {
