@@ -208,8 +208,8 @@ def active_experts(counts: torch.Tensor) -> torch.Tensor:
 
 def route_twin(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     """The routing kernel's torch twin: route() with the kernel's rule on equal logits (lower index first, by a
-    stable sort of the logits) and its int32 / fp32 outputs. NaN logits aside: torch sorts them first, the kernel
-    ranks them last (a NaN router output makes every weight of that token NaN either way). Entries of `active` past its count are not compared
+    stable sort of the logits) and its int32 / fp32 outputs. NaN logits aside: the kernel takes a NaN logit as -inf
+    (probability 0, ranked last, so every id stays a real expert), torch's softmax makes the token's weights NaN. Entries of `active` past its count are not compared
     (the kernel leaves them unwritten); use `active_experts` for the defined part."""
     logits = router_logits.float()
     probs = F.softmax(logits, dim=-1)
