@@ -31,6 +31,7 @@
 #include "common.cuh"
 #include "decode_gemm.h"
 #include "launch.h"
+#include "weight_stream.cuh"
 
 namespace minillm {
 namespace {
@@ -53,23 +54,6 @@ struct Cfg {
   // Shared memory of the partial tiles: KW x MT x (BN + 4) floats with KW * BN = 128 (+4: conflict-free stores).
   static constexpr int smem_bytes(int rw) { return (kWarps / rw) * MT * (16 * rw + 4) * 4; }
 };
-
-[[maybe_unused]] __device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// 16 weight bytes: read once per decode step, so no L1 allocation and first out of L2.
-[[maybe_unused]] __device__ __forceinline__ uint4 ld_weight(const void* p, uint64_t policy) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(policy));
-  return v;
-}
-
-[[maybe_unused]] __device__ __forceinline__ uint4 ld_x(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 [[maybe_unused]] __device__ __forceinline__ float4 ld_cluster_f4(const float* local, uint32_t rank) {
   uint32_t remote;

@@ -147,6 +147,7 @@ class KernelConfig:
     backend: str = "auto"             # auto (minillm's CUDA kernels on a GPU when they build) | cuda | torch
     skinny_gemm: bool = True          # decode-sized linear layers on the skinny GEMM where it beats cuBLAS
     decode_gemm: bool = True          # ... and on the decode GEMM where it measured faster than both (it goes first)
+    moe: bool = True                  # decode-sized mixture-of-experts steps on the fused routing + expert kernels
     # Split-K of the decode attention kernel: cut every sequence into as many partitions as keep the grid within
     # decode_ctas_per_sm CTAs per SM, and at least decode_min_partitions (minillm/ops/attention_ops.py).
     decode_min_partitions: int = 1
@@ -290,7 +291,7 @@ class EngineConfig:
         "seed": ("runtime", "seed"), "check_integrity": ("runtime", "check_integrity"),
         "async_scheduling": ("runtime", "async_scheduling"), "kv_cache_dtype": ("cache", "kv_cache_dtype"),
         "kernels": ("kernels", "backend"), "skinny_gemm": ("kernels", "skinny_gemm"),
-        "decode_gemm": ("kernels", "decode_gemm"),
+        "decode_gemm": ("kernels", "decode_gemm"), "moe_kernels": ("kernels", "moe"),
         "decode_min_partitions": ("kernels", "decode_min_partitions"),
         "decode_ctas_per_sm": ("kernels", "decode_ctas_per_sm"), "megakernel": ("kernels", "megakernel"),
         "megakernel_max_batch": ("kernels", "megakernel_max_batch"),

@@ -1,6 +1,7 @@
 """Diagnostics above the model: the cases behind `minillm check-kernels` (kernel_check.py: the attention kernels;
-megakernel_check.py: the persistent decode kernel against the model's torch path) and the helpers that turn the
-ops' plain-torch test batches into engine metadata. minillm/ops/ only wraps kernels and imports none of this."""
+megakernel_check.py: the persistent decode kernel against the model's torch path; moe_check.py: the fused MoE
+kernels against their torch twins) and the helpers that turn the ops' plain-torch test batches into engine
+metadata. minillm/ops/ only wraps kernels and imports none of this."""
 from __future__ import annotations
 
 from minillm.attention.metadata import AttentionMetadata

@@ -6,6 +6,8 @@ chunked prefill, tile/block-boundary lengths incl. 1, decode v1 / split-K / disp
 batches, the backend's split and unified modes, over every head dim, GQA group, block size and dtype. Caches
 start as NaN and block tables are random permutations. Timings use CUDA events around CUDA-graph replays of
 many calls over rotating inputs larger than L2. One JSON line per case and per timing goes to --output.
+The fp8 KV cache, the megakernel and the fused MoE kernels add their own cases (kv_quant_check, megakernel_check,
+moe_check).
 """
 from __future__ import annotations
 
@@ -124,8 +126,9 @@ def run_cases(quick: bool) -> list[dict]:
                 rows.append(dict(case=f"{kind} {batch[0]} {tag}", max_abs_err=err, tol=tol, passed=err <= tol))
     from minillm.diagnostics.kv_quant_check import run_fp8_cases
     from minillm.diagnostics.megakernel_check import run_megakernel_cases
+    from minillm.diagnostics.moe_check import run_moe_cases
 
-    return rows + run_fp8_cases(quick) + run_megakernel_cases(quick)
+    return rows + run_fp8_cases(quick) + run_megakernel_cases(quick) + run_moe_cases(quick)
 
 
 def _time_graph(fn_list, reps: int = 10) -> float:

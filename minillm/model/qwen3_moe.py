@@ -7,6 +7,8 @@ checkpoint layout (`Experts.checkpoint_targets`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,8 +71,14 @@ class SparseMoeBlock(nn.Module):
         # Decided once here, for the model's device and dtype; Qwen3MoeForCausalLM.graph_unsupported_reason
         # reports the same verdict to the runner.
         self.host_sync_reason = expert_path_reason(arch, device, dtype)
+        # Steps of up to fused_rows tokens run minillm's fused routing and expert kernels (the execution plan's
+        # moe verdict); longer ones take the torch path below.
+        self.fused_rows = kernels.moe_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_rows and x.shape[0] <= self.fused_rows:
+            routing = moe_ops.route_fused(self.gate.logits(x), self.top_k, self.renormalize)
+            return moe_ops.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing)
         routing = moe_ops.route(self.gate.logits(x), self.top_k, self.renormalize, weight_dtype=x.dtype)
         return moe_ops.grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing,
                                        graph_safe=self.host_sync_reason is None, cuda=self.cuda_ops)
@@ -88,8 +96,24 @@ class Qwen3MoeForCausalLM(QwenForCausalLM):
             return SparseMoeBlock(self.arch, kernels, dtype=dtype, device=device)
         return None   # the dense Qwen3 MLP (mlp_only_layers, decoder_sparse_step)
 
+    @contextlib.contextmanager
+    def torch_path(self):
+        """QwenForCausalLM.torch_path, with the experts on the torch path too (not the fused MoE kernels)."""
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+        saved = [m.fused_rows for m in blocks]
+        for m in blocks:
+            m.fused_rows = 0
+        try:
+            with super().torch_path():
+                yield self
+        finally:
+            for m, rows in zip(blocks, saved):
+                m.fused_rows = rows
+
     def graph_unsupported_reason(self) -> str | None:
         """Why decode must not be captured in a CUDA graph: the experts' loop, which reads per-expert counts on
-        the host, runs wherever grouped_mm cannot."""
-        reasons = {m.host_sync_reason for m in self.modules() if isinstance(m, SparseMoeBlock)} - {None}
+        the host, runs wherever grouped_mm cannot and the fused kernels do not take the step (they take decode
+        steps of up to moe_rows tokens; the plan checks that against the captured batch sizes)."""
+        reasons = {m.host_sync_reason for m in self.modules()
+                   if isinstance(m, SparseMoeBlock) and not m.fused_rows} - {None}
         return None if not reasons else f"the mixture-of-experts layers sync with the host ({reasons.pop()})"

@@ -30,6 +30,7 @@ class ModelKernels:
     cuda: bool = False
     skinny: frozenset[str] = field(default_factory=frozenset)
     decode_gemm: frozenset[tuple[str, int]] = field(default_factory=frozenset)   # (layer, max rows)
+    moe_rows: int = 0   # mixture-of-experts steps of up to this many tokens take the fused MoE kernels; 0: never
 
     def skinny_for(self, layer: str) -> bool:
         return layer in self.skinny

@@ -10,7 +10,13 @@ Two torch paths compute the experts:
   are multiples of 16 bytes and, on CUDA, bf16.
 - a loop over the experts that have rows (the reference, and the fallback where grouped_mm cannot run). It reads
   the counts on the host: never inside a CUDA graph (`grouped_mm_unsupported_reason` says when that path runs).
-Fused CUDA routing / grouped-GEMM kernels would plug in behind these same two entry points.
+
+And minillm's fused kernels for decode-sized steps (cuda/moe_routing.cu, cuda/moe_gemm.cu; the execution plan
+puts a model on them, minillm/runner/plan.py): `route_fused` (two launches: softmax, top-k, renormalise, counts,
+offsets, the stable expert order and the list of experts with rows) and `fused_experts` (gate_up with SwiGLU,
+down with the routing weight, a fixed-order combine: three launches over the touched experts only, each
+expert's weights read once). Graph-safe: every size depends on the token count alone. Their torch twins are
+`route_twin` and `experts_twin`.
 """
 from __future__ import annotations
 
@@ -19,24 +25,43 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minillm.ops.coverage import KernelCoverage
 from minillm.ops.fused_ops import silu_and_mul
+
+# The fused decode kernels (moe.h): mma.sync and cache-hinted loads of sm_80; no host sync and no allocation that
+# depends on the routing (graph-safe).
+FUSED_COVERAGE = KernelCoverage("moe", dtypes=("bfloat16", "float16"), min_capability=(8, 0), graph_safe=True)
+MAX_EXPERTS = 512       # kMoeMaxExperts
+MAX_TOP_K = 8           # kMoeMaxTopK
+TILE_K = 32             # kMoeTileK: hidden and moe_intermediate_size are multiples
+K_WARPS = 4             # kMoeKWarps: ... of at least TILE_K * K_WARPS
+GATE_COLS = 16          # kMoeGateCols: moe_intermediate_size is a multiple
+DOWN_COLS = 32          # kMoeDownCols: hidden_size is a multiple
+# Steps of up to this many tokens take the fused kernels (the plan's max_rows); longer ones (prefill) keep
+# grouped_mm, whose tensor-core tiles suit thousands of rows. Not a measured crossover: scripts/moe_bench.py
+# times both at 1..256 tokens.
+FUSED_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class Routing:
     """Which experts each token uses, and the expert-sorted order of the (token, slot) pairs."""
-    weights: torch.Tensor    # [T, k], the activation dtype (HF casts the fp32 probabilities back)
-    experts: torch.Tensor    # [T, k] int64 expert ids
-    order: torch.Tensor      # [T * k] int64: flat pair index (token * k + slot), sorted by expert, stable
+    weights: torch.Tensor    # [T, k], the activation dtype (HF casts the fp32 probabilities back); fused: fp32
+    experts: torch.Tensor    # [T, k] int64 expert ids (fused: int32)
+    order: torch.Tensor      # [T * k] int64 (fused: int32): pair index token * k + slot, sorted by expert, stable
     counts: torch.Tensor     # [E] int32 pairs routed to each expert
     offsets: torch.Tensor    # [E + 1] int32: expert e's rows are order[offsets[e]:offsets[e + 1]]
+    # The fused kernels' routing only: [E + 1] int32, active[E] = experts with rows, active[:active[E]] their ids.
+    active: torch.Tensor | None = None
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
           weight_dtype: torch.dtype | None = None) -> Routing:
     """Softmax in fp32 over the experts, the top-k of it, renormalised to sum 1 when `renormalize`
     (norm_topk_prob), then the per-expert counts and offsets. router_logits [T, E]; the routing weights are
-    returned in weight_dtype (default: the logits' dtype)."""
+    returned in weight_dtype (default: the logits' dtype). Exactly equal probabilities come out in torch.topk's
+    order, which torch leaves unspecified (on CPU it is not by index), as in transformers; the routing kernel
+    picks the lower expert index (route_twin)."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -129,3 +154,89 @@ def moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tenso
             gate, up = F.linear(xd[t], w13[e].double()).chunk(2)
             out[t] += weight * F.linear(F.silu(gate) * up, w2[e].double())
     return out
+
+
+# ---- the fused decode kernels and their torch twins -----------------------------------------------------------
+
+def fused_shape_reason(num_experts: int, top_k: int, hidden: int, intermediate: int) -> str | None:
+    """Why the fused MoE kernels do not take a layer of these sizes (moe.h's limits), or None."""
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        return f"num_experts={num_experts} (at most {MAX_EXPERTS})"
+    if not 1 <= top_k <= min(MAX_TOP_K, num_experts):
+        return f"num_experts_per_tok={top_k} (at most {MAX_TOP_K})"
+    if hidden % TILE_K or hidden < TILE_K * K_WARPS or hidden % DOWN_COLS:
+        return f"hidden_size={hidden} (a multiple of {max(TILE_K, DOWN_COLS)}, at least {TILE_K * K_WARPS})"
+    if intermediate % TILE_K or intermediate < TILE_K * K_WARPS or intermediate % GATE_COLS:
+        return f"moe_intermediate_size={intermediate} (a multiple of {TILE_K}, at least {TILE_K * K_WARPS})"
+    return None
+
+
+def route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """route() on the routing kernel: router_logits [T, E] fp32 on a CUDA device. Weights stay fp32 (the down
+    kernel multiplies in fp32); on exactly equal logits the lower expert index is chosen first (route_twin)."""
+    ids, weights, counts, offsets, order, active = torch.ops.minillm.moe_route(router_logits, top_k, renormalize)
+    return Routing(weights, ids, order, counts, offsets, active)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing, *,
+                  act: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """grouped_experts on the fused kernels, for a route_fused routing. act [T*k, I] (x's dtype), pairs [T*k, H]
+    (fp32) and out [T, H] are the kernels' buffers; None allocates them (check-kernels passes NaN-filled ones)."""
+    t, k = routing.experts.shape
+    n, h, i = t * k, x.shape[-1], w2.shape[-1]
+    act = torch.empty(n, i, dtype=x.dtype, device=x.device) if act is None else act
+    pairs = torch.empty(n, h, dtype=torch.float32, device=x.device) if pairs is None else pairs
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    ops = torch.ops.minillm
+    ops.moe_gate_up(x, w13, routing.order, routing.offsets, routing.active, k, act)
+    ops.moe_down(act, w2, routing.weights, routing.order, routing.offsets, routing.active, k, pairs)
+    ops.moe_combine(pairs, k, out)
+    return out
+
+
+def active_experts(counts: torch.Tensor) -> torch.Tensor:
+    """The routing kernel's active list of per-expert counts: [E + 1] int32, the ids with rows ascending, then
+    zeros, and their number last."""
+    e = counts.shape[0]
+    ids = torch.nonzero(counts > 0).flatten().to(torch.int32)
+    active = torch.zeros(e + 1, dtype=torch.int32, device=counts.device)
+    active[:ids.numel()] = ids
+    active[e] = ids.numel()
+    return active
+
+
+def route_twin(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """The routing kernel's torch twin: route() with the kernel's rule on equal logits (lower index first, by a
+    stable sort of the logits) and its int32 / fp32 outputs. NaN logits aside: the kernel takes a NaN logit as -inf
+    (probability 0, ranked last, so every id stays a real expert), torch's softmax makes the token's weights NaN. Entries of `active` past its count are not compared
+    (the kernel leaves them unwritten); use `active_experts` for the defined part."""
+    logits = router_logits.float()
+    probs = F.softmax(logits, dim=-1)
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(-1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    counts, offsets, order = expert_groups(ids, logits.shape[-1])
+    return Routing(weights, ids.to(torch.int32), order.to(torch.int32), counts, offsets, active_experts(counts))
+
+
+def experts_twin(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing):
+    """fused_experts' torch twin in fp32, stage by stage: (act [T*k, I] in expert order, pairs [T*k, H] weighted
+    in (token, slot) order, out [T, H]). Loops over the experts with rows (host sync: tests only)."""
+    t, k = routing.experts.shape
+    order = routing.order.long()
+    rows = x.float()[order // k]
+    act = torch.empty(rows.shape[0], w2.shape[-1], dtype=torch.float32, device=x.device)
+    y = torch.empty(rows.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    bounds = routing.offsets.tolist()
+    for e in range(w13.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            gate, up = F.linear(rows[lo:hi], w13[e].float()).chunk(2, dim=-1)
+            act[lo:hi] = F.silu(gate) * up
+            # the kernel's down GEMM reads act as stored: rounded to the activation dtype
+            y[lo:hi] = F.linear(act[lo:hi].to(x.dtype).float(), w2[e].float())
+    pairs = torch.empty_like(y)
+    pairs[order] = y * routing.weights.reshape(-1)[order].float().unsqueeze(-1)
+    return act, pairs, pairs.view(t, k, -1).sum(dim=1)

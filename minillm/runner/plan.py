@@ -11,6 +11,9 @@ Each path has a verdict (on or off) and a reason a person can read:
                   MEASURED_WINS and covers()); it goes before the skinny GEMM, which goes before cuBLAS
   megakernel      decode steps of up to megakernel_rows rows and megakernel_max_tokens context tokens in one
                   persistent kernel
+  moe             mixture-of-experts steps of up to max_rows tokens on minillm's fused routing and grouped expert
+                  kernels (moe_ops.FUSED_COVERAGE, fused_shape_reason); longer steps take torch._grouped_mm, or
+                  the host-synced expert loop where grouped_mm cannot run
   cuda_graphs     decode-only steps replay captured graphs; on only where every kernel on the decode path is
                   graph-safe, so a capture can never meet a host sync
   pdl             minillm's kernels launched with programmatic dependent launch
@@ -109,6 +112,7 @@ class ExecutionPlan:
     unavailable: str | None = None         # the build error, when kernels.backend=auto fell back to torch
     notices: tuple[str, ...] = field(default=(), compare=False)   # said once at engine start
     decode_gemm: dict[str, RowsVerdict] = field(default_factory=lambda: _all_off("plain torch"))
+    moe: RowsVerdict = RowsVerdict(False, "plain torch")
 
     # ---- what the runner and the model ask ----
     @property
@@ -118,7 +122,8 @@ class ExecutionPlan:
     def model_kernels(self) -> ModelKernels:
         return ModelKernels(cuda=self.fused_ops.on,
                             skinny=frozenset(name for name, v in self.skinny_gemm.items() if v.on),
-                            decode_gemm=frozenset((n, v.max_rows) for n, v in self.decode_gemm.items() if v.on))
+                            decode_gemm=frozenset((n, v.max_rows) for n, v in self.decode_gemm.items() if v.on),
+                            moe_rows=self.moe.max_rows if self.moe.on else 0)
 
     def step_path(self, decode_only: bool, seq_lens: list[int]) -> str:
         """How a step of these rows (context lengths seq_lens) runs: "megakernel", "graph" or "eager"."""
@@ -148,7 +153,8 @@ class ExecutionPlan:
                 "unavailable": self.unavailable, "cuda_graphs": self.cuda_graphs.on,
                 "plan": {**{p: getattr(self, p).record() for p in PATHS},
                          "skinny_gemm": {n: v.record() for n, v in self.skinny_gemm.items()},
-                         "decode_gemm": {n: v.record() for n, v in self.decode_gemm.items()}}}
+                         "decode_gemm": {n: v.record() for n, v in self.decode_gemm.items()},
+                         "moe": self.moe.record()}}
 
     def describe(self) -> str:
         """One line: every path's verdict."""
@@ -157,6 +163,8 @@ class ExecutionPlan:
         decode = [n for n, v in self.decode_gemm.items() if v.on]
         parts.insert(3, f"skinny_gemm={','.join(skinny) or 'off'}")
         parts.insert(3, f"decode_gemm={','.join(decode) or 'off'}")
+        if self.moe.on:
+            parts.insert(3, f"moe<={self.moe.max_rows}")
         return "execution plan: " + " ".join(parts)
 
 
@@ -169,7 +177,9 @@ def resolve_plan(cfg: EngineConfig, arch, kv_spec, dtype: torch.dtype, device: D
     fused = case.fused_ops()
     attention = case.attention()
     decode = case.decode_gemm(dtype)
-    graphs = case.cuda_graphs(fused, attention, dtype, gemms=[dg.COVERAGE] * any(v.on for v in decode.values()))
+    moe = case.moe()
+    graphs = case.cuda_graphs(fused, attention, dtype, moe,
+                              gemms=[dg.COVERAGE] * any(v.on for v in decode.values()))
     megakernel = case.megakernel(dtype, attention, graphs)
     k = cfg.kernels
     return ExecutionPlan(
@@ -178,7 +188,7 @@ def resolve_plan(cfg: EngineConfig, arch, kv_spec, dtype: torch.dtype, device: D
         attention_mode=cfg.runtime.attention_mode, decode_min_partitions=k.decode_min_partitions,
         decode_ctas_per_sm=k.decode_ctas_per_sm, megakernel_rows=case.megakernel_rows(),
         megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks,
-        unavailable=loaded.unavailable, notices=_notices(device, attention, graphs), decode_gemm=decode)
+        unavailable=loaded.unavailable, notices=_notices(device, attention, graphs), decode_gemm=decode, moe=moe)
 
 
 def torch_plan(cfg: EngineConfig | None = None) -> ExecutionPlan:
@@ -279,6 +289,22 @@ class _Case:
             out[name] = RowsVerdict(rows > 0, why, rows)
         return out
 
+    def moe(self) -> RowsVerdict:
+        """The fused MoE kernels for steps of up to FUSED_MAX_TOKENS tokens, where they cover the model."""
+        a = self.arch
+        if not getattr(a, "num_experts", 0):
+            return RowsVerdict(False, "the model has no mixture-of-experts layers")
+        if not self.cfg.kernels.moe:
+            return RowsVerdict(False, "kernels.moe=false")
+        if not self.loaded.loaded:
+            return RowsVerdict(False, self.loaded.reason)
+        reason = moe_ops.FUSED_COVERAGE.reason(dtype=self.dtype, capability=self.device.capability) or \
+            moe_ops.fused_shape_reason(a.num_experts, a.num_experts_per_tok, a.hidden_size, a.moe_intermediate_size)
+        if reason is not None:
+            return RowsVerdict(False, f"the fused MoE kernels do not cover {reason}")
+        rows = moe_ops.FUSED_MAX_TOKENS
+        return RowsVerdict(True, f"fused routing and expert GEMMs for steps of up to {rows} tokens", rows)
+
     def megakernel_rows(self) -> int:
         return min(self.cfg.kernels.megakernel_max_batch, self.cfg.scheduler.max_num_seqs)
 
@@ -299,7 +325,8 @@ class _Case:
             return Verdict(False, f"the persistent kernel does not cover {reason}")
         return Verdict(True, f"decode steps of 1..{self.megakernel_rows()} rows, <= {k.megakernel_max_tokens} tokens")
 
-    def cuda_graphs(self, fused: Verdict, attention: Verdict, dtype: torch.dtype, gemms=()) -> Verdict:
+    def cuda_graphs(self, fused: Verdict, attention: Verdict, dtype: torch.dtype, moe: RowsVerdict,
+                    gemms=()) -> Verdict:
         if self.device.type != "cuda":
             return Verdict(False, f"the engine runs on {self.device.type}")
         if self.cfg.runtime.enforce_eager:
@@ -308,12 +335,14 @@ class _Case:
             a = self.arch
             why = moe_ops.grouped_mm_coverage_reason(self.device.type, self.device.capability, dtype,
                                                      a.hidden_size, a.moe_intermediate_size)
-            if why is not None:
+            # Captured steps have up to max_num_seqs tokens: the fused kernels take them all, or grouped_mm must.
+            if why is not None and not (moe.on and self.cfg.scheduler.max_num_seqs <= moe.max_rows):
                 return Verdict(False, f"the mixture-of-experts layers sync with the host ({why})")
         # Every family on the decode path must be graph-safe; the torch twins of the fused ops are plain tensor ops.
         if not attention.on and not torch_backend.COVERAGE.graph_safe:
             return Verdict(False, torch_backend.NOT_GRAPH_SAFE)
-        families = [attention_ops.COVERAGE] * attention.on + [fused_ops.COVERAGE] * fused.on + list(gemms)
+        families = [attention_ops.COVERAGE] * attention.on + [fused_ops.COVERAGE] * fused.on + list(gemms) + \
+            [moe_ops.FUSED_COVERAGE] * moe.on
         unsafe = [c.family for c in families if not c.graph_safe]
         if unsafe:
             return Verdict(False, f"{', '.join(unsafe)} is not graph-safe")
