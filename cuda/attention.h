@@ -67,4 +67,9 @@ cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int 
 cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
                                  int max_query_len, cudaStream_t stream, const KvQuant* quant = nullptr);
 
+// The same contract on 128-query tiles with 32 rows per warp (cuda/prefill_wide.cu), for caches in the activation
+// dtype only; attention_ops.prefill_kernel chooses between the two.
+cudaError_t launch_paged_prefill_wide(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
+                                      int max_query_len, cudaStream_t stream);
+
 }  // namespace minillm
