@@ -138,6 +138,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float sl2 = a.scale * kLog2e;
   const int wpos0 = pos0 + m0 + wrow0;             // position of this warp's first row
   const int row_pos0 = wpos0 + lane / 4;           // position of this thread's first row (m tile 0, r 0)
+  const bool has_rows = m0 + wrow0 < qlen;         // a warp of padding rows only computes nothing
 
   for (int j = 0; j < n_tiles; ++j) {
     const T* sKj = sK + (j & 1) * kBN * D;
@@ -150,8 +151,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (j + 1 < n_tiles) load_kv_tile<T, D, kThreads, kBN>(sK + ((j + 1) & 1) * kBN * D, kc, slot, tok_stride, cr0, cc);
     cp_async_commit();  // an empty group at the end keeps the wait counts uniform
 
-    // Warp-uniform: no row of this warp sees any key of the tile (its last row precedes the tile's first key).
-    const bool visible = j * kBN <= wpos0 + kWarpRows - 1;
+    // Warp-uniform: the warp has a query row and its last row reaches the tile's first key. A skipped tile would
+    // change nothing: all its scores are masked.
+    const bool visible = has_rows && j * kBN <= wpos0 + kWarpRows - 1;
     float sc[kMT][NT][4];
     if (visible) {
 #pragma unroll
