@@ -72,4 +72,8 @@ cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_
 cudaError_t launch_paged_prefill_wide(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
                                       int max_query_len, cudaStream_t stream);
 
+// The same on Hopper's wgmma (cuda/prefill_wgmma.cu), sm_90 only (cudaErrorNotSupported elsewhere), native caches.
+cudaError_t launch_paged_prefill_wgmma(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
+                                       int max_query_len, cudaStream_t stream);
+
 }  // namespace minillm

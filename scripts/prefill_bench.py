@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Paged prefill attention: both minillm kernels (attention_ops.PREFILL_KERNELS) against torch SDPA on contiguous
+"""Paged prefill attention: the minillm kernels (attention_ops.PREFILL_KERNELS) against torch SDPA on contiguous
 K/V, single sequences, causal, bf16, head dim 128, block size 16, random block table.
 
 Shapes: Qwen3-0.6B (16 query / 8 KV heads) and Qwen3-8B (32 / 8), whole prompts of --lengths tokens, plus a
 2,048-query chunk over a 14,336-token cached prefix. Per kernel: median ms over CUDA-graph replays
 (minillm/diagnostics/kernel_check.py: prefill_timings), TFLOP/s of the causal work (QK^T and PV: 4 H D per
 (query, visible key) pair; 2*2*T*T*D*H/2 to leading order), the ratio to SDPA and the max abs difference to SDPA.
-Prints a table and appends one JSON line per (shape, kernel) to --out, with the commit and GPU fingerprint.
+Prints a table and appends one JSON line per (shape, kernel) to --out, with the commit and GPU fingerprint: the
+engine's kernels (wide, narrow) and SDPA first, then on sm_90 the opt-in wgmma kernel in a pass of its own.
 
 Usage: python scripts/prefill_bench.py [--out results/prefill_kernels.jsonl] [--lengths 4096,8192,16384,32768]
 """
@@ -19,7 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm.diagnostics.kernel_check import _finite, _print_timings, prefill_timings  # noqa: E402
+from minillm.diagnostics.kernel_check import (ENGINE_PREFILL_KERNELS, _finite, _print_timings,  # noqa: E402
+                                              prefill_timings)
+from minillm.ops import attention_ops as ops  # noqa: E402
 from minillm.fingerprint import stamp  # noqa: E402
 
 SHAPES = {"qwen3-0.6b": (16, 8), "qwen3-8b": (32, 8)}   # query heads, KV heads (head dim 128 both)
@@ -43,20 +46,25 @@ def main() -> int:
     from minillm.ops.build import load_extension
 
     load_extension()
-    rows = []
-    for model, (hq, hkv) in SHAPES.items():
-        cases = [(t, None) for t in lengths] + [CHUNK]
-        for ctx, q_len in cases:
-            for r in prefill_timings(ctx, q_len, hq=hq, hkv=hkv):
-                rows.append({"model_shape": model, "ctx": ctx, "q_len": q_len or ctx, **r})
-            torch.cuda.empty_cache()
-    _print_timings(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    base = stamp()
-    with args.out.open("a") as f:
-        for r in rows:
-            f.write(json.dumps({"kind": "prefill_kernel", **_finite(r), **base}) + "\n")
-    print(f"appended {len(rows)} lines to {args.out}")
+    # The engine's kernels and SDPA first, written before the opt-in wgmma kernel runs: a fault there (it has not
+    # run on a GPU before) cannot lose them.
+    passes = [(ENGINE_PREFILL_KERNELS, True)]
+    if "wgmma" in ops.prefill_kernels_on(torch.cuda.get_device_capability()):
+        passes.append((("wgmma",), False))
+    for kernels, sdpa_too in passes:
+        rows = []
+        for model, (hq, hkv) in SHAPES.items():
+            for ctx, q_len in [(t, None) for t in lengths] + [CHUNK]:
+                for r in prefill_timings(ctx, q_len, hq=hq, hkv=hkv, kernels=kernels, sdpa_too=sdpa_too):
+                    rows.append({"model_shape": model, "ctx": ctx, "q_len": q_len or ctx, **r})
+                torch.cuda.empty_cache()
+        _print_timings(rows)
+        base = stamp()
+        with args.out.open("a") as f:
+            for r in rows:
+                f.write(json.dumps({"kind": "prefill_kernel", **_finite(r), **base}) + "\n")
+        print(f"appended {len(rows)} lines to {args.out}")
     return 0
 
 

@@ -7,6 +7,7 @@ decode path can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -22,13 +23,17 @@ COVERAGE = KernelCoverage("paged_attention", dtypes=("bfloat16", "float16"), hea
                           block_sizes=(16, 32), max_gqa_group=16, graph_safe=True,
                           kv_dtypes=("float8_e4m3fn", "float8_e5m2"))   # fp8 caches: cuda/kv_fp8.cuh
 
-# The two prefill kernels, one contract: "wide" (cuda/prefill_wide.cu: 128-query tiles, 32 rows per warp) reads
+# The prefill kernels, one contract: "wide" (cuda/prefill_wide.cu: 128-query tiles, 32 rows per warp) reads
 # caches in the activation dtype; "narrow" (cuda/paged_prefill.cu: 64-query tiles, 16 rows per warp) reads those
-# and the fp8 caches. prefill_kernel() picks the one a case runs on: wide wherever it covers the case.
-PREFILL_KERNELS = ("wide", "narrow")
+# and the fp8 caches; "wgmma" (cuda/prefill_wgmma.cu, sm_90 only, native caches) is opt-in until measured: the
+# engine never runs it. prefill_kernel() picks the one a case runs on: wide wherever it covers the case.
+PREFILL_KERNELS = ("wide", "narrow", "wgmma")
 PREFILL_WIDE_COVERAGE = KernelCoverage("paged_prefill_wide", dtypes=COVERAGE.dtypes, head_dims=COVERAGE.head_dims,
                                        block_sizes=COVERAGE.block_sizes, max_gqa_group=COVERAGE.max_gqa_group,
                                        graph_safe=True)
+PREFILL_WGMMA_COVERAGE = dataclasses.replace(PREFILL_WIDE_COVERAGE, family="paged_prefill_wgmma",
+                                             min_capability=(9, 0), max_major=9)
+_PREFILL_COVERAGE = {"wide": PREFILL_WIDE_COVERAGE, "narrow": COVERAGE, "wgmma": PREFILL_WGMMA_COVERAGE}
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per
@@ -117,6 +122,12 @@ def prefill_kernel(dtype: str, kv_dtype: str, head_dim: int) -> str:
     return "narrow" if wide else "wide"
 
 
+def prefill_kernels_on(capability: tuple[int, int]) -> tuple[str, ...]:
+    """The PREFILL_KERNELS a GPU of this capability runs (tests, check-kernels and benchmarks try each)."""
+    return tuple(k for k in PREFILL_KERNELS
+                 if _PREFILL_COVERAGE[k].reason(dtype=COVERAGE.dtypes[0], capability=tuple(capability)) is None)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -139,11 +150,12 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
         kernel = prefill_kernel(_dtype_name(q.dtype), _dtype_name(k_cache.dtype), q.shape[-1])
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"prefill kernel must be one of {PREFILL_KERNELS}, got {kernel!r}")
-    if kernel == "wide":
+    if kernel != "narrow":
         if k_scale is not None:
-            raise ValueError("the wide prefill kernel reads caches in the activation dtype, not fp8 ones")
-        load_extension().paged_prefill_wide(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                            int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
+            raise ValueError(f"the {kernel} prefill kernel reads caches in the activation dtype, not fp8 ones")
+        launch = getattr(load_extension(), f"paged_prefill_{kernel}")
+        launch(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, int(seq_begin), int(num_seqs),
+               int(max_query_len), float(scale))
     elif k_scale is None:
         load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                        int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
