@@ -1,7 +1,7 @@
-// The K/V tile copies the paged prefill kernels share (paged_prefill.cu, prefill_wide.cu, prefill_wgmma.cu): a kBN-key tile of
-// one KV head, gathered token by token through the block table with cp.async into XOR-swizzled shared memory.
-// Each of a CTA's THREADS threads copies one 16-byte piece (column c) of every (THREADS / CH)-th row of the
-// tile, from row r0 on, and computes the cache slots of those rows once per tile, for its K and its V copy.
+// The K/V tile copies the paged prefill kernels share (paged_prefill.cu, prefill_wide.cu, prefill_wgmma.cu): a
+// tile of BN keys of one KV head, gathered token by token through the block table with cp.async into swizzled
+// shared memory. Each of a CTA's THREADS threads copies one 16-byte piece (column c) of every (THREADS / CH)-th
+// row of the tile, from row r0 on, and computes the cache slots of those rows once per tile, for its K and its V copy.
 #pragma once
 
 #include <stdint.h>

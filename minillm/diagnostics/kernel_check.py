@@ -4,9 +4,10 @@ against torch. (The command itself is minillm/commands/check_kernels.py.)
 Cases: KV write (whole cache compared bit-exact, untouched NaN slots unchanged), ragged prefill, prefix hits,
 chunked prefill, tile/block-boundary lengths incl. 1, decode v1 / split-K / dispatched at small, long and mixed
 batches, the backend's split and unified modes, over every head dim, GQA group, block size and dtype; both prefill
-kernels the engine runs (ENGINE_PREFILL_KERNELS), also on long prompts (8k, 16k, 32k tokens and a 2,048-query chunk over a
-14k cached prefix). Caches start as NaN and block tables are random permutations. Timings use CUDA events around CUDA-graph replays of
-many calls over rotating inputs larger than L2. One JSON line per case and per timing goes to --output.
+kernels the engine runs (ENGINE_PREFILL_KERNELS), also on long prompts (8k, 16k, 32k tokens and a 2,048-query
+chunk over a 14k cached prefix). Caches start as NaN and block tables are random permutations. Timings use CUDA
+events around CUDA-graph replays of many calls over rotating inputs larger than L2. One JSON line per case and per
+timing goes to --output.
 """
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def prefill_kernel(dtype: str, kv_dtype: str, head_dim: int) -> str:
 
 
 def prefill_kernels_on(capability: tuple[int, int]) -> tuple[str, ...]:
-    """The PREFILL_KERNELS a GPU of this capability runs (tests, check-kernels and benchmarks try each)."""
+    """The PREFILL_KERNELS a GPU of this capability runs (the tests and scripts/prefill_bench.py try each)."""
     return tuple(k for k in PREFILL_KERNELS
                  if _PREFILL_COVERAGE[k].reason(dtype=COVERAGE.dtypes[0], capability=tuple(capability)) is None)
 
