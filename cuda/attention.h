@@ -72,8 +72,9 @@ cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_
 cudaError_t launch_paged_prefill_wide(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
                                       int max_query_len, cudaStream_t stream);
 
-// The same on Hopper's wgmma (cuda/prefill_wgmma.cu), sm_90 only (cudaErrorNotSupported elsewhere), native caches.
+// The same on Hopper's wgmma (cuda/prefill_wgmma.cu), sm_90 only (cudaErrorNotSupported elsewhere), native caches;
+// warpgroups (1 or 2) per CTA picks its shape.
 cudaError_t launch_paged_prefill_wgmma(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
-                                       int max_query_len, cudaStream_t stream);
+                                       int max_query_len, cudaStream_t stream, int warpgroups);
 
 }  // namespace minillm

@@ -184,7 +184,7 @@ enum class Prefill { kNarrow, kWide, kWgmma };
 
 void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& seq_lens,
                     const Tensor& query_start_loc, int64_t seq_begin, int64_t num_seqs, int64_t max_query_len,
-                    const Tensor& q, Prefill kernel = Prefill::kNarrow);
+                    const Tensor& q, Prefill kernel = Prefill::kNarrow, int warpgroups = 0);
 
 void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
@@ -211,14 +211,14 @@ void paged_prefill_wide(Tensor& out, const Tensor& q, const Tensor& k_cache, con
 
 void paged_prefill_wgmma(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
-                         int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, double scale) {
+                         int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, double scale, int64_t warpgroups) {
   launch_prefill(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), nullptr, seq_lens,
-                 query_start_loc, seq_begin, num_seqs, max_query_len, q, Prefill::kWgmma);
+                 query_start_loc, seq_begin, num_seqs, max_query_len, q, Prefill::kWgmma, (int)warpgroups);
 }
 
 void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& seq_lens,
                     const Tensor& query_start_loc, int64_t seq_begin, int64_t num_seqs, int64_t max_query_len,
-                    const Tensor& q, Prefill kernel) {
+                    const Tensor& q, Prefill kernel, int warpgroups) {
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int32");
   TORCH_CHECK(seq_begin >= 0 && seq_begin + num_seqs <= seq_lens.size(0) &&
@@ -235,7 +235,7 @@ void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, con
   }
   if (kernel == Prefill::kWgmma) {
     check_cuda_ok(minillm::launch_paged_prefill_wgmma(a, query_start_loc.data_ptr<int>(), (int)seq_begin,
-                                                      (int)max_query_len, stream),
+                                                      (int)max_query_len, stream, warpgroups),
                   "paged_prefill_wgmma");
     return;
   }
@@ -262,7 +262,8 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("paged_prefill_wide(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale) -> ()");
   m.def("paged_prefill_wgmma(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale, "
+        "int warpgroups) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {

@@ -4,7 +4,8 @@
 // Same contract and per-warp arithmetic as paged_prefill.cu (each warp owns 16 query rows; the wgmma
 // accumulator of a warpgroup's 64 rows lands in exactly the mma.sync m16n8 layout per warp, so the causal mask,
 // the online softmax and the P -> A-fragment packing are unchanged). What differs:
-// - A CTA is 2 warpgroups (256 threads) on 128 query rows; keys come in tiles of 128.
+// - A CTA is 2 warpgroups (256 threads) on 128 query rows with 128-key tiles, or 1 warpgroup on 64 rows with
+//   64-key tiles and 2 CTAs per SM (Shape below; the kernel names "wgmma" and "wgmma1").
 // - S = Q K^T is one wgmma.m64n128k16 per 16 of head dim with Q and K read straight from shared memory through
 //   matrix descriptors; O += P V is one wgmma.m64nDk16 per 16 keys with P from registers and V (keys x D,
 //   D contiguous) as an MN-major ("transposed") operand. No ldmatrix at all.
@@ -15,7 +16,7 @@
 //   block moves the start address by 32 bytes; MN-major (V): LBO = one column block (128 keys x 128 bytes),
 //   SBO 1024 bytes between 8-key groups.
 // Each wgmma batch is waited for at once (no overlap of softmax with the next GEMM inside a warpgroup yet); the
-// two warpgroups of a CTA overlap each other only where their phases drift. 1 CTA per SM (161 KB at D128).
+// two warpgroups of a 2-warpgroup CTA overlap each other only where their phases drift between its barriers.
 #include <math_constants.h>
 
 #include "attention.h"
@@ -26,12 +27,17 @@
 namespace minillm {
 namespace {
 
-constexpr int kBM = 128;  // query rows per CTA: 2 warpgroups x 64
-constexpr int kBN = 128;  // keys per tile
-constexpr int kThreads = 256;
+// WG warpgroups of 64 query rows per CTA. 2: 128 rows, 128-key tiles, 1 CTA per SM (161 KB at D128); 1: 64 rows,
+// 64-key tiles, 2 CTAs per SM (80 KB), whose warpgroups never wait at each other's barriers.
+template <int WG>
+struct Shape {
+  static constexpr int kBM = 64 * WG, kBN = 64 * WG, kThreads = 128 * WG, kCtasPerSm = 3 - WG;
+};
 
-template <int D>
-constexpr int smem_bytes() { return (kBM + 4 * kBN) * D * 2 + 1024; }  // Q + 2 stages of K and V + alignment
+template <int D, int WG>
+constexpr int smem_bytes() {  // Q + 2 stages of K and V + alignment
+  return (Shape<WG>::kBM + 4 * Shape<WG>::kBN) * D * 2 + 1024;
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -77,6 +83,22 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint
 // shared memory.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t db);
+
+template <>
+__device__ __forceinline__ void wgmma_ss<__nv_bfloat16, 64>(float (&d)[8][4], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31} "
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
 
 template <>
 __device__ __forceinline__ void wgmma_ss<__nv_bfloat16, 128>(float (&d)[16][4], uint64_t da, uint64_t db, int scale_d) {
@@ -138,6 +160,22 @@ __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 128>(float (&d)[16][4], 
         "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]),
         "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<__half, 64>(float (&d)[8][4], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31} "
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(scale_d));
 }
 
 template <>
@@ -233,11 +271,12 @@ __device__ __forceinline__ void softmax_row(float (&sc)[NT][4], float (&o)[DT][4
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1)
+template <typename T, int D, int WG>
+__global__ void __launch_bounds__(Shape<WG>::kThreads, Shape<WG>::kCtasPerSm)
     paged_prefill_wgmma_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
+  constexpr int kBM = Shape<WG>::kBM, kBN = Shape<WG>::kBN, kThreads = Shape<WG>::kThreads;
   constexpr int CH = D / 8, KS = D / 16, NT = kBN / 8, DT = D / 8;
   using TC = TileCopy<D, kThreads, kBN>;
   extern __shared__ uint4 smem_raw[];
@@ -376,23 +415,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-template <typename T, int D>
-cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
+template <typename T, int D, int WG>
+cudaError_t launch_shape(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
                          cudaStream_t stream) {
-  constexpr int smem = smem_bytes<D>();
-  static const cudaError_t attr = cudaFuncSetAttribute(paged_prefill_wgmma_kernel<T, D>,
+  constexpr int smem = smem_bytes<D, WG>();
+  static const cudaError_t attr = cudaFuncSetAttribute(paged_prefill_wgmma_kernel<T, D, WG>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
-  const int q_tiles = (max_query_len + kBM - 1) / kBM;
+  const int q_tiles = (max_query_len + Shape<WG>::kBM - 1) / Shape<WG>::kBM;
   if (a.num_seqs > 65535 || q_tiles > 65535) return cudaErrorInvalidValue;  // grid y / z limits
   const dim3 grid(a.num_q_heads, a.num_seqs, q_tiles);
-  return launch_kernel(paged_prefill_wgmma_kernel<T, D>, grid, dim3(kThreads), smem, stream, a, qsl, seq_begin);
+  return launch_kernel(paged_prefill_wgmma_kernel<T, D, WG>, grid, dim3(Shape<WG>::kThreads), smem, stream, a, qsl,
+                       seq_begin);
+}
+
+template <typename T, int D>
+cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, int max_query_len,
+                         cudaStream_t stream, int warpgroups) {
+  if (warpgroups == 2) return launch_shape<T, D, 2>(a, qsl, seq_begin, max_query_len, stream);
+  if (warpgroups == 1) return launch_shape<T, D, 1>(a, qsl, seq_begin, max_query_len, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 cudaError_t launch_paged_prefill_wgmma(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
-                                       int max_query_len, cudaStream_t stream) {
+                                       int max_query_len, cudaStream_t stream, int warpgroups) {
   const bool pow2_block = a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !pow2_block || max_query_len < 0)
     return cudaErrorInvalidValue;
@@ -404,11 +452,11 @@ cudaError_t launch_paged_prefill_wgmma(const PagedAttnArgs& a, const int* query_
   const bool bf16 = a.dtype == ScalarType::kBFloat16;
   if (a.dtype != ScalarType::kBFloat16 && a.dtype != ScalarType::kFloat16) return cudaErrorInvalidValue;
   if (a.head_dim == 128)
-    return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream)
-                : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream);
+    return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream, warpgroups)
+                : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream, warpgroups);
   if (a.head_dim == 64)
-    return bf16 ? launch_typed<__nv_bfloat16, 64>(a, query_start_loc, seq_begin, max_query_len, stream)
-                : launch_typed<__half, 64>(a, query_start_loc, seq_begin, max_query_len, stream);
+    return bf16 ? launch_typed<__nv_bfloat16, 64>(a, query_start_loc, seq_begin, max_query_len, stream, warpgroups)
+                : launch_typed<__half, 64>(a, query_start_loc, seq_begin, max_query_len, stream, warpgroups);
   return cudaErrorInvalidValue;
 }
 

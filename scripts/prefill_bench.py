@@ -7,7 +7,7 @@ Shapes: Qwen3-0.6B (16 query / 8 KV heads) and Qwen3-8B (32 / 8), whole prompts 
 (minillm/diagnostics/kernel_check.py: prefill_timings), TFLOP/s of the causal work (QK^T and PV: 4 H D per
 (query, visible key) pair; 2*2*T*T*D*H/2 to leading order), the ratio to SDPA and the max abs difference to SDPA.
 Prints a table and appends one JSON line per (shape, kernel) to --out, with the commit and GPU fingerprint: the
-engine's kernels (wide, narrow) and SDPA first, then on sm_90 the opt-in wgmma kernel in a pass of its own.
+engine's kernels (wide, narrow) and SDPA first, then on sm_90 the opt-in wgmma kernels in a pass of their own.
 
 Usage: python scripts/prefill_bench.py [--out results/prefill_kernels.jsonl] [--lengths 4096,8192,16384,32768]
 """
@@ -47,11 +47,13 @@ def main() -> int:
 
     load_extension()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    # The engine's kernels and SDPA first, written before the opt-in wgmma kernel runs: a fault there (it has not
-    # run on a GPU before) cannot lose them.
+    # The engine's kernels and SDPA first, written before the opt-in wgmma kernels run: a fault there (they had not
+    # run on a GPU when written) cannot lose them.
     passes = [(ENGINE_PREFILL_KERNELS, True)]
-    if "wgmma" in ops.prefill_kernels_on(torch.cuda.get_device_capability()):
-        passes.append((("wgmma",), False))
+    opt_in = tuple(k for k in ops.prefill_kernels_on(torch.cuda.get_device_capability())
+                   if k not in ENGINE_PREFILL_KERNELS)
+    if opt_in:
+        passes.append((opt_in, False))
     for kernels, sdpa_too in passes:
         rows = []
         for model, (hq, hkv) in SHAPES.items():

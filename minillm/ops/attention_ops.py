@@ -25,15 +25,18 @@ COVERAGE = KernelCoverage("paged_attention", dtypes=("bfloat16", "float16"), hea
 
 # The prefill kernels, one contract: "wide" (cuda/prefill_wide.cu: 128-query tiles, 32 rows per warp) reads
 # caches in the activation dtype; "narrow" (cuda/paged_prefill.cu: 64-query tiles, 16 rows per warp) reads those
-# and the fp8 caches; "wgmma" (cuda/prefill_wgmma.cu, sm_90 only, native caches) is opt-in until measured: the
-# engine never runs it. prefill_kernel() picks the one a case runs on: wide wherever it covers the case.
-PREFILL_KERNELS = ("wide", "narrow", "wgmma")
+# and the fp8 caches; "wgmma" and "wgmma1" (cuda/prefill_wgmma.cu: 2 warpgroups per CTA or 1, sm_90 only, native
+# caches) are opt-in until measured: the engine never runs them. prefill_kernel() picks the one a case runs on: wide
+# wherever it covers the case.
+PREFILL_KERNELS = ("wide", "narrow", "wgmma", "wgmma1")
+_WGMMA_WARPGROUPS = {"wgmma": 2, "wgmma1": 1}
 PREFILL_WIDE_COVERAGE = KernelCoverage("paged_prefill_wide", dtypes=COVERAGE.dtypes, head_dims=COVERAGE.head_dims,
                                        block_sizes=COVERAGE.block_sizes, max_gqa_group=COVERAGE.max_gqa_group,
                                        graph_safe=True)
 PREFILL_WGMMA_COVERAGE = dataclasses.replace(PREFILL_WIDE_COVERAGE, family="paged_prefill_wgmma",
                                              min_capability=(9, 0), max_major=9)
-_PREFILL_COVERAGE = {"wide": PREFILL_WIDE_COVERAGE, "narrow": COVERAGE, "wgmma": PREFILL_WGMMA_COVERAGE}
+_PREFILL_COVERAGE = {"wide": PREFILL_WIDE_COVERAGE, "narrow": COVERAGE, "wgmma": PREFILL_WGMMA_COVERAGE,
+                     "wgmma1": PREFILL_WGMMA_COVERAGE}
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per
@@ -153,9 +156,12 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
     if kernel != "narrow":
         if k_scale is not None:
             raise ValueError(f"the {kernel} prefill kernel reads caches in the activation dtype, not fp8 ones")
-        launch = getattr(load_extension(), f"paged_prefill_{kernel}")
-        launch(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, int(seq_begin), int(num_seqs),
-               int(max_query_len), float(scale))
+        args = (out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, int(seq_begin), int(num_seqs),
+                int(max_query_len), float(scale))
+        if kernel == "wide":
+            load_extension().paged_prefill_wide(*args)
+        else:
+            load_extension().paged_prefill_wgmma(*args, _WGMMA_WARPGROUPS[kernel])
     elif k_scale is None:
         load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                        int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
