@@ -67,4 +67,14 @@ cudaError_t launch_paged_decode(const PagedAttnArgs& a, int partition_size, int 
 cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
                                  int max_query_len, cudaStream_t stream, const KvQuant* quant = nullptr);
 
+// The same contract on 128-query tiles with 32 rows per warp (cuda/prefill_wide.cu), for caches in the activation
+// dtype only; attention_ops.prefill_kernel chooses between the two.
+cudaError_t launch_paged_prefill_wide(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
+                                      int max_query_len, cudaStream_t stream);
+
+// The same on Hopper's wgmma (cuda/prefill_wgmma.cu), sm_90 only (cudaErrorNotSupported elsewhere), native caches;
+// warpgroups (1 or 2) per CTA picks its shape.
+cudaError_t launch_paged_prefill_wgmma(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
+                                       int max_query_len, cudaStream_t stream, int warpgroups);
+
 }  // namespace minillm

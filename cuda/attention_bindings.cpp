@@ -179,9 +179,12 @@ void launch_decode(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, cons
                 "paged_decode");
 }
 
+// Which prefill launcher: paged_prefill.cu (any cache), prefill_wide.cu or prefill_wgmma.cu (q's dtype only).
+enum class Prefill { kNarrow, kWide, kWgmma };
+
 void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& seq_lens,
                     const Tensor& query_start_loc, int64_t seq_begin, int64_t num_seqs, int64_t max_query_len,
-                    const Tensor& q);
+                    const Tensor& q, Prefill kernel = Prefill::kNarrow, int warpgroups = 0);
 
 void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
@@ -199,9 +202,23 @@ void paged_prefill_fp8(Tensor& out, const Tensor& q, const Tensor& k_cache, cons
   launch_prefill(a, &quant, seq_lens, query_start_loc, seq_begin, num_seqs, max_query_len, q);
 }
 
+void paged_prefill_wide(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                        const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                        int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, double scale) {
+  launch_prefill(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), nullptr, seq_lens,
+                 query_start_loc, seq_begin, num_seqs, max_query_len, q, Prefill::kWide);
+}
+
+void paged_prefill_wgmma(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                         const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                         int64_t seq_begin, int64_t num_seqs, int64_t max_query_len, double scale, int64_t warpgroups) {
+  launch_prefill(make_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale), nullptr, seq_lens,
+                 query_start_loc, seq_begin, num_seqs, max_query_len, q, Prefill::kWgmma, (int)warpgroups);
+}
+
 void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, const Tensor& seq_lens,
                     const Tensor& query_start_loc, int64_t seq_begin, int64_t num_seqs, int64_t max_query_len,
-                    const Tensor& q) {
+                    const Tensor& q, Prefill kernel, int warpgroups) {
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int32");
   TORCH_CHECK(seq_begin >= 0 && seq_begin + num_seqs <= seq_lens.size(0) &&
@@ -209,8 +226,21 @@ void launch_prefill(minillm::PagedAttnArgs a, const minillm::KvQuant* quant, con
               "prefill: seq_begin/num_seqs outside the batch");
   a.num_seqs = (int)num_seqs;
   const at::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (kernel == Prefill::kWide) {
+    check_cuda_ok(minillm::launch_paged_prefill_wide(a, query_start_loc.data_ptr<int>(), (int)seq_begin,
+                                                     (int)max_query_len, stream),
+                  "paged_prefill_wide");
+    return;
+  }
+  if (kernel == Prefill::kWgmma) {
+    check_cuda_ok(minillm::launch_paged_prefill_wgmma(a, query_start_loc.data_ptr<int>(), (int)seq_begin,
+                                                      (int)max_query_len, stream, warpgroups),
+                  "paged_prefill_wgmma");
+    return;
+  }
   check_cuda_ok(minillm::launch_paged_prefill(a, query_start_loc.data_ptr<int>(), (int)seq_begin, (int)max_query_len,
-                                              at::cuda::getCurrentCUDAStream(), quant),
+                                              stream, quant),
                 "paged_prefill");
 }
 
@@ -229,6 +259,11 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor seq_lens, Tensor k_scale, Tensor v_scale, float scale, int partition_size, int max_seq_len) -> ()");
   m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale) -> ()");
+  m.def("paged_prefill_wide(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale) -> ()");
+  m.def("paged_prefill_wgmma(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int seq_begin, int num_seqs, int max_query_len, float scale, "
+        "int warpgroups) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
@@ -238,4 +273,6 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("kv_write_fp8", &kv_write_fp8);
   m.impl("paged_decode_fp8", &paged_decode_fp8);
   m.impl("paged_prefill_fp8", &paged_prefill_fp8);
+  m.impl("paged_prefill_wide", &paged_prefill_wide);
+  m.impl("paged_prefill_wgmma", &paged_prefill_wgmma);
 }

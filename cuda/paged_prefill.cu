@@ -20,6 +20,7 @@
 #include "attention.h"
 #include "common.cuh"
 #include "kv_fp8.cuh"
+#include "prefill_tiles.cuh"
 #include "launch.h"
 
 namespace minillm {
@@ -32,38 +33,8 @@ constexpr int kThreads = 128;
 template <int D>
 constexpr int smem_bytes() { return (kBM + 4 * kBN) * D * 2; }  // Q + 2 stages of K and V, 2-byte elements
 
-// Each thread copies one 16-byte piece (column c) of every (kThreads / CH)-th row of a tile, from row r0 on.
 template <int D>
-struct TileCopy {
-  static constexpr int CH = D / 8, PASS = kThreads / CH, ROWS = kBN / PASS;
-};
-
-// Cache slots of the kBN-key tile starting at n0 for the rows this thread copies; -1 past n_end. Read one tile
-// ahead, so the block-table loads' latency hides behind a tile of math, and shared by the tile's K and V copies.
-// Block sizes are powers of two (the launcher checks): shifts and masks, not the ~30-instruction integer division
-// a runtime divisor costs, which made up a fifth of the main loop.
-template <int D>
-__device__ __forceinline__ void tile_slots(int (&slot)[TileCopy<D>::ROWS], const int* bt, int bs_log2, int n0,
-                                           int n_end, int r0) {
-#pragma unroll
-  for (int i = 0; i < TileCopy<D>::ROWS; ++i) {
-    const int pos = n0 + r0 + i * TileCopy<D>::PASS;
-    slot[i] = pos < n_end ? (bt[pos >> bs_log2] << bs_log2) | (pos & ((1 << bs_log2) - 1)) : -1;
-  }
-}
-
-// Copy those rows of K or V into swizzled shared memory; rows with slot -1 are zero-filled without reading
-// global memory (unowned cache slots may hold NaN).
-template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int (&slot)[TileCopy<D>::ROWS],
-                                             int64_t tok_stride, int r0, int c) {
-#pragma unroll
-  for (int i = 0; i < TileCopy<D>::ROWS; ++i) {
-    const bool valid = slot[i] >= 0;
-    const T* src = valid ? cache + (int64_t)slot[i] * tok_stride + c * 8 : cache;
-    cp_async16(dst + swz<D / 8>(r0 + i * TileCopy<D>::PASS, c), src, valid ? 16 : 0);
-  }
-}
+using TileCopyN = TileCopy<D, kThreads, kBN>;
 
 // fp8 tiles: 16-byte pieces of 16 elements, unswizzled rows of D bytes.
 template <int D>
@@ -150,18 +121,18 @@ __global__ void __launch_bounds__(kThreads)
   const int cr0 = threadIdx.x / CCH, cc = threadIdx.x % CCH;  // this thread's rows and column in tile copies
   const int bs_log2 = __ffs(a.block_size) - 1;
   // The tile copies of either cache format: slots, K/V loads into stage `st`, and (fp8) widening after landing.
-  int slot[F8 ? TileCopy8<D>::ROWS : TileCopy<D>::ROWS];
+  int slot[F8 ? TileCopy8<D>::ROWS : TileCopyN<D>::ROWS];
   auto slots_at = [&](int n0) {
     if constexpr (F8) tile_slots8<D>(slot, bt, bs_log2, n0, n_end, cr0);
-    else tile_slots<D>(slot, bt, bs_log2, n0, n_end, cr0);
+    else tile_slots<D, kThreads, kBN>(slot, bt, bs_log2, n0, n_end, cr0);
   };
   auto load_k = [&](int st) {
     if constexpr (F8) load_kv_tile8<D>(sK8 + st * kBN * D, kc, slot, tok_stride, cr0, cc);
-    else load_kv_tile<T, D>(sK + st * kBN * D, kc, slot, tok_stride, cr0, cc);
+    else load_kv_tile<T, D, kThreads, kBN>(sK + st * kBN * D, kc, slot, tok_stride, cr0, cc);
   };
   auto load_v = [&](int st) {
     if constexpr (F8) load_kv_tile8<D>(sV8 + st * kBN * D, vc, slot, tok_stride, cr0, cc);
-    else load_kv_tile<T, D>(sV + st * kBN * D, vc, slot, tok_stride, cr0, cc);
+    else load_kv_tile<T, D, kThreads, kBN>(sV + st * kBN * D, vc, slot, tok_stride, cr0, cc);
   };
   slots_at(0);
   load_k(0);

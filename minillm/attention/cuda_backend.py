@@ -39,6 +39,7 @@ class CudaAttentionBackend:
         self.min_partitions, self.ctas_per_sm = min_partitions, ctas_per_sm
         self.fuse_kv_write = fuse_kv_write   # the plan's fused_kv_write verdict: qk_norm_rope stores k/v
         self.kv_spec = None
+        self.prefill_kernel = None   # bind_kv_cache: attention_ops.prefill_kernel for the cache; None: per call
 
     def bind_kv_cache(self, spec) -> None:
         """The engine's KVCacheSpec (minillm/cache/spec.py). A layout or shape the kernels do not read is refused
@@ -52,6 +53,7 @@ class CudaAttentionBackend:
         if reason is not None:
             raise ValueError(f"the CUDA attention kernels do not cover this KV cache: {reason}")
         self.kv_spec = spec
+        self.prefill_kernel = ops.prefill_kernel(dtype, kv_dtype, spec.head_dim)
 
     def fused_kv_write_target(self, qkv: torch.Tensor, num_heads: int, head_dim: int, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, meta: AttentionMetadata
@@ -83,5 +85,5 @@ class CudaAttentionBackend:
         if meta.num_seqs > nd:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd,
-                              k_scale=ks, v_scale=vs)
+                              k_scale=ks, v_scale=vs, kernel=self.prefill_kernel)
         return out

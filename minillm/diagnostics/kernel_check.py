@@ -3,11 +3,12 @@ against torch. (The command itself is minillm/commands/check_kernels.py.)
 
 Cases: KV write (whole cache compared bit-exact, untouched NaN slots unchanged), ragged prefill, prefix hits,
 chunked prefill, tile/block-boundary lengths incl. 1, decode v1 / split-K / dispatched at small, long and mixed
-batches, the backend's split and unified modes, over every head dim, GQA group, block size and dtype. Caches
-start as NaN and block tables are random permutations. Timings use CUDA events around CUDA-graph replays of
-many calls over rotating inputs larger than L2. One JSON line per case and per timing goes to --output.
-The fp8 KV cache, the megakernel and the fused MoE kernels add their own cases (kv_quant_check, megakernel_check,
-moe_check).
+batches, the backend's split and unified modes, over every head dim, GQA group, block size and dtype; both prefill
+kernels the engine runs (ENGINE_PREFILL_KERNELS), also on long prompts (8k, 16k, 32k tokens and a 2,048-query
+chunk over a 14k cached prefix). Caches start as NaN and block tables are random permutations. Timings use CUDA
+events around CUDA-graph replays of many calls over rotating inputs larger than L2. One JSON line per case and per
+timing goes to --output. The fp8 KV cache, the megakernel and the fused MoE kernels add their own cases
+(kv_quant_check, megakernel_check, moe_check).
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from pathlib import Path
 
 
 TOL = {"bfloat16": 2e-2, "float16": 4e-3}
+# The prefill kernels the engine may run (attention_ops.prefill_kernel); the opt-in wgmma kernel has its own
+# tests and benchmark pass, so a fault there cannot take these checks down with it.
+ENGINE_PREFILL_KERNELS = ("wide", "narrow")
 KINDS = ("kv_write", "prefill", "decode", "backend")
 
 
@@ -37,6 +41,7 @@ def _batches(kind: str, quick: bool):
         yield "ragged", [1, 15, 16, 17, 63, 64, 65, 129], [1, 15, 16, 17, 63, 64, 65, 129], 0, None
         yield "prefix_hit", [80, 300, 33], [16, 45, 1], 0, None
         yield "chunked", [512, 700], [256, 188], 0, None
+        yield "offset", [1000, 333, 129], [401, 200, 129], 0, None   # prefixes off the 64-key tile grid
     elif kind == "decode":
         yield "small", [1, 16, 17, 33, 100], [1] * 5, 5, None
         yield "long_v1", [3000, 4100], [1, 1], 2, 0
@@ -80,7 +85,31 @@ def _case_kv_write(shape, seed):
     return 0.0 if same else float("inf"), 0.0
 
 
-def _case_attention(kind, shape, batch, seed):
+def prefill_ref_chunked(b, scale: float, rows: int = 1024):
+    """paged_attention_ref of a PagedBatch whose caches already hold this step's k/v, `rows` query rows at a time
+    over only the keys those rows may see: the scores of a 32k-token prompt in one piece would take 64 GB."""
+    import torch
+
+    from minillm.ops.reference import attend, gather_kv
+
+    out = torch.zeros(b.q.shape, dtype=torch.float32, device=b.q.device)
+    starts = b.query_start_list
+    for s, ctx in enumerate(b.seq_lens_list):
+        lo, hi = starts[s], starts[s + 1]
+        if hi <= lo:
+            continue
+        keys = gather_kv(b.k_cache, b.block_tables[s], ctx)
+        values = gather_kv(b.v_cache, b.block_tables[s], ctx)
+        for a in range(lo, hi, rows):
+            e = min(hi, a + rows)
+            q_pos = torch.arange(ctx - (hi - a), ctx - (hi - e), device=b.q.device)
+            n = ctx - (hi - e)   # keys visible to the chunk's last row
+            mask = torch.arange(n, device=b.q.device)[None, :] <= q_pos[:, None]
+            out[a:e] = attend(b.q[None, a:e], keys[None, :n], values[None, :n], mask[None], scale)[0]
+    return out
+
+
+def _case_attention(kind, shape, batch, seed, kernel=None):
     import torch
 
     from minillm.attention.cuda_backend import CudaAttentionBackend
@@ -105,7 +134,7 @@ def _case_attention(kind, shape, batch, seed):
     out = torch.full_like(b.q, float("nan"))
     if kind == "prefill":
         ops.paged_prefill(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, scale,
-                          max(ql))
+                          max(ql), kernel=kernel)
     else:
         ops.paged_decode(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, scale, max(ctx), part)
     return _max_err(out, ref), TOL[dt]
@@ -124,11 +153,51 @@ def run_cases(quick: bool) -> list[dict]:
                 seed += 1
                 err, tol = _case_attention(kind, shape, batch, seed)
                 rows.append(dict(case=f"{kind} {batch[0]} {tag}", max_abs_err=err, tol=tol, passed=err <= tol))
+                if kind == "prefill":   # the engine's choice above; the other kernel too
+                    err, tol = _case_attention(kind, shape, batch, seed, kernel="narrow")
+                    rows.append(dict(case=f"prefill[narrow] {batch[0]} {tag}", max_abs_err=err, tol=tol,
+                                     passed=err <= tol))
     from minillm.diagnostics.kv_quant_check import run_fp8_cases
     from minillm.diagnostics.megakernel_check import run_megakernel_cases
     from minillm.diagnostics.moe_check import run_moe_cases
 
-    return rows + run_fp8_cases(quick) + run_megakernel_cases(quick) + run_moe_cases(quick)
+    return (rows + run_long_prefill_cases(quick) + run_fp8_cases(quick) + run_megakernel_cases(quick)
+            + run_moe_cases(quick))
+
+
+def long_prefill_batches(quick: bool):
+    """(label, ctx_lens, q_lens) of the long-prompt cases: whole prompts, and a chunk over a cached prefix."""
+    yield "T=8192", [8192], [8192]
+    yield "chunk 2048 over 6144", [8192], [2048]
+    if not quick:
+        yield "T=16384", [16384], [16384]
+        yield "chunk 2048 over 14336", [16384], [2048]
+        yield "T=32768", [32768], [32768]
+
+
+def run_long_prefill_cases(quick: bool, hq=16, hkv=8, d=128, bs=16, dt="bfloat16") -> list[dict]:
+    """Both prefill kernels on long prompts (NaN-poisoned cache, random block table) against the chunked
+    reference."""
+    import torch
+
+    from minillm.ops import attention_ops as ops
+    from minillm.ops.reference import kv_write_ref, make_paged_batch
+
+    rows, scale = [], d ** -0.5
+    for seed, (label, ctx, ql) in enumerate(long_prefill_batches(quick), start=1000):
+        b = make_paged_batch(ctx, ql, hq, hkv, d, bs, getattr(torch, dt), "cuda", seed)
+        kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
+        ref = prefill_ref_chunked(b, scale)
+        for kernel in ENGINE_PREFILL_KERNELS:
+            out = torch.full_like(b.q, float("nan"))
+            ops.paged_prefill(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+                              scale, max(ql), kernel=kernel)
+            err = _max_err(out, ref)
+            rows.append(dict(case=f"prefill[{kernel}] long {label} D{d} H{hq}/{hkv} B{bs} {dt}", max_abs_err=err,
+                             tol=TOL[dt], passed=err <= TOL[dt]))
+        del b, ref
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _time_graph(fn_list, reps: int = 10) -> float:
@@ -211,33 +280,68 @@ def _decode_timings(batch: int, ctx: int, hq=16, hkv=8, d=128, bs=16) -> list[di
                  max_abs_err_vs_sdpa=err) for name, t in ms.items()]
 
 
-def _prefill_timings(seq: int, hq=16, hkv=8, d=128, bs=16) -> list[dict]:
+def prefill_flops(ctx: int, q_len: int, hq: int, d: int) -> float:
+    """QK^T and PV FLOPs of q_len causal queries at the last positions of a ctx-token context: query i sees
+    ctx - q_len + i + 1 keys (q_len = ctx: 4 H D T (T + 1) / 2)."""
+    keys = q_len * (ctx - q_len) + q_len * (q_len + 1) / 2
+    return 4 * hq * d * keys
+
+
+def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=16,
+                    kernels=ENGINE_PREFILL_KERNELS, sdpa_too: bool = True) -> list[dict]:
+    """Prefill kernels (and SDPA on contiguous K/V) on one sequence: q_len queries (default ctx, a whole prompt)
+    at the end of a ctx-token context, bf16. A chunk over a cached prefix is compared with SDPA's lower-right
+    causal mask over K/V expanded to the query heads (SDPA's GQA path takes no such mask)."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
 
     from minillm.ops import attention_ops as ops
 
+    q_len = q_len or ctx
     dev, dt, scale = "cuda", torch.bfloat16, d ** -0.5
-    q = torch.randn(seq, hq, d, device=dev, dtype=dt)
-    kc = torch.randn(seq // bs, bs, hkv, d, device=dev, dtype=dt)
+    nb = -(-ctx // bs)
+    q = torch.randn(q_len, hq, d, device=dev, dtype=dt)
+    kc = torch.randn(nb, bs, hkv, d, device=dev, dtype=dt)
     vc = torch.randn_like(kc)
-    bt = torch.randperm(seq // bs, device=dev).to(torch.int32).view(1, -1)
-    lens = torch.tensor([seq], dtype=torch.int32, device=dev)
-    qsl = torch.tensor([0, seq], dtype=torch.int32, device=dev)
+    bt = torch.randperm(nb, device=dev).to(torch.int32).view(1, -1)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
-    k4 = kc[bt[0]].view(1, seq, hkv, d).transpose(1, 2).contiguous()
-    v4 = vc[bt[0]].view(1, seq, hkv, d).transpose(1, 2).contiguous()
+    k4 = kc[bt[0]].reshape(1, nb * bs, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+    v4 = vc[bt[0]].reshape(1, nb * bs, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
-    ms = {"minillm prefill": _time_graph([lambda: ops.paged_prefill(out, q, kc, vc, bt, lens, qsl, scale, seq)]),
-          "sdpa causal": _time_graph([lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,
-                                                                             enable_gqa=True)])}
-    ref = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-    ops.paged_prefill(out, q, kc, vc, bt, lens, qsl, scale, seq)
-    err = _max_err(out, ref.float())
-    flops = 4 * hq * d * seq * (seq + 1) / 2  # QK^T and PV over the causal half
-    bench = f"prefill T={seq} causal H{hq}/{hkv} D{d} bs{bs}"
-    return [dict(bench=bench, impl=name, ms=t, tflops=flops / t / 1e9, ratio_vs_sdpa=ms["sdpa causal"] / t,
-                 max_abs_err_vs_sdpa=err) for name, t in ms.items()]
+    if q_len == ctx:
+        def sdpa():
+            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    else:
+        k4, v4 = k4.repeat_interleave(hq // hkv, 1), v4.repeat_interleave(hq // hkv, 1)
+        mask = causal_lower_right(q_len, ctx)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask)
+
+    def ours(kernel):
+        return lambda: ops.paged_prefill(out, q, kc, vc, bt, lens, qsl, scale, q_len, kernel=kernel)
+
+    ref = sdpa()[0].transpose(0, 1).float()
+    ms, errs = {}, {}
+    try:
+        ms["sdpa causal"] = _time_graph([sdpa])
+    except RuntimeError:   # its masked path may refuse graph capture in some torch builds: time the kernels alone
+        torch.cuda.synchronize()
+    base = ms.get("sdpa causal")
+    if not sdpa_too:
+        ms.clear()
+    for kernel in kernels:
+        ours(kernel)()
+        errs[f"minillm prefill {kernel}"] = _max_err(out, ref)
+        ms[f"minillm prefill {kernel}"] = _time_graph([ours(kernel)])
+    flops = prefill_flops(ctx, q_len, hq, d)
+    what = f"T={ctx} causal" if q_len == ctx else f"{q_len} queries over a {ctx - q_len}-token prefix"
+    bench = f"prefill {what} H{hq}/{hkv} D{d} bs{bs}"
+    return [dict(bench=bench, impl=name, ms=t, tflops=flops / t / 1e9, ratio_vs_sdpa=base / t if base else None,
+                 max_abs_err_vs_sdpa=errs.get(name)) for name, t in ms.items()]
 
 
 def run_timings(quick: bool) -> list[dict]:
@@ -247,7 +351,10 @@ def run_timings(quick: bool) -> list[dict]:
         rows += _decode_timings(batch, ctx)
     from minillm.diagnostics.kv_quant_check import run_fp8_timings
 
-    return rows + _prefill_timings(4096) + run_fp8_timings()
+    rows += prefill_timings(4096)
+    if not quick:
+        rows += prefill_timings(16384) + prefill_timings(16384, 2048)
+    return rows + run_fp8_timings()
 
 
 def _print_cases(rows) -> None:

@@ -7,6 +7,7 @@ decode path can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -21,6 +22,21 @@ from minillm.ops.coverage import KernelCoverage
 COVERAGE = KernelCoverage("paged_attention", dtypes=("bfloat16", "float16"), head_dims=(64, 128),
                           block_sizes=(16, 32), max_gqa_group=16, graph_safe=True,
                           kv_dtypes=("float8_e4m3fn", "float8_e5m2"))   # fp8 caches: cuda/kv_fp8.cuh
+
+# The prefill kernels, one contract: "wide" (cuda/prefill_wide.cu: 128-query tiles, 32 rows per warp) reads
+# caches in the activation dtype; "narrow" (cuda/paged_prefill.cu: 64-query tiles, 16 rows per warp) reads those
+# and the fp8 caches; "wgmma" and "wgmma1" (cuda/prefill_wgmma.cu: 2 warpgroups per CTA or 1, sm_90 only, native
+# caches) are opt-in until measured: the engine never runs them. prefill_kernel() picks the one a case runs on: wide
+# wherever it covers the case.
+PREFILL_KERNELS = ("wide", "narrow", "wgmma", "wgmma1")
+_WGMMA_WARPGROUPS = {"wgmma": 2, "wgmma1": 1}
+PREFILL_WIDE_COVERAGE = KernelCoverage("paged_prefill_wide", dtypes=COVERAGE.dtypes, head_dims=COVERAGE.head_dims,
+                                       block_sizes=COVERAGE.block_sizes, max_gqa_group=COVERAGE.max_gqa_group,
+                                       graph_safe=True)
+PREFILL_WGMMA_COVERAGE = dataclasses.replace(PREFILL_WIDE_COVERAGE, family="paged_prefill_wgmma",
+                                             min_capability=(9, 0), max_major=9)
+_PREFILL_COVERAGE = {"wide": PREFILL_WIDE_COVERAGE, "narrow": COVERAGE, "wgmma": PREFILL_WGMMA_COVERAGE,
+                     "wgmma1": PREFILL_WGMMA_COVERAGE}
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per
@@ -100,19 +116,53 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     return out
 
 
+@lru_cache(maxsize=32)
+def prefill_kernel(dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The prefill kernel (PREFILL_KERNELS) for activations of `dtype` over a cache of `kv_dtype` (torch names
+    without "torch."): the wide one wherever its coverage holds, else the narrow one."""
+    wide = PREFILL_WIDE_COVERAGE.reason(dtype=dtype, capability=PREFILL_WIDE_COVERAGE.min_capability,
+                                        head_dim=head_dim, kv_dtype=kv_dtype)
+    return "narrow" if wide else "wide"
+
+
+def prefill_kernels_on(capability: tuple[int, int]) -> tuple[str, ...]:
+    """The PREFILL_KERNELS a GPU of this capability runs (the tests and scripts/prefill_bench.py try each)."""
+    return tuple(k for k in PREFILL_KERNELS
+                 if _PREFILL_COVERAGE[k].reason(dtype=COVERAGE.dtypes[0], capability=tuple(capability)) is None)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                   scale: float, max_query_len: int, seq_begin: int = 0, num_seqs: int | None = None, *,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  kernel: str | None = None) -> torch.Tensor:
     """Causal attention of the query rows of sequences [seq_begin, seq_begin + num_seqs) in one launch.
 
     Rows of sequence s are q[query_start_loc[s]:query_start_loc[s+1]] and sit at the last positions of its
     seq_lens[s]-token context (prefix hits and later prefill chunks attend to the cached tokens before them).
     k_scale / v_scale (fp32 [Hkv]): the caches are fp8, read as stored * scale.
+    kernel: one of PREFILL_KERNELS; None lets prefill_kernel() choose (what the engine runs).
     """
     if num_seqs is None:
         num_seqs = seq_lens.shape[0] - seq_begin
-    if k_scale is None:
+    if kernel is None:
+        kernel = prefill_kernel(_dtype_name(q.dtype), _dtype_name(k_cache.dtype), q.shape[-1])
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"prefill kernel must be one of {PREFILL_KERNELS}, got {kernel!r}")
+    if kernel != "narrow":
+        if k_scale is not None:
+            raise ValueError(f"the {kernel} prefill kernel reads caches in the activation dtype, not fp8 ones")
+        args = (out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, int(seq_begin), int(num_seqs),
+                int(max_query_len), float(scale))
+        if kernel == "wide":
+            load_extension().paged_prefill_wide(*args)
+        else:
+            load_extension().paged_prefill_wgmma(*args, _WGMMA_WARPGROUPS[kernel])
+    elif k_scale is None:
         load_extension().paged_prefill(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                        int(seq_begin), int(num_seqs), int(max_query_len), float(scale))
     else:
