@@ -218,6 +218,7 @@ class LoopTimes:
 
     def summary(self) -> str:
         n = self.steps
-        phases = ", ".join(f"{k} {v:.3f}" for k, v in self.profile.summary()["ms_per_step"].items())
-        return (f"{n} steps, {1e3 * self.step_s / n:.3f} ms a step ({phases} ms per scheduled step), "
-                f"{1e3 * self.send_s / n:.3f} ms a step encoding and sending outputs")
+        summary = self.profile.summary()
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in summary["ms_per_step"].items())
+        return (f"{n} steps, {1e3 * self.step_s / n:.3f} ms a step ({phases} ms per scheduled step; paths "
+                f"{summary['paths']}), {1e3 * self.send_s / n:.3f} ms a step encoding and sending outputs")

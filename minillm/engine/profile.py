@@ -15,6 +15,7 @@ class StepProfile:
         self.steps = 0
         self.decode_only_steps = 0
         self.rows = 0
+        self.paths: dict[str, int] = defaultdict(int)   # steps by how they ran: megakernel, graph, eager
         self._t = 0.0
 
     def start(self) -> None:
@@ -31,9 +32,12 @@ class StepProfile:
         self.rows += num_seqs
         self.decode_only_steps += decode_only
 
+    def count_path(self, path: str) -> None:
+        self.paths[path] += 1
+
     def summary(self) -> dict:
         n = max(self.steps, 1)
         return {"steps": self.steps, "decode_only_steps": self.decode_only_steps,
-                "mean_rows": self.rows / n,
+                "mean_rows": self.rows / n, "paths": dict(self.paths),
                 "ms_per_step": {p: 1e3 * self.totals[p] / n for p in PHASES},
                 "total_s": {p: self.totals[p] for p in PHASES}}

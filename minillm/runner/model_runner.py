@@ -195,6 +195,8 @@ class ModelRunner:
         if prof is not None:
             prof.mark("build")
         path = self.plan.step_path(meta.num_decodes == meta.num_seqs, meta.seq_lens_cpu)
+        if prof is not None:
+            prof.count_path(path)
         with self._launches(path == "megakernel"):
             if path == "megakernel":
                 hidden = self.mega_graphs.replay(step.input_ids, step.positions, meta)
