@@ -173,7 +173,8 @@ def main() -> None:
             base = med if mode == "none" else base
             line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
                     "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
-                    "seeded": args.seeded, "mask_threads": mask_threads, "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
+                    "seeded": args.seeded, "mask_threads": mask_threads, "host_profiled": host,
+                    "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
                     "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
             if isinstance(prof, tuple):
                 line.update(summarise(prof[0], prof[1], Path(f"results/profiles/structured_B{b}_{mode}.txt")))
