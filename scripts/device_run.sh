@@ -82,7 +82,7 @@ for s in "$@"; do
       stage e2e 200 python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
         tests/test_engine_gpu.py ;;
     gputests)   # every GPU test file but the start-up matrix (stage matrix) and the 131k-token prompts (slow)
-      stage gputests 200 bash -c "python3 -m pytest -m 'gpu and not slow' -q --tb=short -p no:cacheprovider \
+      stage gputests 280 bash -c "python3 -m pytest -m 'gpu and not slow' -q --tb=short -p no:cacheprovider \
         --deselect tests/test_startup_matrix_gpu.py \$(ls tests/test_*gpu*.py | grep -v startup_matrix) \
         tests/test_plan.py tests/test_nonfinite.py | tee $OUT/gputests.log" ;;
     matrix)   # the start-up matrix (scripts/startup_matrix.py --quick): every case in its own process
@@ -92,6 +92,20 @@ for s in "$@"; do
 from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dumps(r)) for r in run_fp8_timings()]"
       cp "$LOG/fp8_timing.log" "$OUT/fp8_timing.jsonl"
       stage fp8_kl 200 python3 scripts/kv_fp8_accuracy.py gpu --out "$OUT/kv_fp8.jsonl" ;;
+    kernels3)   # the GPU tests of the fused MoE and prefill kernels; the opt-in wgmma prefill kernels in a run of their
+      # own, last, so that a fault there hides nothing
+      stage kernels3 200 bash -c "python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider -k 'not wgmma' \
+        tests/test_moe_kernels.py tests/test_moe_ops.py tests/test_prefill_kernels.py | tee $OUT/kernels3.log"
+      stage wgmma 120 bash -c "python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider -k wgmma \
+        tests/test_prefill_kernels.py | tee $OUT/wgmma.log" ;;
+    moebench)   # the Qwen3-30B-A3B MoE layer: fused kernels against torch._grouped_mm at 1-256 tokens
+      stage moebench 120 python3 scripts/moe_bench.py --out "$OUT/moe_kernels.jsonl" ;;
+    prefillbench)   # the prefill kernels against SDPA at 4k-32k tokens
+      stage prefillbench 150 python3 scripts/prefill_bench.py --out "$OUT/prefill_kernels.jsonl" ;;
+    abfp8)   # the offline reference with an fp8 cache, then this tree against .old/ with bf16 (one round each)
+      stage benchfp8 110 python3 -m minillm bench --no-progress --kv-cache-dtype fp8 --output "$OUT/bench.jsonl"
+      stage parallelab 240 env OUT="$LOG/ab" BASE_TREE="$PWD/.old" ROUNDS=1 REQUESTS=256 scripts/parallel_ab.sh
+      cp "$LOG"/ab/ab_*.jsonl "$OUT"/ 2>/dev/null ;;
     fp8dec)   # the fp8 decode kernel: its GPU tests, then fp8 against bf16 decode timings
       stage fp8dec_tests 200 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider tests/test_kv_fp8_gpu.py \
         tests/test_kernels_gpu.py -k "decode or fp8"
