@@ -26,18 +26,21 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
 _REF_CHUNK_ELEMS = 1 << 22
 
-def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
-    """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1)."""
+def philox4x32_10(counter: np.ndarray, key: tuple) -> np.ndarray:
+    """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1): ints, or arrays that
+    broadcast against counter[..., 0] (one key per row)."""
     c = np.asarray(counter, dtype=np.uint32).astype(np.uint64)
     c0, c1, c2, c3 = c[..., 0], c[..., 1], c[..., 2], c[..., 3]
-    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
+    k0 = np.asarray(key[0], dtype=np.uint64) & np.uint64(_MASK32)
+    k1 = np.asarray(key[1], dtype=np.uint64) & np.uint64(_MASK32)
+    w0, w1, mask = np.uint64(_PHILOX_W0), np.uint64(_PHILOX_W1), np.uint64(_MASK32)
     for r in range(10):
         if r:
-            k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+            k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
         p0 = c0 * np.uint64(_PHILOX_M0)  # 32 x 32 bits: exact in uint64
         p1 = c2 * np.uint64(_PHILOX_M1)
-        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & np.uint64(_MASK32),
-                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(_MASK32))
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & np.uint64(_MASK32),
+                          (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & np.uint64(_MASK32))
     return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
 
 
@@ -50,10 +53,46 @@ def race_noise(rows: range, vocab: int, seed: int, offset: int) -> np.ndarray:
     counter[..., 2] = offset & _MASK32
     counter[..., 3] = (offset >> 32) & _MASK32
     words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
-    words = words.reshape(len(rows), groups * 4)[:, :vocab]
-    u = words.astype(np.float32) * np.float32(2.0**-32) + np.float32(2.0**-33)
+    u = unit_from_words(words.reshape(len(rows), groups * 4)[:, :vocab])
     with np.errstate(divide="ignore"):  # u == 1 gives E = inf: -log(E) = -inf, a column that cannot win
         return -np.log(-np.log1p(-u))
+
+
+def unit_from_words(words: np.ndarray) -> np.ndarray:
+    """uint32 words -> u = float32(word) * 2**-32 + 2**-33 in (0, 1], the kernels' fp32 steps."""
+    return words.astype(np.float32) * np.float32(2.0**-32) + np.float32(2.0**-33)
+
+
+SEEDED_TAG = 0x53454544   # the 4th counter word of seeded rows' noise ("SEED"), apart from the race's offsets
+
+
+def seeded_uniform_ref(args: np.ndarray, vocab: int) -> np.ndarray:
+    """u in (0, 1] as float32 [M, vocab] for seeded rows, args = int64 [3, M] (row, seed bits, position): the
+    words of cuda/sampling.cu's seeded_exponential_kernel, Philox4x32-10 with key = seed and counter =
+    (column // 4, position low, position high, SEEDED_TAG). The row index is not an input: the noise of a
+    seeded request does not depend on where it sits in the batch."""
+    m, groups = args.shape[1], (vocab + 3) // 4
+    seeds, pos = args[1].view(np.uint64), args[2].astype(np.uint64)
+    counter = np.empty((m, groups, 4), dtype=np.uint32)
+    counter[..., 0] = np.arange(groups, dtype=np.uint32)[None, :]
+    counter[..., 1] = (pos & np.uint64(_MASK32)).astype(np.uint32)[:, None]
+    counter[..., 2] = (pos >> np.uint64(32)).astype(np.uint32)[:, None]
+    counter[..., 3] = SEEDED_TAG
+    key = ((seeds & np.uint64(_MASK32))[:, None], (seeds >> np.uint64(32))[:, None])
+    return unit_from_words(philox4x32_10(counter, key).reshape(m, groups * 4)[:, :vocab])
+
+
+def seeded_exponential_(noise: torch.Tensor, args: np.ndarray, args_dev: torch.Tensor, *,
+                        cuda: bool = False) -> None:
+    """Write E ~ Exp(1) into the seeded rows of noise [N, V] (float32, in place): E = -log1p(-u) with u from
+    seeded_uniform_ref. args: int64 [3, M] (row, seed bits, position) on the host; args_dev: the same on noise's
+    device. With cuda=True and a CUDA tensor this is one kernel (whose log1pf is the one torch's CUDA log1p
+    calls, so the two agree bit for bit); elsewhere the reference's words, then torch.log1p on noise's device."""
+    if cuda and noise.is_cuda:
+        torch.ops.minillm.seeded_exponential_(noise, args_dev)
+        return
+    u = torch.from_numpy(seeded_uniform_ref(args, noise.shape[1])).to(noise.device)
+    noise[torch.from_numpy(args[0]).to(noise.device)] = u.neg_().log1p_().neg_()
 
 
 def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, offset: int) -> None:
