@@ -9,6 +9,7 @@ reused as they are. A decode-only step (one token per row) needs no cumsum or re
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,6 +145,7 @@ def _align(n32: int) -> int:
     return (n32 + 15) & ~15
 
 
+@functools.lru_cache(maxsize=64)
 def _offsets(total: int, n: int) -> tuple[int, ...]:
     """Start of each field in int32 units: input_ids, positions, slot_mapping, logits_indices (int64, so 2
     int32s per element), query_start_loc, seq_lens, block table (int32)."""

@@ -8,7 +8,7 @@ plus numpy; per-row Python loops run only over the rows that need them (min_toke
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -56,6 +56,21 @@ class SamplingBatch:
     seeded: SeededRows | None             # the seeded sampling rows; None when there are none
     any_unseeded: bool                    # some sampling row draws from the shared generator
     logprobs: list[int | None] | None     # per-row top-N request; None when no row asked
+    _inv_t: torch.Tensor | None = field(default=None, repr=False, compare=False)   # inverse_temperature()
+
+    def inverse_temperature(self, device: torch.device) -> torch.Tensor:
+        """float32 [N] on `device`: 1 / T per row, 0 on greedy rows (the one-pass kernel's input). Made once per
+        batch: a batch handed back by SamplingBatchCache then costs no kernel launch for it."""
+        if self._inv_t is None:
+            n = self.num_rows
+            if self.all_greedy:
+                inv_t = torch.zeros(n, device=device)
+            else:
+                inv_t = 1.0 / self.temperature.view(n) if self.temperature is not None else torch.ones(n, device=device)
+                if self.greedy_mask is not None:
+                    inv_t = inv_t.masked_fill(self.greedy_mask, 0.0)
+            self._inv_t = inv_t.float().contiguous()
+        return self._inv_t
 
     @property
     def is_static(self) -> bool:

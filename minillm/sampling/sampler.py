@@ -111,19 +111,14 @@ class Sampler:
         """Temperature + exponential race + greedy rows in one pass of the CUDA kernel. Its noise is keyed by
         (sampler seed, row, step, column), so unseeded rows stay reproducible run to run."""
         from minillm.ops.sampling_ops import sample_exponential_race
-        n = batch.num_rows
+        inv_t = batch.inverse_temperature(logits.device)
         if batch.all_greedy:
             # Inverse temperature 0 on every row: the kernel's argmax (ties to the lowest column, NaN largest, as
             # torch.argmax), read from the logits as they are (no fp32 copy of half-precision ones). No noise is
             # drawn, so the step count stays: the sampled steps' noise does not depend on how many greedy ones ran.
-            zeros = torch.zeros(n, device=logits.device)
-            return sample_exponential_race(logits, zeros, self.seed, self._fused_steps, cuda=True)
-        inv_t = (1.0 / batch.temperature.view(n) if batch.temperature is not None
-                 else torch.ones(n, device=logits.device))
-        if batch.greedy_mask is not None:
-            inv_t = inv_t.masked_fill(batch.greedy_mask, 0.0)
+            return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, cuda=True)
         self._fused_steps += 1
-        return sample_exponential_race(logits, inv_t.float().contiguous(), self.seed, self._fused_steps, cuda=True)
+        return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, cuda=True)
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
