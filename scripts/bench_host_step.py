@@ -9,8 +9,10 @@ step that Python pays for. (The sampler's argmax over the vocabulary still runs 
     python scripts/bench_host_step.py [--batch 1 8 64 256] [--steps 400] [--temperature 0] [--seed]
                                       [--profile B] [--top 25]
 
-Prints, per batch size, the median, p10 and p90 us per step over --steps decode steps; --profile B also prints
-cProfile's top functions (by own time) for batch B.
+Prints, per batch size, the median, p10 and p90 us per step over --steps decode steps, and how many torch ops a
+step dispatches (counted by torch.profiler over 20 more steps; on a GPU each is a launch or a copy costing
+host time that this CPU run does not see); --profile B also prints cProfile's top functions (by own time) for
+batch B.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ TINY = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_atten
 def tiny_model_dir(root: Path) -> Path:
     """The demo model's config and tokenizer, with the layers shrunk to almost nothing (dummy weights)."""
     cfg = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
-    cfg.update(TINY)
+    cfg.update(TINY, max_position_embeddings=1 << 16)
     (root / "config.json").write_text(json.dumps(cfg))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(DEMO_MODEL_DIR / name, root / name)
@@ -46,8 +48,9 @@ def tiny_model_dir(root: Path) -> Path:
 class StubModel(torch.nn.Module):
     """Stands in for the model: forward and compute_logits return views of fixed tensors (no math)."""
 
-    def __init__(self, max_tokens: int, hidden: int, vocab: int) -> None:
+    def __init__(self, max_tokens: int, hidden: int, vocab: int, fresh: bool) -> None:
         super().__init__()
+        self.fresh = fresh
         gen = torch.Generator().manual_seed(0)
         self.hidden = torch.zeros(max_tokens, hidden)
         self.logits = torch.randn(max_tokens, vocab, generator=gen)
@@ -56,21 +59,24 @@ class StubModel(torch.nn.Module):
         return self.hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden, *, keep_dtype: bool = False):
-        return self.logits[: hidden.shape[0]].clone()   # the sampler may work on its logits in place
+        # A temperature other than 1 divides the logits in place: then each step needs a fresh copy.
+        logits = self.logits[: hidden.shape[0]]
+        return logits.clone() if self.fresh else logits
 
 
-def make_llm(path: Path, batch: int, steps: int) -> LLM:
+def make_llm(path: Path, batch: int, steps: int, temperature: float) -> LLM:
     llm = LLM(str(path), load_format="dummy", device="cpu", dtype="float32", max_num_seqs=max(batch, 1),
               max_model_len=steps + 256)
     runner = llm.engine.runner
-    runner.model = StubModel(runner.max_num_tokens, TINY["hidden_size"], runner.vocab_size)
+    runner.model = StubModel(runner.max_num_tokens, TINY["hidden_size"], runner.vocab_size,
+                             fresh=temperature not in (0.0, 1.0))
     # The CPU checks every step's logits for NaN (a pass over [B, V]); the GPU checks one step in 64. Leave that
     # math out too.
     runner.sampler.nonfinite.seen = True
     return llm
 
 
-def fill(llm: LLM, batch: int, steps: int, params: SamplingParams) -> None:
+def fill(llm: LLM, batch: int, params: SamplingParams) -> None:
     """`batch` requests of 32-token prompts, prefilled, then a few decode steps (not timed)."""
     for i in range(batch):
         llm.add_request([(7 * i + j) % 4000 + 10 for j in range(32)], params)
@@ -90,12 +96,22 @@ def time_steps(llm: LLM, steps: int) -> list[float]:
     return times
 
 
-def run(path: Path, batch: int, args) -> tuple[list[float], cProfile.Profile | None]:
+def ops_per_step(llm: LLM, steps: int = 20) -> float:
+    """torch ops dispatched per step (top-level ones: an op called inside another is not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        time_steps(llm, steps)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None) / steps
+
+
+def run(path: Path, batch: int, args) -> tuple[list[float], float, cProfile.Profile | None]:
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=2 * args.steps + 64,
                             seed=1234 if args.seed else None)
-    llm = make_llm(path, batch, 2 * args.steps)
-    fill(llm, batch, args.steps, params)
+    llm = make_llm(path, batch, 2 * args.steps, args.temperature)
+    fill(llm, batch, params)
     times = time_steps(llm, args.steps)
+    ops = ops_per_step(llm)
     prof = None
     if args.profile == batch:
         prof = cProfile.Profile()
@@ -103,7 +119,7 @@ def run(path: Path, batch: int, args) -> tuple[list[float], cProfile.Profile | N
         time_steps(llm, args.steps)
         prof.disable()
     llm.close()
-    return times, prof
+    return times, ops, prof
 
 
 def main() -> None:
@@ -119,11 +135,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_model_dir(Path(tmp))
         for batch in args.batch:
-            times, prof = run(path, batch, args)
+            times, ops, prof = run(path, batch, args)
             us = sorted(t * 1e6 for t in times)
             q = statistics.quantiles(us, n=10)
             print(f"B={batch:4d}: median {statistics.median(us):7.1f} us/step  p10 {q[0]:7.1f}  p90 {q[-1]:7.1f}  "
-                  f"({args.steps} steps, T={args.temperature}, seeded={args.seed})", flush=True)
+                  f"{ops:5.1f} torch ops/step ({args.steps} steps, T={args.temperature}, seeded={args.seed})",
+                  flush=True)
             if prof is not None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 

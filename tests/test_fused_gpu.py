@@ -548,19 +548,21 @@ def _seeded_args(rows, seeds, positions) -> np.ndarray:
 def test_seeded_noise_is_bit_exact_against_its_twin(ops, vocab, pad):
     """cuda/sampling.cu's seeded noise equals, bit for bit, E = -log1p(-u) of the reference's Philox words u
     (seeded_uniform_ref) with torch's CUDA log1p; rows not listed keep what they held (NaN here). Seeds beyond
-    32 bits and negative, positions beyond 32 bits, an odd vocab and a row stride wider than the vocab."""
+    32 bits and negative, positions beyond 32 bits, a position offset, an odd vocab and a row stride wider than
+    the vocab."""
     from minillm.ops.sampling_ops import seeded_uniform_ref
 
-    noise = torch.full((9, vocab + pad), float("nan"), device="cuda")[:, :vocab]
     args = _seeded_args([7, 0, 3, 8], [1234, -1, 2**40 + 5, 2**63 + 9], [0, 17, 2**33 + 1, 5])
-    ops.seeded_exponential_(noise, torch.from_numpy(args).cuda())
-    u = torch.from_numpy(seeded_uniform_ref(args, vocab)).cuda()
-    twin = u.neg().log1p().neg()
-    got = noise[torch.from_numpy(args[0]).cuda()]
-    diff = (got.view(torch.int32) - twin.view(torch.int32)).abs().max().item()
-    assert torch.equal(got, twin), f"kernel and twin differ by up to {diff} ulp"
-    assert torch.isnan(noise[[1, 2, 4, 5, 6]]).all()
-    assert (got > 0).all()
+    for offset in (0, 3):
+        noise = torch.full((9, vocab + pad), float("nan"), device="cuda")[:, :vocab]
+        ops.seeded_exponential_(noise, torch.from_numpy(args).cuda(), offset)
+        u = torch.from_numpy(seeded_uniform_ref(args, vocab, offset)).cuda()
+        twin = u.neg().log1p().neg()
+        got = noise[torch.from_numpy(args[0]).cuda()]
+        diff = (got.view(torch.int32) - twin.view(torch.int32)).abs().max().item()
+        assert torch.equal(got, twin), f"offset {offset}: kernel and twin differ by up to {diff} ulp"
+        assert torch.isnan(noise[[1, 2, 4, 5, 6]]).all()
+        assert (got > 0).all()
 
 
 def test_seeded_sampler_kernel_gives_the_torch_path_tokens(ops):
@@ -596,6 +598,8 @@ def test_seeded_noise_bad_arguments_raise_value_error(ops):
         ops.seeded_exponential_(noise, args.int())
     with pytest.raises(ValueError, match="args"):
         ops.seeded_exponential_(noise, args.cpu())
+    with pytest.raises(ValueError, match="offset"):
+        ops.seeded_exponential_(noise, args, -1)
 
 
 def test_bad_arguments_raise_value_error(ops):

@@ -239,13 +239,37 @@ def test_sampling_batch_cache_reuses_a_batch_only_while_a_fresh_build_would_equa
     for other in (static[1:], [req(temperature=0.0)] + static[1:], static[::-1]):
         assert batch_fields(cache.get(other)) == batch_fields(SamplingBatch.build(other, "cpu", V))
     # A row that reads its own history or output count changes the batch every step: rebuilt each time.
-    for kw in (dict(seed=3, temperature=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=1.2),
-               dict(min_tokens=3)):
+    for kw in (dict(presence_penalty=0.5), dict(repetition_penalty=1.2), dict(min_tokens=3)):
         reqs = [req(**kw), req()]
         before = cache.get(reqs)
         reqs[0].append_output_token(5)
         after = cache.get(reqs)
         assert after is not before and batch_fields(after) == batch_fields(SamplingBatch.build(reqs, "cpu", V))
+
+
+def seeded_positions(batch: SamplingBatch) -> list[int]:
+    return (batch.seeded.args[2] + batch.seeded.offset).tolist()
+
+
+def test_sampling_batch_cache_reuses_seeded_rows_only_while_every_output_index_moved_alike():
+    """Seeded rows' output indices move with the step: a reused batch carries the move as an offset, and draws
+    the noise a fresh build would; rows that moved by different counts (or backwards) get a fresh build."""
+    cache = SamplingBatchCache("cpu", V)
+    reqs = [req(seed=3, temperature=0.5), req(), req(seed=-1, output=[7, 7])]
+    first = cache.get(reqs)
+    for step in range(1, 4):
+        for r in reqs:
+            r.append_output_token(5)
+        assert cache.get(reqs) is first and first.seeded.offset == step
+        fresh = SamplingBatch.build(reqs, "cpu", V)
+        assert seeded_positions(first) == seeded_positions(fresh) == [step, 2 + step]
+        logits = rand_logits(3, seed=step) * 0.1
+        assert torch.equal(Sampler(1)(logits.clone(), first).token_ids, Sampler(1)(logits.clone(), fresh).token_ids)
+    reqs[0].append_output_token(5)                     # row 0 moved, row 2 did not
+    moved = cache.get(reqs)
+    assert moved is not first and moved.seeded.offset == 0 and seeded_positions(moved) == [4, 5]
+    # seq_lens (async scheduling: the tokens in flight count) decide the output index when given.
+    assert seeded_positions(cache.get(reqs, [3 + 6, 4, 3 + 7])) == [6, 7]
 
 
 def test_min_tokens_masks_eos_and_stop_token_ids():

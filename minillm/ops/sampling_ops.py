@@ -66,13 +66,13 @@ def unit_from_words(words: np.ndarray) -> np.ndarray:
 SEEDED_TAG = 0x53454544   # the 4th counter word of seeded rows' noise ("SEED"), apart from the race's offsets
 
 
-def seeded_uniform_ref(args: np.ndarray, vocab: int) -> np.ndarray:
+def seeded_uniform_ref(args: np.ndarray, vocab: int, offset: int = 0) -> np.ndarray:
     """u in (0, 1] as float32 [M, vocab] for seeded rows, args = int64 [3, M] (row, seed bits, position): the
     words of cuda/sampling.cu's seeded_exponential_kernel, Philox4x32-10 with key = seed and counter =
-    (column // 4, position low, position high, SEEDED_TAG). The row index is not an input: the noise of a
-    seeded request does not depend on where it sits in the batch."""
+    (column // 4, position low, position high, SEEDED_TAG), position = args[2] + offset. The row index is not an
+    input: the noise of a seeded request does not depend on where it sits in the batch."""
     m, groups = args.shape[1], (vocab + 3) // 4
-    seeds, pos = args[1].view(np.uint64), args[2].astype(np.uint64)
+    seeds, pos = args[1].view(np.uint64), args[2].astype(np.uint64) + np.uint64(offset)
     counter = np.empty((m, groups, 4), dtype=np.uint32)
     counter[..., 0] = np.arange(groups, dtype=np.uint32)[None, :]
     counter[..., 1] = (pos & np.uint64(_MASK32)).astype(np.uint32)[:, None]
@@ -82,16 +82,17 @@ def seeded_uniform_ref(args: np.ndarray, vocab: int) -> np.ndarray:
     return unit_from_words(philox4x32_10(counter, key).reshape(m, groups * 4)[:, :vocab])
 
 
-def seeded_exponential_(noise: torch.Tensor, args: np.ndarray, args_dev: torch.Tensor, *,
+def seeded_exponential_(noise: torch.Tensor, args: np.ndarray, args_dev: torch.Tensor, offset: int = 0, *,
                         cuda: bool = False) -> None:
     """Write E ~ Exp(1) into the seeded rows of noise [N, V] (float32, in place): E = -log1p(-u) with u from
     seeded_uniform_ref. args: int64 [3, M] (row, seed bits, position) on the host; args_dev: the same on noise's
-    device. With cuda=True and a CUDA tensor this is one kernel (whose log1pf is the one torch's CUDA log1p
-    calls, so the two agree bit for bit); elsewhere the reference's words, then torch.log1p on noise's device."""
+    device; offset: added to every position. With cuda=True and a CUDA tensor this is one kernel (whose log1pf
+    is the one torch's CUDA log1p calls, so the two agree bit for bit); elsewhere the reference's words, then
+    torch.log1p on noise's device."""
     if cuda and noise.is_cuda:
-        torch.ops.minillm.seeded_exponential_(noise, args_dev)
+        torch.ops.minillm.seeded_exponential_(noise, args_dev, offset)
         return
-    u = torch.from_numpy(seeded_uniform_ref(args, noise.shape[1])).to(noise.device)
+    u = torch.from_numpy(seeded_uniform_ref(args, noise.shape[1], offset)).to(noise.device)
     noise[torch.from_numpy(args[0]).to(noise.device)] = u.neg_().log1p_().neg_()
 
 

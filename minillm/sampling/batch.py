@@ -32,11 +32,23 @@ _DEVICE_FIELDS = _REP + 1   # rows [0, _DEVICE_FIELDS) are shipped to the device
 @dataclass
 class SeededRows:
     """The sampling rows with a per-request seed: int64 [3, M] = (row, seed as 64 bits, index of the output token
-    sampled now), on the host (args) and on the batch's device (args_dev, one copy). Their noise is keyed by
-    (seed, output index) alone (minillm/ops/sampling_ops.py: seeded_exponential_), never by the row or the batch,
-    so a seeded request draws the same noise alone, in any batch, and after preemption + recompute."""
+    sampled when the batch was built), on the host (args) and on the batch's device (args_dev, one copy); the
+    token sampled now is output args[2] + offset. Their noise is keyed by (seed, output index) alone
+    (minillm/ops/sampling_ops.py: seeded_exponential_), never by the row or the batch, so a seeded request draws
+    the same noise alone, in any batch, and after preemption + recompute."""
     args: np.ndarray
     args_dev: torch.Tensor
+    offset: int = 0
+
+    def advance(self, requests: Sequence[Request], seq_lens) -> bool:
+        """For a batch handed back for another step: move offset to where every row's output index now is, if
+        they all moved by the same count (one per step in a run of decodes); False if not (then rebuild)."""
+        now = np.array([_outputs_before(requests[i], i, seq_lens) for i in self.args[0].tolist()], dtype=np.int64)
+        delta = now - self.args[2]
+        if delta.size == 0 or (delta != delta[0]).any() or delta[0] < 0:
+            return False
+        self.offset = int(delta[0])
+        return True
 
 
 @dataclass
@@ -74,9 +86,10 @@ class SamplingBatch:
 
     @property
     def is_static(self) -> bool:
-        """Whether the same requests give this very batch next step: true unless a row reads its token history
-        (penalties) or output count (per-token seeds, a min_tokens ban; once lifted, a ban never returns)."""
-        return self.penalties is None and self.banned_rows is None and self.seeded is None
+        """Whether the same requests give this very batch next step, seeded rows' offset aside (SeededRows.advance):
+        true unless a row reads its token history (penalties) or output count (a min_tokens ban; once lifted, a
+        ban never returns)."""
+        return self.penalties is None and self.banned_rows is None
 
     @classmethod
     def build(cls, requests: Sequence[Request], device: torch.device | str, vocab_size: int,
@@ -122,8 +135,9 @@ class SamplingBatch:
 
 class SamplingBatchCache:
     """Hands back the last step's SamplingBatch while the same requests sample and nothing in it moves with the
-    step: at 256 decodes, consecutive steps usually sample the very same requests, and rebuilding an identical
-    batch would cost a quarter of the step's host budget."""
+    step but seeded rows' output indices (their offset moves instead): at 256 decodes, consecutive steps usually
+    sample the very same requests, and rebuilding an identical batch would cost a quarter of the step's host
+    budget."""
 
     def __init__(self, device: torch.device | str, vocab_size: int) -> None:
         self.device, self.vocab_size = torch.device(device), vocab_size
@@ -133,7 +147,8 @@ class SamplingBatchCache:
     def get(self, requests: Sequence[Request], seq_lens: Sequence[int] | None = None) -> SamplingBatch:
         # NOTE: list == compares element identity in C; the sampler never writes into a batch's tensors.
         batch = self._batch
-        if batch is None or not batch.is_static or requests != self._requests:
+        if batch is None or not batch.is_static or requests != self._requests or \
+                (batch.seeded is not None and not batch.seeded.advance(requests, seq_lens)):
             batch = self._batch = SamplingBatch.build(requests, self.device, self.vocab_size, seq_lens)
             self._requests = list(requests)
         return batch

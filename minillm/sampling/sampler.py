@@ -104,7 +104,8 @@ class Sampler:
         # Greedy rows may keep uninitialised noise: their sampled token is replaced by the argmax afterwards.
         if batch.seeded is not None:
             # One op for every seeded row, its noise keyed by (its seed, its output index) alone.
-            seeded_exponential_(noise, batch.seeded.args, batch.seeded.args_dev, cuda=self.cuda)
+            seeded = batch.seeded
+            seeded_exponential_(noise, seeded.args, seeded.args_dev, seeded.offset, cuda=self.cuda)
         return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
 
     def _fused_race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
