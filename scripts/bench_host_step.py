@@ -1,18 +1,20 @@
 """Host time of one decode step of LLM.step() (async scheduling, the default), the model math taken out.
 
-The engine runs the demo model's tokenizer and a one-layer, 16-wide model of the demo model's vocabulary on the
-CPU, and its forward pass and LM head are replaced by views of preallocated tensors: what is left is the host
-work of a step (schedule, input build, runner bookkeeping, the sampler's torch calls on [B, V] logits, resolve,
-update, output processing, detokenization). On the GPU the forward is one graph replay, so this is the part of a
-step that Python pays for. (The sampler's argmax over the vocabulary still runs on the CPU: a few us at B=1.)
+The engine runs the demo model's tokenizer and a one-layer, 128-wide model of the demo model's vocabulary, and
+its eager forward pass and LM head are replaced by views of preallocated tensors: what is left is the host work
+of a step (schedule, input build, runner bookkeeping, the sampler's torch calls on [B, V] logits, resolve,
+update, output processing, detokenization). On the CPU (the default) torch ops run synchronously, so the
+sampler's argmax over the vocabulary is in the figure (a few us at B=1); a CPU run also does not see what a
+torch op costs the host on a GPU (a launch, a copy, an allocation), so it prints how many a step dispatches.
+With --device cuda the decode graphs replay the captured one-layer model (a few us of GPU work) and the step's
+wall time is the host's share of a step on that machine.
 
     python scripts/bench_host_step.py [--batch 1 8 64 256] [--steps 400] [--temperature 0] [--seed]
-                                      [--profile B] [--top 25]
+                                      [--device cpu|cuda] [--profile B] [--top 25]
 
-Prints, per batch size, the median, p10 and p90 us per step over --steps decode steps, and how many torch ops a
-step dispatches (counted by torch.profiler over 20 more steps; on a GPU each is a launch or a copy costing
-host time that this CPU run does not see); --profile B also prints cProfile's top functions (by own time) for
-batch B.
+Prints, per batch size, the median, p10 and p90 us per step over --steps decode steps, and the torch ops a step
+dispatches (top-level ones, counted by torch.profiler over 20 more steps); --profile B also prints cProfile's
+top functions (by own time) for batch B.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.model.loader import DEMO_MODEL_DIR
 
-TINY = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1,
-            num_key_value_heads=1, head_dim=16)
+# One layer of one 128-wide head: shapes every GPU kernel covers, and almost no math.
+TINY = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=128)
 
 
 def tiny_model_dir(root: Path) -> Path:
@@ -48,12 +51,12 @@ def tiny_model_dir(root: Path) -> Path:
 class StubModel(torch.nn.Module):
     """Stands in for the model: forward and compute_logits return views of fixed tensors (no math)."""
 
-    def __init__(self, max_tokens: int, hidden: int, vocab: int, fresh: bool) -> None:
+    def __init__(self, max_tokens: int, hidden: int, vocab: int, fresh: bool, device, dtype) -> None:
         super().__init__()
         self.fresh = fresh
         gen = torch.Generator().manual_seed(0)
-        self.hidden = torch.zeros(max_tokens, hidden)
-        self.logits = torch.randn(max_tokens, vocab, generator=gen)
+        self.hidden = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
+        self.logits = torch.randn(max_tokens, vocab, generator=gen).to(device, dtype)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         return self.hidden[: input_ids.shape[0]]
@@ -64,14 +67,14 @@ class StubModel(torch.nn.Module):
         return logits.clone() if self.fresh else logits
 
 
-def make_llm(path: Path, batch: int, steps: int, temperature: float) -> LLM:
-    llm = LLM(str(path), load_format="dummy", device="cpu", dtype="float32", max_num_seqs=max(batch, 1),
-              max_model_len=steps + 256)
+def make_llm(path: Path, batch: int, steps: int, temperature: float, device: str = "cpu") -> LLM:
+    llm = LLM(str(path), load_format="dummy", device=device, dtype="float32" if device == "cpu" else "bfloat16",
+              max_num_seqs=max(batch, 1), max_model_len=steps + 256)
     runner = llm.engine.runner
     runner.model = StubModel(runner.max_num_tokens, TINY["hidden_size"], runner.vocab_size,
-                             fresh=temperature not in (0.0, 1.0))
-    # The CPU checks every step's logits for NaN (a pass over [B, V]); the GPU checks one step in 64. Leave that
-    # math out too.
+                             fresh=temperature not in (0.0, 1.0), device=runner.device, dtype=runner.dtype)
+    # The CPU checks every step's logits for NaN (a pass over [B, V]); the GPU checks one step in 64. Both left
+    # out.
     runner.sampler.nonfinite.seen = True
     return llm
 
@@ -108,7 +111,7 @@ def ops_per_step(llm: LLM, steps: int = 20) -> float:
 def run(path: Path, batch: int, args) -> tuple[list[float], float, cProfile.Profile | None]:
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=2 * args.steps + 64,
                             seed=1234 if args.seed else None)
-    llm = make_llm(path, batch, 2 * args.steps, args.temperature)
+    llm = make_llm(path, batch, 2 * args.steps, args.temperature, args.device)
     fill(llm, batch, params)
     times = time_steps(llm, args.steps)
     ops = ops_per_step(llm)
@@ -128,6 +131,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", action="store_true", help="every request carries a per-request seed")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--profile", type=int, default=None, help="also cProfile the steps of this batch size")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
@@ -139,7 +143,8 @@ def main() -> None:
             us = sorted(t * 1e6 for t in times)
             q = statistics.quantiles(us, n=10)
             print(f"B={batch:4d}: median {statistics.median(us):7.1f} us/step  p10 {q[0]:7.1f}  p90 {q[-1]:7.1f}  "
-                  f"{ops:5.1f} torch ops/step ({args.steps} steps, T={args.temperature}, seeded={args.seed})",
+                  f"{ops:5.1f} torch ops/step ({args.device}, {args.steps} steps, T={args.temperature}, "
+                  f"seeded={args.seed})",
                   flush=True)
             if prof is not None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
