@@ -30,18 +30,33 @@ def philox4x32_10(counter: np.ndarray, key: tuple) -> np.ndarray:
     """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1): ints, or arrays that
     broadcast against counter[..., 0] (one key per row)."""
     c = np.asarray(counter, dtype=np.uint32).astype(np.uint64)
-    c0, c1, c2, c3 = c[..., 0], c[..., 1], c[..., 2], c[..., 3]
+    words = _philox_rounds([c[..., i].copy() for i in range(4)], key)
+    return np.stack(words, axis=-1).astype(np.uint32)
+
+
+def _philox_rounds(c: list[np.ndarray], key: tuple) -> list[np.ndarray]:
+    """The ten rounds on the counter words c (uint64 arrays holding 32-bit values, updated in place, no
+    temporaries of their size but two products)."""
+    c0, c1, c2, c3 = c
     k0 = np.asarray(key[0], dtype=np.uint64) & np.uint64(_MASK32)
     k1 = np.asarray(key[1], dtype=np.uint64) & np.uint64(_MASK32)
-    w0, w1, mask = np.uint64(_PHILOX_W0), np.uint64(_PHILOX_W1), np.uint64(_MASK32)
+    w0, w1, mask, m0, m1 = (np.uint64(v) for v in (_PHILOX_W0, _PHILOX_W1, _MASK32, _PHILOX_M0, _PHILOX_M1))
+    shift = np.uint64(32)
+    p0, p1 = np.empty_like(c0), np.empty_like(c2)
     for r in range(10):
         if r:
             k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
-        p0 = c0 * np.uint64(_PHILOX_M0)  # 32 x 32 bits: exact in uint64
-        p1 = c2 * np.uint64(_PHILOX_M1)
-        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & np.uint64(_MASK32),
-                          (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & np.uint64(_MASK32))
-    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
+        np.multiply(c0, m0, out=p0)   # 32 x 32 bits: exact in uint64
+        np.multiply(c2, m1, out=p1)
+        np.right_shift(p1, shift, out=c0)
+        c0 ^= c1
+        c0 ^= k0
+        np.bitwise_and(p1, mask, out=c1)
+        np.right_shift(p0, shift, out=c2)
+        c2 ^= c3
+        c2 ^= k1
+        np.bitwise_and(p0, mask, out=c3)
+    return [c0, c1, c2, c3]
 
 
 def race_noise(rows: range, vocab: int, seed: int, offset: int) -> np.ndarray:
@@ -73,13 +88,15 @@ def seeded_uniform_ref(args: np.ndarray, vocab: int, offset: int = 0) -> np.ndar
     input: the noise of a seeded request does not depend on where it sits in the batch."""
     m, groups = args.shape[1], (vocab + 3) // 4
     seeds, pos = args[1].view(np.uint64), args[2].astype(np.uint64) + np.uint64(offset)
-    counter = np.empty((m, groups, 4), dtype=np.uint32)
-    counter[..., 0] = np.arange(groups, dtype=np.uint32)[None, :]
-    counter[..., 1] = (pos & np.uint64(_MASK32)).astype(np.uint32)[:, None]
-    counter[..., 2] = (pos >> np.uint64(32)).astype(np.uint32)[:, None]
-    counter[..., 3] = SEEDED_TAG
-    key = ((seeds & np.uint64(_MASK32))[:, None], (seeds >> np.uint64(32))[:, None])
-    return unit_from_words(philox4x32_10(counter, key).reshape(m, groups * 4)[:, :vocab])
+    mask = np.uint64(_MASK32)
+
+    def word(column: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(column, (m, groups)).copy()   # writable: the rounds work in place
+    counter = [word(np.arange(groups, dtype=np.uint64)[None, :]), word((pos & mask)[:, None]),
+               word((pos >> np.uint64(32))[:, None]), word(np.uint64(SEEDED_TAG))]
+    key = ((seeds & mask)[:, None], (seeds >> np.uint64(32))[:, None])
+    words = np.stack([w.astype(np.uint32) for w in _philox_rounds(counter, key)], axis=-1)
+    return unit_from_words(words.reshape(m, groups * 4)[:, :vocab])
 
 
 def seeded_exponential_(noise: torch.Tensor, args: np.ndarray, args_dev: torch.Tensor, offset: int = 0, *,
