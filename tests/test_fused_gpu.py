@@ -547,16 +547,17 @@ def _seeded_args(rows, seeds, positions) -> np.ndarray:
 @pytest.mark.parametrize("vocab,pad", [(151936, 0), (1001, 3), (6, 0)])
 def test_seeded_noise_is_bit_exact_against_its_twin(ops, vocab, pad):
     """cuda/sampling.cu's seeded noise equals, bit for bit, E = -log1p(-u) of the reference's Philox words u
-    (seeded_uniform_ref) with torch's CUDA log1p; rows not listed keep what they held (NaN here). Seeds beyond
+    (seeded_uniform_ref, and the torch twin's on the GPU) with torch's CUDA log1p; rows not listed keep what they held (NaN here). Seeds beyond
     32 bits and negative, positions beyond 32 bits, a position offset, an odd vocab and a row stride wider than
     the vocab."""
-    from minillm.ops.sampling_ops import seeded_uniform_ref
+    from minillm.ops.sampling_ops import seeded_uniform_ref, seeded_uniform_torch
 
     args = _seeded_args([7, 0, 3, 8], [1234, -1, 2**40 + 5, 2**63 + 9], [0, 17, 2**33 + 1, 5])
     for offset in (0, 3):
         noise = torch.full((9, vocab + pad), float("nan"), device="cuda")[:, :vocab]
         ops.seeded_exponential_(noise, torch.from_numpy(args).cuda(), offset)
         u = torch.from_numpy(seeded_uniform_ref(args, vocab, offset)).cuda()
+        assert torch.equal(seeded_uniform_torch(torch.from_numpy(args).cuda(), vocab, offset), u)
         twin = u.neg().log1p().neg()
         got = noise[torch.from_numpy(args[0]).cuda()]
         diff = (got.view(torch.int32) - twin.view(torch.int32)).abs().max().item()

@@ -99,18 +99,53 @@ def seeded_uniform_ref(args: np.ndarray, vocab: int, offset: int = 0) -> np.ndar
     return unit_from_words(words.reshape(m, groups * 4)[:, :vocab])
 
 
+def seeded_uniform_torch(args: torch.Tensor, vocab: int, offset: int = 0) -> torch.Tensor:
+    """seeded_uniform_ref in torch int64 ops on args' device, for a GPU without the kernel: the same words (each
+    32 x 32-bit product is split in 16-bit halves, so nothing overflows int64), the same fp32 steps."""
+    m, groups = args.shape[1], (vocab + 3) // 4
+    seeds, pos = args[1], args[2] + offset
+    shape = (m, groups)
+    counter = [torch.arange(groups, device=args.device).expand(shape), (pos & _MASK32)[:, None].expand(shape),
+               ((pos >> 32) & _MASK32)[:, None].expand(shape), torch.full(shape, SEEDED_TAG, device=args.device)]
+    key = [(seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None]]   # & undoes the sign of >>
+    words = torch.stack(_philox_rounds_torch(counter, key), dim=-1).reshape(m, 4 * groups)[:, :vocab]
+    return words.float() * 2.0**-32 + 2.0**-33
+
+
+def _philox_rounds_torch(c: list[torch.Tensor], key: list[torch.Tensor]) -> list[torch.Tensor]:
+    c0, c1, c2, c3 = c
+    k0, k1 = key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+        hi0, lo0 = _mul_hi_lo(c0, _PHILOX_M0)
+        hi1, lo1 = _mul_hi_lo(c2, _PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def _mul_hi_lo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * m for 32-bit a and m, in int64 without overflow."""
+    low = (a & 0xFFFF) * m           # < 2**48
+    high = (a >> 16) * m             # < 2**48
+    return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _MASK32
+
+
 def seeded_exponential_(noise: torch.Tensor, args: np.ndarray, args_dev: torch.Tensor, offset: int = 0, *,
                         cuda: bool = False) -> None:
     """Write E ~ Exp(1) into the seeded rows of noise [N, V] (float32, in place): E = -log1p(-u) with u from
     seeded_uniform_ref. args: int64 [3, M] (row, seed bits, position) on the host; args_dev: the same on noise's
     device; offset: added to every position. With cuda=True and a CUDA tensor this is one kernel (whose log1pf
-    is the one torch's CUDA log1p calls, so the two agree bit for bit); elsewhere the reference's words, then
-    torch.log1p on noise's device."""
+    is the one torch's CUDA log1p calls, so the two agree bit for bit); elsewhere the same words (numpy on the
+    CPU, seeded_uniform_torch on another device), then torch.log1p there."""
     if cuda and noise.is_cuda:
         torch.ops.minillm.seeded_exponential_(noise, args_dev, offset)
         return
-    u = torch.from_numpy(seeded_uniform_ref(args, noise.shape[1], offset)).to(noise.device)
-    noise[torch.from_numpy(args[0]).to(noise.device)] = u.neg_().log1p_().neg_()
+    if noise.device.type == "cpu":
+        u = torch.from_numpy(seeded_uniform_ref(args, noise.shape[1], offset))
+    else:
+        u = seeded_uniform_torch(args_dev, noise.shape[1], offset)
+    noise[args_dev[0]] = u.neg_().log1p_().neg_()
 
 
 def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, offset: int) -> None:
