@@ -310,9 +310,10 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
 // Seeded rows' noise (sampler.py's torch path): noise[row, c] = E ~ Exp(1) for each listed row, keyed by the
 // request's own seed and by the index of the output token being sampled (args' position + offset: a batch
 // reused for the next step adds 1), never by the row or the batch, so a seeded request draws the same noise
-// alone or in any batch. Philox4x32-10 with key = seed (low word, high
-// word) and counter = (c / 4, position low, position high, kSeededTag), word c % 4; E = -log1pf(-u) with u
-// from unit_from_word. One thread per Philox group of a row; grid (groups / threads, rows listed).
+// alone or in any batch. Philox4x32-10 with key = seed (low word, high word) and counter = (c / 4, position
+// low, position high, kSeededTag), word c % 4; E = -log1pf(-u) with u from unit_from_word (log1pf is what
+// torch's CUDA log1p calls, so the torch twin on the GPU agrees bit for bit). One thread per Philox group of a
+// row; grid (groups / threads, rows listed).
 constexpr uint32_t kSeededTag = 0x53454544u;  // "SEED": apart from the race's counters (whose 4th word is small)
 constexpr int kNoiseThreads = 256;
 
