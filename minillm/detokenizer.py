@@ -87,6 +87,9 @@ class IncrementalDetokenizer:
         return text
 
     def _release(self, new_text: str, final: bool) -> str:
+        if not self._stop:           # nothing is ever held back: the common streaming case, once per token
+            self._emitted.append(new_text)
+            return new_text
         pending = self._held + new_text
         hit = self._find_stop(pending)
         if hit is not None:
