@@ -1,8 +1,8 @@
 // Launchers of the fused elementwise kernels and the one-pass sampler (plain C++, no torch types).
 //
 // Sources: fused_norm.cu (rms_norm, fused_add_rms_norm), fused_act.cu (silu_and_mul), fused_rope.cu
-// (qk_norm_rope), sampling.cu (sample_exponential_race). fused_bindings.cpp turns tensors into these
-// arguments and registers the torch.ops.minillm.* ops. Strides and sizes are in elements. Every launcher
+// (qk_norm_rope), sampling.cu (sample_exponential_race, seeded_exponential). fused_bindings.cpp turns tensors
+// into these arguments and registers the torch.ops.minillm.* ops. Strides and sizes are in elements. Every launcher
 // returns the launch's error code (cudaSuccess, or cudaErrorInvalidValue for arguments outside the limits
 // below, which the bindings check first with clearer messages).
 #pragma once
@@ -89,6 +89,14 @@ cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_strid
                                            int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
                                            uint64_t offset, int splits, void* workspace, ScalarType logits_dtype,
                                            cudaStream_t stream);
+
+// Seeded rows' noise: for i < listed, noise[args[i], c] = E ~ Exp(1) for every column c < vocab, from
+// Philox4x32-10 with key = args[listed + i] (the request's seed, as 64 bits) and counter = (c / 4, position low,
+// position high, 0x53454544), word c % 4, where position = args[2 * listed + i] + offset (the output token's index);
+// E = -log1pf(-u), u = float(word) * 2^-32 + 2^-33. args: int64 [3, listed] on the device; rows outside
+// [0, rows) are skipped. listed <= 65535.
+cudaError_t launch_seeded_exponential(float* noise, int64_t row_stride, int64_t rows, int64_t vocab,
+                                      const int64_t* args, int64_t listed, uint64_t offset, cudaStream_t stream);
 
 // More CTAs per row would only lengthen the merge of a row's partial results.
 constexpr int kMaxRaceSplits = 1024;

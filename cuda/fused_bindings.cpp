@@ -327,6 +327,27 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
   return out;
 }
 
+// Seeded rows' noise into noise [N, V] (float32, in place): args int64 [3, M] = (row, seed bits, output
+// position) per seeded row, on noise's device; offset is added to every position (launcher in fused.h).
+void seeded_exponential_(Tensor& noise, const Tensor& args, int64_t offset) {
+  MINILLM_CHECK(noise.is_cuda() && noise.dim() == 2 && noise.scalar_type() == at::kFloat && noise.stride(1) == 1,
+                "noise must be a float32 CUDA tensor [N, V] with unit column stride, got ", noise.sizes(), " ",
+                noise.scalar_type(), " on ", noise.device());
+  MINILLM_CHECK(args.scalar_type() == at::kLong && args.dim() == 2 && args.size(0) == 3 && args.is_contiguous() &&
+                    args.device() == noise.device(),
+                "args must be contiguous int64 [3, M] on noise's device, got ", args.sizes(), " ",
+                args.scalar_type(), " on ", args.device());
+  MINILLM_CHECK(args.size(1) <= 65535, "args: at most 65535 seeded rows, got ", args.size(1));
+  MINILLM_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  MINILLM_CHECK(noise.size(1) >= 1 && noise.size(1) <= minillm::kMaxVocab - 4, "noise: vocab size must be in [1, ",
+                minillm::kMaxVocab - 4, "], got ", noise.size(1));
+  const c10::cuda::CUDAGuard guard(noise.device());
+  check_launch(minillm::launch_seeded_exponential(noise.data_ptr<float>(), noise.stride(0), noise.size(0),
+                                                  noise.size(1), args.data_ptr<int64_t>(), args.size(1),
+                                                  static_cast<uint64_t>(offset), at::cuda::getCurrentCUDAStream()),
+               "seeded_exponential_");
+}
+
 // x [M, K] times w [N, K]^T -> [M, N] (a decode-sized linear layer, no bias); launcher in gemm.h.
 Tensor skinny_gemm(const Tensor& x_in, const Tensor& w, int64_t splits) {
   MINILLM_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [M, K], got ", x_in.sizes(), " on ",
@@ -417,6 +438,8 @@ Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
 
+void seeded_exponential_meta(Tensor&, const Tensor&, int64_t) {}
+
 Tensor skinny_gemm_meta(const Tensor& x, const Tensor& w, int64_t) {
   return at::empty({x.size(0), w.size(0)}, x.options());
 }
@@ -436,6 +459,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "int num_kv_heads, int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
+  m.def("seeded_exponential_(Tensor(a!) noise, Tensor args, int offset=0) -> ()");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
   m.def("l2_prefetch(Tensor[] tensors) -> ()");
   m.def("set_pdl_launches(bool on) -> bool", &set_pdl_launches);  // no tensor: one kernel for every backend
@@ -449,6 +473,7 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("qk_norm_rope_cache", &qk_norm_rope_cache);
   m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8);
   m.impl("sample_exponential_race", &sample_exponential_race);
+  m.impl("seeded_exponential_", &seeded_exponential_);
   m.impl("skinny_gemm", &skinny_gemm);
   m.impl("l2_prefetch", &l2_prefetch);
 }
@@ -461,5 +486,6 @@ TORCH_LIBRARY_IMPL(minillm, Meta, m) {
   m.impl("qk_norm_rope_cache", &qk_norm_rope_cache_meta);
   m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8_meta);
   m.impl("sample_exponential_race", &sample_exponential_race_meta);
+  m.impl("seeded_exponential_", &seeded_exponential_meta);
   m.impl("skinny_gemm", &skinny_gemm_meta);
 }

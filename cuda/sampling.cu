@@ -307,7 +307,50 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
                        key, lo, hi);
 }
 
+// Seeded rows' noise (sampler.py's torch path): noise[row, c] = E ~ Exp(1) for each listed row, keyed by the
+// request's own seed and by the index of the output token being sampled (args' position + offset: a batch
+// reused for the next step adds 1), never by the row or the batch, so a seeded request draws the same noise
+// alone or in any batch. Philox4x32-10 with key = seed (low word, high word) and counter = (c / 4, position
+// low, position high, kSeededTag), word c % 4; E = -log1pf(-u) with u from unit_from_word (log1pf is what
+// torch's CUDA log1p calls, so the torch twin on the GPU agrees bit for bit). One thread per Philox group of a
+// row; grid (groups / threads, rows listed).
+constexpr uint32_t kSeededTag = 0x53454544u;  // "SEED": apart from the race's counters (whose 4th word is small)
+constexpr int kNoiseThreads = 256;
+
+__global__ void __launch_bounds__(kNoiseThreads)
+    seeded_exponential_kernel(float* __restrict__ noise, int64_t row_stride, int64_t rows, int vocab,
+                              const int64_t* __restrict__ args, int listed, uint64_t offset) {
+  pdl_enter();
+  const int i = blockIdx.y;
+  const int g = blockIdx.x * kNoiseThreads + threadIdx.x;
+  const int64_t row = args[i];
+  if (4 * static_cast<int64_t>(g) >= vocab || row < 0 || row >= rows) return;
+  const uint64_t seed = static_cast<uint64_t>(args[listed + i]);
+  const uint64_t pos = static_cast<uint64_t>(args[2 * listed + i]) + offset;
+  const uint4 w = philox4x32_10(
+      make_uint4(static_cast<uint32_t>(g), static_cast<uint32_t>(pos), static_cast<uint32_t>(pos >> 32), kSeededTag),
+      make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)));
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  float* out = noise + row * row_stride;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int col = 4 * g + e;
+    if (col < vocab) out[col] = -log1pf(-unit_from_word(words[e]));
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_seeded_exponential(float* noise, int64_t row_stride, int64_t rows, int64_t vocab,
+                                      const int64_t* args, int64_t listed, uint64_t offset, cudaStream_t stream) {
+  if (rows < 0 || vocab <= 0 || vocab > kMaxVocab - 4 || listed < 0 || listed > 65535) return cudaErrorInvalidValue;
+  if (listed == 0 || rows == 0) return cudaSuccess;
+  const int64_t groups = (vocab + 3) / 4;
+  const dim3 grid(static_cast<unsigned int>((groups + kNoiseThreads - 1) / kNoiseThreads),
+                  static_cast<unsigned int>(listed));
+  return launch_kernel(seeded_exponential_kernel, grid, dim3(kNoiseThreads), 0, stream, noise, row_stride, rows,
+                       static_cast<int>(vocab), args, static_cast<int>(listed), offset);
+}
 
 int sample_exponential_race_splits(int64_t rows, int64_t vocab, int64_t requested) {
   if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, kMaxRaceSplits));

@@ -13,11 +13,15 @@ been produced yet; text = decode(window)[len(decode(prefix part)):].
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 from minillm.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+# Per tokenizer: (token id, skip_special_tokens) -> that token decoded on its own. In a stream of one token per
+# step the prefix window is the previous token alone, so this halves the decodes; at most 2 x vocab entries.
+_SINGLE_TOKEN_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class IncrementalDetokenizer:
@@ -29,6 +33,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._stop = stop
         self._skip_special = skip_special_tokens
+        by_flag = _SINGLE_TOKEN_TEXT.setdefault(tokenizer, {})
+        self._single_texts: dict[int, str] = by_flag.setdefault(skip_special_tokens, {})
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -59,8 +65,9 @@ class IncrementalDetokenizer:
     def _decode_new(self, final: bool) -> str:
         if len(self._ids) == self._read_offset:
             return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset:])
+        start, read = self._prefix_offset, self._read_offset
+        prefix_text = self._decode_one(self._ids[start]) if read - start == 1 else self._decode(self._ids[start:read])
+        full_text = self._decode(self._ids[start:])
         if full_text.endswith(_REPLACEMENT) and not final:
             return ""  # the last character is still incomplete: wait for its remaining bytes
         # NOTE: the window always starts on a character boundary (offsets only move after a complete decode),
@@ -72,7 +79,17 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
+    def _decode_one(self, token_id: int) -> str:
+        texts = self._single_texts
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self._decode([token_id])
+        return text
+
     def _release(self, new_text: str, final: bool) -> str:
+        if not self._stop:           # nothing is ever held back: the common streaming case, once per token
+            self._emitted.append(new_text)
+            return new_text
         pending = self._held + new_text
         hit = self._find_stop(pending)
         if hit is not None:

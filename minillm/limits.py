@@ -137,10 +137,11 @@ class EngineShape:
 
     @property
     def per_seq_bytes(self) -> int:
-        """Per running-sequence slot: its block-table row, staging entries (two sets), sampled-id buffers, and
-        one row of the decode graph's hidden state."""
+        """Per running-sequence slot: its block-table row, staging entries and a block-table row in each of the
+        two packed input sets (minillm/runner/input_batch.py), sampled-id buffers, and one row of the decode
+        graph's hidden state."""
         max_blocks = -(-self.max_model_len // self.block_size)
-        return max_blocks * 4 + 2 * (4 + 4 + 8) + 2 * 8 + self.hidden_size * self.dtype_bytes
+        return 3 * max_blocks * 4 + 2 * (4 + 4 + 8) + 2 * 8 + self.hidden_size * self.dtype_bytes
 
     @property
     def per_token_bytes(self) -> int:

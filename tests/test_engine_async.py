@@ -45,6 +45,26 @@ def test_seeded_sampling_same_tokens(ckpt):
     assert run(ckpt, prompts(1), sp, True)[1] == run(ckpt, prompts(1), sp, False)[1]
 
 
+def test_seeded_request_same_tokens_alone_in_any_batch_and_after_preemption(ckpt):
+    """Same seed + prompt + params -> same output: alone, in batches of other seeded, unseeded and greedy
+    requests, synchronous or async, after preemption and recompute (a tiny KV pool), and on a rerun."""
+    mine = SamplingParams(temperature=1.0, top_k=40, seed=77, max_tokens=24, ignore_eos=True)
+    others = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=5, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)]
+    p = prompts(3)
+    alone = run(ckpt, [p[5]], [mine], True)[1][0]
+    assert len(set(alone[0])) > 5
+    preempted = 0
+    for async_on, order, kw in [(True, 0, {}), (False, 3, {}), (True, 2, {"num_kv_blocks": 7}),
+                                (False, 1, {"num_kv_blocks": 7})]:
+        params = others[:order] + [mine] + others[order:]
+        llm, outs = run(ckpt, p[:order] + [p[5]] + p[order:3], params, async_on, **kw)
+        assert outs[order] == alone
+        preempted += llm.num_preemptions
+    assert preempted > 0
+
+
 def test_value_dependent_stops_not_overshot(ckpt):
     """A stop token is only known once its step resolves; the step already launched behind it must not add a
     token to the output."""

@@ -70,7 +70,8 @@ def test_engine_process_matches_in_process_and_start_stop_leaks_nothing(referenc
             assert len(_children(os.getpid())) == 1
             out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             assert [o.token_ids for o in out] == reference
-            two = llm.generate("hello", SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1), use_tqdm=False)
+            two = llm.generate("hello", SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, ignore_eos=True),
+                               use_tqdm=False)
             assert len(two[0].outputs) == 2 and all(len(c.token_ids) == 4 for c in two[0].outputs)
             rid = llm.add_request("abc", SamplingParams(max_tokens=400, ignore_eos=True))
             llm.step()

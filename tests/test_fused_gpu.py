@@ -536,6 +536,73 @@ def test_sampler_frequencies_follow_softmax(ops):
     assert (freq - p).abs().max().item() < 4 * (0.25 / n) ** 0.5
 
 
+def _seeded_args(rows, seeds, positions) -> np.ndarray:
+    args = np.empty((3, len(rows)), dtype=np.int64)
+    args[0] = rows
+    args[1] = np.array([s % 2**64 for s in seeds], dtype=np.uint64).view(np.int64)
+    args[2] = positions
+    return args
+
+
+@pytest.mark.parametrize("vocab,pad", [(151936, 0), (1001, 3), (6, 0)])
+def test_seeded_noise_is_bit_exact_against_its_twin(ops, vocab, pad):
+    """cuda/sampling.cu's seeded noise equals, bit for bit, E = -log1p(-u) of the reference's Philox words u
+    (seeded_uniform_ref, and the torch twin's on the GPU) with torch's CUDA log1p; rows not listed keep what they held (NaN here). Seeds beyond
+    32 bits and negative, positions beyond 32 bits, a position offset, an odd vocab and a row stride wider than
+    the vocab."""
+    from minillm.ops.sampling_ops import seeded_uniform_ref, seeded_uniform_torch
+
+    args = _seeded_args([7, 0, 3, 8], [1234, -1, 2**40 + 5, 2**63 + 9], [0, 17, 2**33 + 1, 5])
+    for offset in (0, 3):
+        noise = torch.full((9, vocab + pad), float("nan"), device="cuda")[:, :vocab]
+        ops.seeded_exponential_(noise, torch.from_numpy(args).cuda(), offset)
+        u = torch.from_numpy(seeded_uniform_ref(args, vocab, offset)).cuda()
+        assert torch.equal(seeded_uniform_torch(torch.from_numpy(args).cuda(), vocab, offset), u)
+        twin = u.neg().log1p().neg()
+        got = noise[torch.from_numpy(args[0]).cuda()]
+        diff = (got.view(torch.int32) - twin.view(torch.int32)).abs().max().item()
+        assert torch.equal(got, twin), f"offset {offset}: kernel and twin differ by up to {diff} ulp"
+        assert torch.isnan(noise[[1, 2, 4, 5, 6]]).all()
+        assert (got > 0).all()
+
+
+def test_seeded_sampler_kernel_gives_the_torch_path_tokens(ops):
+    """The sampler's seeded rows, with the kernel (cuda=True) and with the twin (cuda=False), on the same CUDA
+    logits: the same tokens, in a batch mixing seeded, unseeded, greedy and top-k rows; and a seeded request's
+    token is the same alone and in that batch."""
+    from minillm.request import Request
+    from minillm.sampling.batch import SamplingBatch
+    from minillm.sampling.sampler import Sampler
+    from minillm.sampling_params import SamplingParams
+
+    vocab = 151936
+    kinds = [dict(temperature=0.9, seed=11), dict(temperature=1.0), dict(temperature=0.0, seed=3),
+             dict(temperature=0.7, top_k=50, seed=2**45), dict(temperature=1.1, top_p=0.9, seed=-8)] * 13
+    reqs = [Request(f"s{i}", [1, 2], SamplingParams(max_tokens=8, **kw), eos_token_ids=frozenset())
+            for i, kw in enumerate(kinds)]
+    g = torch.Generator("cuda").manual_seed(2)
+    logits = torch.randn(len(reqs), vocab, generator=g, device="cuda") * 2
+    got = Sampler(5, cuda=True)(logits.clone(), SamplingBatch.build(reqs, "cuda", vocab)).token_ids
+    ref = Sampler(5, cuda=False)(logits.clone(), SamplingBatch.build(reqs, "cuda", vocab)).token_ids
+    assert torch.equal(got, ref)
+    for i in (0, 3, 9):
+        alone = Sampler(7, cuda=True)(logits[i:i + 1].clone(), SamplingBatch.build([reqs[i]], "cuda", vocab))
+        assert alone.token_ids.item() == got[i].item()
+
+
+def test_seeded_noise_bad_arguments_raise_value_error(ops):
+    noise = torch.zeros(4, 64, device="cuda")
+    args = torch.zeros(3, 2, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="noise"):
+        ops.seeded_exponential_(noise.double(), args)
+    with pytest.raises(ValueError, match="args"):
+        ops.seeded_exponential_(noise, args.int())
+    with pytest.raises(ValueError, match="args"):
+        ops.seeded_exponential_(noise, args.cpu())
+    with pytest.raises(ValueError, match="offset"):
+        ops.seeded_exponential_(noise, args, -1)
+
+
 def test_bad_arguments_raise_value_error(ops):
     x = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="weight"):

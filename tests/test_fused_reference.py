@@ -181,6 +181,23 @@ def test_philox_known_answers(counter, key, expected):
     assert philox4x32_10(np.array(counter, dtype=np.uint32), key).tolist() == expected
 
 
+def test_seeded_noise_twins_give_the_same_words():
+    """The seeded rows' uniforms: the numpy reference and the torch twin (for a GPU without the kernel) agree bit
+    for bit, negative and 64-bit seeds, positions past 32 bits, an offset and an odd vocab included; a row's
+    uniforms depend on (seed, position) only."""
+    from minillm.ops.sampling_ops import seeded_uniform_ref, seeded_uniform_torch
+
+    args = np.array([[4, 0, 9], [-3, 2**62 + 11, 7], [0, 2**33 + 5, 123]], dtype=np.int64)
+    for vocab, offset in ((1001, 0), (6, 2), (4096, 2**32)):
+        ref = seeded_uniform_ref(args, vocab, offset)
+        assert ref.dtype == np.float32 and (ref > 0).all() and (ref <= 1).all()
+        assert torch.equal(seeded_uniform_torch(torch.from_numpy(args), vocab, offset), torch.from_numpy(ref))
+    moved = args[:, [2, 0, 1]].copy()
+    moved[0] = [0, 1, 2]                                  # other rows, same (seed, position)
+    assert np.array_equal(seeded_uniform_ref(moved, 64), seeded_uniform_ref(args, 64)[[2, 0, 1]])
+    assert np.mean(seeded_uniform_ref(args, 4096)[0] == seeded_uniform_ref(args, 4096, 1)[0]) < 0.01
+
+
 def test_race_noise_is_gumbel_and_keyed():
     noise = race_noise(range(8), 4096, seed=5, offset=3).astype(np.float64)
     assert noise.shape == (8, 4096) and np.isfinite(noise).all()

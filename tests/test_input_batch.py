@@ -67,14 +67,34 @@ def built(step: StepInputs) -> dict:
     return out
 
 
+def separate_device_buffers(builder: InputBuilder) -> None:
+    """Give each packed set a device buffer of its own (a second CPU tensor), as on a GPU: the step's inputs are
+    then views of what the one copy per step moved, so a field it missed would show."""
+    for packed in builder._sets:
+        packed.dev = torch.full_like(packed.host, -7)
+        packed.dev32 = packed.dev.view(torch.int32)
+
+
 @settings(max_examples=150, deadline=None)
 @given(cfg=configs, first=st.lists(requests, min_size=1, max_size=12), script=ops)
 def test_inputs_match_a_from_scratch_reference(cfg, first, script):
     """The runner side sees only the pickled plain messages (its request states and block-table rows are built
     from them and from the tokens it samples); the reference reads the scheduler's Requests. They must agree on
     every input of every step."""
+    check_against_reference(cfg, first, script, separate=False)
+
+
+@settings(max_examples=50, deadline=None)
+@given(cfg=configs, first=st.lists(requests, min_size=1, max_size=12), script=ops)
+def test_inputs_moved_in_one_copy_match_the_reference(cfg, first, script):
+    check_against_reference(cfg, first, script, separate=True)
+
+
+def check_against_reference(cfg, first, script, separate: bool) -> None:
     sched = make_scheduler(cfg, BS, MAX_MODEL_LEN)
     builder = InputBuilder(cfg["max_num_seqs"], cfg["budget"], MAX_MODEL_LEN, BS, torch.device("cpu"))
+    if separate:
+        separate_device_buffers(builder)
     states = RequestStates()
     added = []
 

@@ -3,11 +3,13 @@ min_tokens, the exponential race's distribution, logprobs, and half-precision lo
 import itertools
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
 from minillm.request import Request
-from minillm.sampling.batch import SamplingBatch, SamplingBatchCache, seed_for_token
+from minillm.sampling.batch import SamplingBatch, SamplingBatchCache
 from minillm.sampling.penalties import apply_penalties
 from minillm.sampling.sampler import Sampler, truncate_logits
 from minillm.sampling_params import SamplingParams
@@ -96,10 +98,23 @@ def test_unseeded_rows_reproducible_run_to_run():
     assert torch.equal(sample(requests, logits, seed=3).token_ids, sample(requests, logits, seed=3).token_ids)
 
 
-def test_seed_for_token_is_63_bit_and_distinct():
-    seeds = {seed_for_token(s, k) for s in (-5, 0, 1, 2**40) for k in range(50)}
-    assert len(seeds) == 200
-    assert all(0 <= s < 2**63 for s in seeds)
+def test_seeded_rows_are_one_batch_of_philox_words_keyed_by_seed_and_output_index():
+    """The batch lists each seeded sampling row once as (row, seed as 64 bits, output index): greedy and unseeded
+    rows are not listed. Their words are Philox4x32-10 with the row's own key (the per-row key of the reference
+    equals the scalar-key Philox), so the row index plays no part."""
+    from minillm.ops.sampling_ops import SEEDED_TAG, philox4x32_10, seeded_uniform_ref, unit_from_words
+
+    requests = [req(temperature=1.0, seed=-5, output=[4] * 3), req(temperature=0.0, seed=7), req(temperature=0.7),
+                req(temperature=1.2, seed=2**64 + 3, output=[1])]
+    seeded = SamplingBatch.build(requests, "cpu", V).seeded
+    assert seeded.args.tolist() == [[0, 3], [-5, 3], [3, 1]]   # seed mod 2**64, shown as int64 bits
+    u = seeded_uniform_ref(seeded.args, V)
+    for j, (seed, pos) in enumerate([((-5) % 2**64, 3), (3, 1)]):
+        counter = np.array([[g, pos, 0, SEEDED_TAG] for g in range(V // 4)], dtype=np.uint32)
+        words = philox4x32_10(counter, (seed & 0xFFFFFFFF, seed >> 32)).reshape(-1)
+        assert np.array_equal(u[j], unit_from_words(words))
+    assert (u > 0).all() and (u <= 1).all()
+    assert not np.array_equal(u[0], seeded_uniform_ref(np.array([[0], [-5], [4]]), V)[0])   # next token: new noise
 
 
 def kept_by_truncation(requests, logits):
@@ -205,7 +220,7 @@ def test_no_penalty_tensors_without_penalties():
 
 def batch_fields(batch: SamplingBatch) -> dict:
     def plain(x):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, (torch.Tensor, np.ndarray)):
             return (x.dtype, x.tolist())
         return {k: plain(v) for k, v in vars(x).items()} if hasattr(x, "__dataclass_fields__") else x
     return {k: plain(v) for k, v in vars(batch).items()}
@@ -224,13 +239,37 @@ def test_sampling_batch_cache_reuses_a_batch_only_while_a_fresh_build_would_equa
     for other in (static[1:], [req(temperature=0.0)] + static[1:], static[::-1]):
         assert batch_fields(cache.get(other)) == batch_fields(SamplingBatch.build(other, "cpu", V))
     # A row that reads its own history or output count changes the batch every step: rebuilt each time.
-    for kw in (dict(seed=3, temperature=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=1.2),
-               dict(min_tokens=3)):
+    for kw in (dict(presence_penalty=0.5), dict(repetition_penalty=1.2), dict(min_tokens=3)):
         reqs = [req(**kw), req()]
         before = cache.get(reqs)
         reqs[0].append_output_token(5)
         after = cache.get(reqs)
         assert after is not before and batch_fields(after) == batch_fields(SamplingBatch.build(reqs, "cpu", V))
+
+
+def seeded_positions(batch: SamplingBatch) -> list[int]:
+    return (batch.seeded.args[2] + batch.seeded.offset).tolist()
+
+
+def test_sampling_batch_cache_reuses_seeded_rows_only_while_every_output_index_moved_alike():
+    """Seeded rows' output indices move with the step: a reused batch carries the move as an offset, and draws
+    the noise a fresh build would; rows that moved by different counts (or backwards) get a fresh build."""
+    cache = SamplingBatchCache("cpu", V)
+    reqs = [req(seed=3, temperature=0.5), req(), req(seed=-1, output=[7, 7])]
+    first = cache.get(reqs)
+    for step in range(1, 4):
+        for r in reqs:
+            r.append_output_token(5)
+        assert cache.get(reqs) is first and first.seeded.offset == step
+        fresh = SamplingBatch.build(reqs, "cpu", V)
+        assert seeded_positions(first) == seeded_positions(fresh) == [step, 2 + step]
+        logits = rand_logits(3, seed=step) * 0.1
+        assert torch.equal(Sampler(1)(logits.clone(), first).token_ids, Sampler(1)(logits.clone(), fresh).token_ids)
+    reqs[0].append_output_token(5)                     # row 0 moved, row 2 did not
+    moved = cache.get(reqs)
+    assert moved is not first and moved.seeded.offset == 0 and seeded_positions(moved) == [4, 5]
+    # seq_lens (async scheduling: the tokens in flight count) decide the output index when given.
+    assert seeded_positions(cache.get(reqs, [3 + 6, 4, 3 + 7])) == [6, 7]
 
 
 def test_min_tokens_masks_eos_and_stop_token_ids():

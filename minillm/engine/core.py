@@ -147,9 +147,14 @@ class EngineCore:
         placed, launched = self._inflight
         self._inflight = None
         runner_out = self.runner.resolve(launched, self.profile)
-        token_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
-        for req, out_index in placed:
-            self.scheduler.apply_sampled_token(req, out_index, token_of[req.request_id])
+        tokens = runner_out.sampled_token_ids
+        if len(placed) != len(tokens):
+            # Some rows finished between schedule and update: placed is the rest, in row order.
+            token_of = dict(zip(runner_out.req_ids, tokens))
+            tokens = [token_of[req.request_id] for req, _ in placed]
+        apply = self.scheduler.apply_sampled_token
+        for (req, out_index), token in zip(placed, tokens):
+            apply(req, out_index, token)
         return self._outputs([req for req, _ in placed], runner_out)
 
     def drain(self) -> list[CoreOutput]:

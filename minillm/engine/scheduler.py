@@ -482,6 +482,8 @@ class Scheduler:
             return False
         if req.is_finished:
             return False
+        if not may_stop(req, token):
+            return False     # the screen of update(): neither a stop id nor the length limit
         was_waiting = req.status is WAITING
         # NOTE: a request has at most one placeholder (the step in flight), so this token is its last output
         # and check_stop sees exactly what a synchronous update() would have seen.

@@ -26,19 +26,37 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
 _REF_CHUNK_ELEMS = 1 << 22
 
-def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
-    """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1)."""
+def philox4x32_10(counter: np.ndarray, key: tuple) -> np.ndarray:
+    """Philox4x32-10 of each counter: uint32 [..., 4] -> uint32 [..., 4], key = (k0, k1): ints, or arrays that
+    broadcast against counter[..., 0] (one key per row)."""
     c = np.asarray(counter, dtype=np.uint32).astype(np.uint64)
-    c0, c1, c2, c3 = c[..., 0], c[..., 1], c[..., 2], c[..., 3]
-    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
+    words = _philox_rounds([c[..., i].copy() for i in range(4)], key)
+    return np.stack(words, axis=-1).astype(np.uint32)
+
+
+def _philox_rounds(c: list[np.ndarray], key: tuple) -> list[np.ndarray]:
+    """The ten rounds on the counter words c (uint64 arrays holding 32-bit values, updated in place, no
+    temporaries of their size but two products)."""
+    c0, c1, c2, c3 = c
+    k0 = np.asarray(key[0], dtype=np.uint64) & np.uint64(_MASK32)
+    k1 = np.asarray(key[1], dtype=np.uint64) & np.uint64(_MASK32)
+    w0, w1, mask, m0, m1 = (np.uint64(v) for v in (_PHILOX_W0, _PHILOX_W1, _MASK32, _PHILOX_M0, _PHILOX_M1))
+    shift = np.uint64(32)
+    p0, p1 = np.empty_like(c0), np.empty_like(c2)
     for r in range(10):
         if r:
-            k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
-        p0 = c0 * np.uint64(_PHILOX_M0)  # 32 x 32 bits: exact in uint64
-        p1 = c2 * np.uint64(_PHILOX_M1)
-        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & np.uint64(_MASK32),
-                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(_MASK32))
-    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
+            k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
+        np.multiply(c0, m0, out=p0)   # 32 x 32 bits: exact in uint64
+        np.multiply(c2, m1, out=p1)
+        np.right_shift(p1, shift, out=c0)
+        c0 ^= c1
+        c0 ^= k0
+        np.bitwise_and(p1, mask, out=c1)
+        np.right_shift(p0, shift, out=c2)
+        c2 ^= c3
+        c2 ^= k1
+        np.bitwise_and(p0, mask, out=c3)
+    return [c0, c1, c2, c3]
 
 
 def race_noise(rows: range, vocab: int, seed: int, offset: int) -> np.ndarray:
@@ -50,10 +68,84 @@ def race_noise(rows: range, vocab: int, seed: int, offset: int) -> np.ndarray:
     counter[..., 2] = offset & _MASK32
     counter[..., 3] = (offset >> 32) & _MASK32
     words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
-    words = words.reshape(len(rows), groups * 4)[:, :vocab]
-    u = words.astype(np.float32) * np.float32(2.0**-32) + np.float32(2.0**-33)
+    u = unit_from_words(words.reshape(len(rows), groups * 4)[:, :vocab])
     with np.errstate(divide="ignore"):  # u == 1 gives E = inf: -log(E) = -inf, a column that cannot win
         return -np.log(-np.log1p(-u))
+
+
+def unit_from_words(words: np.ndarray) -> np.ndarray:
+    """uint32 words -> u = float32(word) * 2**-32 + 2**-33 in (0, 1], the kernels' fp32 steps."""
+    return words.astype(np.float32) * np.float32(2.0**-32) + np.float32(2.0**-33)
+
+
+SEEDED_TAG = 0x53454544   # the 4th counter word of seeded rows' noise ("SEED"), apart from the race's offsets
+
+
+def seeded_uniform_ref(args: np.ndarray, vocab: int, offset: int = 0) -> np.ndarray:
+    """u in (0, 1] as float32 [M, vocab] for seeded rows, args = int64 [3, M] (row, seed bits, position): the
+    words of cuda/sampling.cu's seeded_exponential_kernel, Philox4x32-10 with key = seed and counter =
+    (column // 4, position low, position high, SEEDED_TAG), position = args[2] + offset. The row index is not an
+    input: the noise of a seeded request does not depend on where it sits in the batch."""
+    m, groups = args.shape[1], (vocab + 3) // 4
+    seeds, pos = args[1].view(np.uint64), args[2].astype(np.uint64) + np.uint64(offset)
+    mask = np.uint64(_MASK32)
+
+    def word(column: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(column, (m, groups)).copy()   # writable: the rounds work in place
+    counter = [word(np.arange(groups, dtype=np.uint64)[None, :]), word((pos & mask)[:, None]),
+               word((pos >> np.uint64(32))[:, None]), word(np.uint64(SEEDED_TAG))]
+    key = ((seeds & mask)[:, None], (seeds >> np.uint64(32))[:, None])
+    words = np.stack([w.astype(np.uint32) for w in _philox_rounds(counter, key)], axis=-1)
+    return unit_from_words(words.reshape(m, groups * 4)[:, :vocab])
+
+
+def seeded_uniform_torch(args: torch.Tensor, vocab: int, offset: int = 0) -> torch.Tensor:
+    """seeded_uniform_ref in torch int64 ops on args' device, for a GPU without the kernel: the same words (each
+    32 x 32-bit product is split in 16-bit halves, so nothing overflows int64), the same fp32 steps."""
+    m, groups = args.shape[1], (vocab + 3) // 4
+    seeds, pos = args[1], args[2] + offset
+    shape = (m, groups)
+    counter = [torch.arange(groups, device=args.device).expand(shape), (pos & _MASK32)[:, None].expand(shape),
+               ((pos >> 32) & _MASK32)[:, None].expand(shape), torch.full(shape, SEEDED_TAG, device=args.device)]
+    key = [(seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None]]   # & undoes the sign of >>
+    words = torch.stack(_philox_rounds_torch(counter, key), dim=-1).reshape(m, 4 * groups)[:, :vocab]
+    return words.float() * 2.0**-32 + 2.0**-33
+
+
+def _philox_rounds_torch(c: list[torch.Tensor], key: list[torch.Tensor]) -> list[torch.Tensor]:
+    c0, c1, c2, c3 = c
+    k0, k1 = key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+        hi0, lo0 = _mul_hi_lo(c0, _PHILOX_M0)
+        hi1, lo1 = _mul_hi_lo(c2, _PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def _mul_hi_lo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * m for 32-bit a and m, in int64 without overflow."""
+    low = (a & 0xFFFF) * m           # < 2**48
+    high = (a >> 16) * m             # < 2**48
+    return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _MASK32
+
+
+def seeded_exponential_(noise: torch.Tensor, args: np.ndarray, args_dev: torch.Tensor, offset: int = 0, *,
+                        cuda: bool = False) -> None:
+    """Write E ~ Exp(1) into the seeded rows of noise [N, V] (float32, in place): E = -log1p(-u) with u from
+    seeded_uniform_ref. args: int64 [3, M] (row, seed bits, position) on the host; args_dev: the same on noise's
+    device; offset: added to every position. With cuda=True and a CUDA tensor this is one kernel (whose log1pf
+    is the one torch's CUDA log1p calls, so the two agree bit for bit); elsewhere the same words (numpy on the
+    CPU, seeded_uniform_torch on another device), then torch.log1p there."""
+    if cuda and noise.is_cuda:
+        torch.ops.minillm.seeded_exponential_(noise, args_dev, offset)
+        return
+    if noise.device.type == "cpu":
+        u = torch.from_numpy(seeded_uniform_ref(args, noise.shape[1], offset))
+    else:
+        u = seeded_uniform_torch(args_dev, noise.shape[1], offset)
+    noise[args_dev[0]] = u.neg_().log1p_().neg_()
 
 
 def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, offset: int) -> None:

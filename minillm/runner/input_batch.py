@@ -1,13 +1,15 @@
 """Step inputs: SchedulerOutput -> flat token ids, positions, slot mapping and AttentionMetadata.
 
-Host work is numpy on persistent (pinned) buffers, one H2D copy per field, because at 256 running decodes
-this runs every ~4 ms step and per-request Python or torch work would cost more than the GPU step itself.
+Host work is numpy on persistent (pinned) buffers, and one H2D copy per step (every field packed in one buffer),
+because at 256 running decodes this runs every ~4 ms step and per-request Python or torch work would cost more
+than the GPU step itself.
 Each live request owns one row of a persistent block table, which only takes the block ids its context grew
 into; while a step schedules the same requests as the step before (the common decode step), their rows are
 reused as they are. A decode-only step (one token per row) needs no cumsum or repeat: positions are the starts.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,6 +140,69 @@ class BlockTableRows:
         self._covered[stale] = covered
 
 
+def _align(n32: int) -> int:
+    """Fields start on 64-byte boundaries (16 int32s), as separately allocated tensors would be aligned."""
+    return (n32 + 15) & ~15
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets(total: int, n: int) -> tuple[int, ...]:
+    """Start of each field in int32 units: input_ids, positions, slot_mapping, logits_indices (int64, so 2
+    int32s per element), query_start_loc, seq_lens, block table (int32)."""
+    pos = _align(2 * total)
+    slots = pos + _align(2 * total)
+    logits = slots + _align(2 * total)
+    qsl = logits + _align(2 * n)
+    seq_lens = qsl + _align(n + 1)
+    return 0, pos, slots, logits, qsl, seq_lens, seq_lens + _align(n)
+
+
+class _Packed:
+    """One step's inputs packed in one int64 buffer, so that they cross to the device in one copy (layout:
+    _offsets). The host buffer is pinned on CUDA; on the CPU the device buffer is the host one. The device
+    views of the last layout are kept: consecutive decode steps lay out the same (T, n, w), and slicing a tensor
+    costs ~2 us, seven times a step."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device):
+        size32 = _offsets(max_num_tokens, max_num_seqs)[-1] + max_num_seqs * max_blocks
+        pin = device.type == "cuda"
+        self.host = torch.zeros(cdiv(size32, 2), dtype=torch.int64, pin_memory=pin)
+        self.dev = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        self.np64 = self.host.numpy()
+        self.np32 = self.np64.view(np.int32)
+        self.dev32 = self.dev.view(torch.int32)
+        self._key: tuple | None = None
+        self._views: tuple = ()
+
+    def host_views(self, total: int, n: int) -> dict[str, np.ndarray]:
+        """The host fields but the block table (whose width is known once seq_lens is)."""
+        _, pos, slots, logits, qsl, seq_lens, _ = _offsets(total, n)
+        h = self.np64
+        return {"input_ids": h[:total], "positions": h[pos // 2:pos // 2 + total],
+                "slot_mapping": h[slots // 2:slots // 2 + total], "logits_indices": h[logits // 2:logits // 2 + n],
+                "query_start_loc": self.np32[qsl:qsl + n + 1], "seq_lens": self.np32[seq_lens:seq_lens + n]}
+
+    def table_view(self, total: int, n: int, width: int) -> np.ndarray:
+        start = _offsets(total, n)[-1]
+        return self.np32[start:start + n * width].reshape(n, width)
+
+    def to_device(self, total: int, n: int, width: int, num_sampled: int) -> tuple:
+        """(input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, block_tables) on the
+        device, after one copy of the used part of the buffer."""
+        _, pos, slots, logits, qsl, seq_lens, table = _offsets(total, n)
+        end = cdiv(table + n * width, 2)
+        if self.dev is not self.host:
+            self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        key = (total, n, width, num_sampled)
+        if key != self._key:
+            d, d32 = self.dev, self.dev32
+            self._key, self._views = key, (
+                d[:total], d[pos // 2:pos // 2 + total], d[slots // 2:slots // 2 + total],
+                d[logits // 2:logits // 2 + num_sampled], d32[qsl:qsl + n + 1], d32[seq_lens:seq_lens + n],
+                d32[table:table + n * width].view(n, width))
+        return self._views
+
+
 class InputBuilder:
     def __init__(self, max_num_seqs: int, max_num_tokens: int, max_model_len: int, block_size: int,
                  device: torch.device):
@@ -145,24 +210,9 @@ class InputBuilder:
         self.max_blocks = cdiv(max_model_len, block_size)
         self.device = device
         self.rows = BlockTableRows(max_num_seqs, self.max_blocks, block_size)
-        pin = device.type == "cuda"
-
-        def staging() -> dict[str, torch.Tensor]:
-            return {
-                "input_ids": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
-                "positions": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
-                "slot_mapping": torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
-                "query_start_loc": torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin),
-                "seq_lens": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
-                "logits_indices": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
-            }
-        # NOTE: two staging sets used in turn. With async scheduling, step N+1 is built while step N's
-        # non-blocking host-to-device copies may still be queued behind step N-1; they read the other set.
-        self._sets = [staging(), staging()]
-        self._sets_np = [{k: v.numpy() for k, v in st.items()} for st in self._sets]
-        # Each set's last view of each field as (length, tensor): consecutive decode steps slice the same
-        # lengths, and slicing a tensor costs ~2 us, six times a step.
-        self._views: list[dict[str, tuple[int, torch.Tensor]]] = [{}, {}]
+        # NOTE: two packed sets used in turn. With async scheduling, step N+1 is built while step N's
+        # non-blocking host-to-device copy may still be queued behind step N-1; it reads the other set.
+        self._sets = [_Packed(max_num_tokens, max_num_seqs, self.max_blocks, device) for _ in range(2)]
         self._turn = 0
         self._arange = np.arange(max_num_tokens + 1, dtype=np.int64)   # + 1: query_start_loc has n + 1
 
@@ -175,55 +225,57 @@ class InputBuilder:
         `prev`: the previous step's sampled tokens, still on the device, for the decode rows whose input token
         is a placeholder (async scheduling)."""
         self._turn ^= 1
-        self._host, self._np = self._sets[self._turn], self._sets_np[self._turn]
+        packed = self._sets[self._turn]
         n = len(reqs)
+        total = n if n == so.num_decodes else sum(so.num_tokens)
+        h = packed.host_views(total, n)
         rows = self.rows.rows_for(reqs)
-        total, tok_rows, max_query_len = self._layout(so, rows)
-
-        h = self._np
-        qsl, pos, seq_lens = h["query_start_loc"][: n + 1], h["positions"][:total], h["seq_lens"][:n]
+        tok_rows, max_query_len = self._layout(so, rows, h, total)
+        qsl, pos, seq_lens, ids = h["query_start_loc"], h["positions"], h["seq_lens"], h["input_ids"]
         self.rows.sync(seq_lens)
-        ids = h["input_ids"][:total]
         same_batch = self._token_ids(so, reqs, qsl, ids, prev)
         block_idx, offset = np.divmod(pos, self.block_size)
-        slots = h["slot_mapping"][:total]
+        slots = h["slot_mapping"]
         np.multiply(self.rows.table[tok_rows, block_idx], self.block_size, out=slots, dtype=np.int64)
         slots += offset
         max_seq_len = int(seq_lens.max(initial=0))
-        logits_indices = h["logits_indices"]
-        if all(so.sample):
-            num_sampled = n
-            np.subtract(qsl[1:], 1, out=logits_indices[:n])           # each seq's last token
-        else:
-            sampled = (qsl[1:] - 1)[np.array(so.sample, dtype=bool)]
-            num_sampled = len(sampled)
-            logits_indices[:num_sampled] = sampled
-        block_tables = self.rows.table[rows, : cdiv(max_seq_len, self.block_size)]
-        step = self._to_device(n, total, so.num_decodes, max_query_len, max_seq_len, block_tables, num_sampled)
+        num_sampled = self._logits_indices(so, qsl, h["logits_indices"])
+        width = cdiv(max_seq_len, self.block_size)
+        packed.table_view(total, n, width)[...] = self.rows.table[rows, :width]
+        step = self._to_device(packed, so, total, max_query_len, max_seq_len, width, num_sampled, h)
         if prev is not None or ids.min(initial=0) < 0:
             _fill_placeholders(step.input_ids, ids, so.req_ids, so.num_decodes, prev, same_batch)
         return step
 
-    def _layout(self, so: SchedulerOutput, rows: np.ndarray) -> tuple[int, np.ndarray, int]:
-        """Fill query_start_loc, positions and seq_lens; return (number of tokens, each token's row, max query
-        length)."""
-        h, n = self._np, len(rows)
-        qsl, pos, seq_lens = h["query_start_loc"][: n + 1], h["positions"], h["seq_lens"][:n]
+    @staticmethod
+    def _logits_indices(so: SchedulerOutput, qsl: np.ndarray, out: np.ndarray) -> int:
+        """Each sampled seq's last token; returns how many seqs sample."""
+        n = len(so.sample)
+        if all(so.sample):
+            np.subtract(qsl[1:], 1, out=out)
+            return n
+        sampled = (qsl[1:] - 1)[np.array(so.sample, dtype=bool)]
+        out[:len(sampled)] = sampled
+        return len(sampled)
+
+    def _layout(self, so: SchedulerOutput, rows: np.ndarray, h: dict, total: int) -> tuple[np.ndarray, int]:
+        """Fill query_start_loc, positions and seq_lens; return (each token's row, max query length)."""
+        n = len(rows)
+        qsl, pos, seq_lens = h["query_start_loc"], h["positions"], h["seq_lens"]
         if 0 < n == so.num_decodes:
             # One token per row at its start: the common decode step needs no cumsum or repeat.
-            pos[:n] = so.starts
+            pos[:] = so.starts
             qsl[:] = self._arange[: n + 1]
-            np.add(pos[:n], 1, out=seq_lens, casting="unsafe")
-            return n, rows, 1
+            np.add(pos, 1, out=seq_lens, casting="unsafe")
+            return rows, 1
         starts = np.array(so.starts, dtype=np.int64)
         counts = np.array(so.num_tokens, dtype=np.int64)
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1:])
-        total = int(qsl[n])
         # position of each token = its seq's start + offset inside the seq's chunk
-        np.add(np.repeat(starts - qsl[:-1], counts), self._arange[:total], out=pos[:total])
+        np.add(np.repeat(starts - qsl[:-1], counts), self._arange[:total], out=pos)
         np.add(starts, counts, out=seq_lens, casting="unsafe")
-        return total, np.repeat(rows, counts), int(counts.max(initial=0))
+        return np.repeat(rows, counts), int(counts.max(initial=0))
 
     @staticmethod
     def _token_ids(so: SchedulerOutput, reqs: list, qsl: np.ndarray, ids: np.ndarray, prev: PrevTokens | None) -> bool:
@@ -245,21 +297,13 @@ class InputBuilder:
             ids[qsl[i]:qsl[i + 1]] = reqs[i].all_token_ids[s:s + so.num_tokens[i]]
         return same_batch
 
-    def _to_device(self, n, total, num_decodes, max_query_len, max_seq_len, block_tables, num_sampled):
-        dev, host, views = self.device, self._host, self._views[self._turn]
-
-        def put(name: str, length: int) -> torch.Tensor:
-            view = views.get(name)
-            if view is None or view[0] != length:
-                view = views[name] = (length, host[name][:length])
-            return view[1].to(dev, non_blocking=True)
-
+    def _to_device(self, packed: _Packed, so: SchedulerOutput, total: int, max_query_len: int, max_seq_len: int,
+                   width: int, num_sampled: int, h: dict) -> StepInputs:
+        n = len(so.req_ids)
+        ids, pos, slots, logits_indices, qsl, seq_lens, tables = packed.to_device(total, n, width, num_sampled)
         meta = AttentionMetadata(
-            num_seqs=n, num_decodes=num_decodes, num_tokens=total, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, slot_mapping=put("slot_mapping", total),
-            query_start_loc=put("query_start_loc", n + 1), seq_lens=put("seq_lens", n),
-            block_tables=to_device(block_tables, dev), block_size=self.block_size,
-            query_start_loc_cpu=self._np["query_start_loc"][: n + 1].tolist(),
-            seq_lens_cpu=self._np["seq_lens"][:n].tolist())
-        return StepInputs(input_ids=put("input_ids", total), positions=put("positions", total), meta=meta,
-                          logits_indices=put("logits_indices", num_sampled))
+            num_seqs=n, num_decodes=so.num_decodes, num_tokens=total, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
+            block_tables=tables, block_size=self.block_size, query_start_loc_cpu=h["query_start_loc"].tolist(),
+            seq_lens_cpu=h["seq_lens"].tolist())
+        return StepInputs(input_ids=ids, positions=pos, meta=meta, logits_indices=logits_indices)

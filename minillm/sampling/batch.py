@@ -8,7 +8,7 @@ plus numpy; per-row Python loops run only over the rows that need them (min_toke
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -29,17 +29,26 @@ _T, _P, _MINP, _K, _PRES, _FREQ, _REP, _MINTOK, _SEEDED, _LOGPROBS = range(len(_
 _DEVICE_FIELDS = _REP + 1   # rows [0, _DEVICE_FIELDS) are shipped to the device
 
 
-def seed_for_token(seed: int, k: int) -> int:
-    """Generator seed for the k-th output token of a request seeded with ``seed``.
+@dataclass
+class SeededRows:
+    """The sampling rows with a per-request seed: int64 [3, M] = (row, seed as 64 bits, index of the output token
+    sampled when the batch was built), on the host (args) and on the batch's device (args_dev, one copy); the
+    token sampled now is output args[2] + offset. Their noise is keyed by (seed, output index) alone
+    (minillm/ops/sampling_ops.py: seeded_exponential_), never by the row or the batch, so a seeded request draws
+    the same noise alone, in any batch, and after preemption + recompute."""
+    args: np.ndarray
+    args_dev: torch.Tensor
+    offset: int = 0
 
-    NOTE: depends on (seed, k) only, never on the row or the batch, so a seeded request draws the same noise
-    alone, in any batch, and after preemption + recompute. A splitmix64 finaliser decorrelates neighbouring
-    (seed, k) pairs; the result is kept to 63 bits because Generator.manual_seed takes a signed 64-bit value.
-    """
-    x = (seed * 0x9E3779B97F4A7C15 + k * 0xD1B54A32D192ED03 + 1) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+    def advance(self, requests: Sequence[Request], seq_lens) -> bool:
+        """For a batch handed back for another step: move offset to where every row's output index now is, if
+        they all moved by the same count (one per step in a run of decodes); False if not (then rebuild)."""
+        now = np.array([_outputs_before(requests[i], i, seq_lens) for i in self.args[0].tolist()], dtype=np.int64)
+        delta = now - self.args[2]
+        if delta.size == 0 or (delta != delta[0]).any() or delta[0] < 0:
+            return False
+        self.offset = int(delta[0])
+        return True
 
 
 @dataclass
@@ -56,15 +65,31 @@ class SamplingBatch:
     penalties: PenaltyTensors | None
     banned_rows: torch.Tensor | None      # int64 [M]: (row, token) pairs masked to -inf (min_tokens)
     banned_cols: torch.Tensor | None
-    seeded_rows: list[tuple[int, int]]    # (row, generator seed) of seeded sampling rows
+    seeded: SeededRows | None             # the seeded sampling rows; None when there are none
     any_unseeded: bool                    # some sampling row draws from the shared generator
     logprobs: list[int | None] | None     # per-row top-N request; None when no row asked
+    _inv_t: torch.Tensor | None = field(default=None, repr=False, compare=False)   # inverse_temperature()
+
+    def inverse_temperature(self, device: torch.device) -> torch.Tensor:
+        """float32 [N] on `device`: 1 / T per row, 0 on greedy rows (the one-pass kernel's input). Made once per
+        batch: a batch handed back by SamplingBatchCache then costs no kernel launch for it."""
+        if self._inv_t is None:
+            n = self.num_rows
+            if self.all_greedy:
+                inv_t = torch.zeros(n, device=device)
+            else:
+                inv_t = 1.0 / self.temperature.view(n) if self.temperature is not None else torch.ones(n, device=device)
+                if self.greedy_mask is not None:
+                    inv_t = inv_t.masked_fill(self.greedy_mask, 0.0)
+            self._inv_t = inv_t.float().contiguous()
+        return self._inv_t
 
     @property
     def is_static(self) -> bool:
-        """Whether the same requests give this very batch next step: true unless a row reads its token history
-        (penalties) or output count (per-token seeds, a min_tokens ban; once lifted, a ban never returns)."""
-        return self.penalties is None and self.banned_rows is None and not self.seeded_rows
+        """Whether the same requests give this very batch next step, seeded rows' offset aside (SeededRows.advance):
+        true unless a row reads its token history (penalties) or output count (a min_tokens ban; once lifted, a
+        ban never returns)."""
+        return self.penalties is None and self.banned_rows is None
 
     @classmethod
     def build(cls, requests: Sequence[Request], device: torch.device | str, vocab_size: int,
@@ -102,7 +127,7 @@ class SamplingBatch:
             penalties=_penalties(requests, dev, need, vocab_size, device),
             banned_rows=banned_rows,
             banned_cols=banned_cols,
-            seeded_rows=_seeded_rows(requests, seq_lens, sampling & (params[_SEEDED] > 0)),
+            seeded=_seeded(requests, seq_lens, sampling & (params[_SEEDED] > 0), device),
             any_unseeded=bool((sampling & (params[_SEEDED] == 0)).any()),
             logprobs=_logprobs(requests) if params[_LOGPROBS].any() else None,
         )
@@ -110,8 +135,9 @@ class SamplingBatch:
 
 class SamplingBatchCache:
     """Hands back the last step's SamplingBatch while the same requests sample and nothing in it moves with the
-    step: at 256 decodes, consecutive steps usually sample the very same requests, and rebuilding an identical
-    batch would cost a quarter of the step's host budget."""
+    step but seeded rows' output indices (their offset moves instead): at 256 decodes, consecutive steps usually
+    sample the very same requests, and rebuilding an identical batch would cost a quarter of the step's host
+    budget."""
 
     def __init__(self, device: torch.device | str, vocab_size: int) -> None:
         self.device, self.vocab_size = torch.device(device), vocab_size
@@ -121,7 +147,8 @@ class SamplingBatchCache:
     def get(self, requests: Sequence[Request], seq_lens: Sequence[int] | None = None) -> SamplingBatch:
         # NOTE: list == compares element identity in C; the sampler never writes into a batch's tensors.
         batch = self._batch
-        if batch is None or not batch.is_static or requests != self._requests:
+        if batch is None or not batch.is_static or requests != self._requests or \
+                (batch.seeded is not None and not batch.seeded.advance(requests, seq_lens)):
             batch = self._batch = SamplingBatch.build(requests, self.device, self.vocab_size, seq_lens)
             self._requests = list(requests)
         return batch
@@ -205,9 +232,17 @@ def _min_tokens_mask(requests: Sequence[Request], seq_lens, min_tokens: np.ndarr
     return (to_device(np.array(rows, dtype=np.int64), device), to_device(np.array(cols, dtype=np.int64), device))
 
 
-def _seeded_rows(requests: Sequence[Request], seq_lens, seeded_sampling: np.ndarray) -> list[tuple[int, int]]:
-    return [(i, seed_for_token(requests[i].sampling_params.seed, _outputs_before(requests[i], i, seq_lens)))
-            for i in np.flatnonzero(seeded_sampling).tolist()]
+def _seeded(requests: Sequence[Request], seq_lens, seeded_sampling: np.ndarray,
+            device: torch.device) -> SeededRows | None:
+    rows = np.flatnonzero(seeded_sampling)
+    if rows.size == 0:
+        return None
+    args = np.empty((3, rows.size), dtype=np.int64)
+    args[0] = rows
+    idx = rows.tolist()
+    args[1] = np.array([requests[i].sampling_params.seed & _MASK64 for i in idx], dtype=np.uint64).view(np.int64)
+    args[2] = [_outputs_before(requests[i], i, seq_lens) for i in idx]
+    return SeededRows(args, to_device(args, device))
 
 
 def _logprobs(requests: Sequence[Request]) -> list[int | None] | None:

@@ -16,7 +16,9 @@ Order of operations on a batch of float32 logits [N, V] (modified in place):
      (so top-N alternatives are real numbers even when top-k/top-p would have cut them);
   5. truncation: one threshold per row from top-k, then top-p on the renormalised top-k distribution
      (the token that crosses p is kept), then min-p; everything below the threshold becomes -inf;
-  6. exponential race: token = argmax(probs / E), E ~ Exp(1), which draws exactly from probs (Gumbel-max).
+  6. exponential race: token = argmax(probs / E), E ~ Exp(1), which draws exactly from probs (Gumbel-max);
+     unseeded rows draw E from the sampler's generator, seeded rows from a counter-based generator keyed by
+     (their seed, their output index), all seeded rows of a batch in one op.
 
 No host syncs: every decision that depends on the batch composition was made on the host by
 SamplingBatch.build. Only logprobs need one transfer (to build Python objects), done once for the batch.
@@ -35,7 +37,7 @@ import torch
 from minillm.contract import TokenLogprobs
 from minillm.sampling.batch import SamplingBatch
 from minillm.sampling.grammar_mask import GrammarMask, apply_grammar_mask
-from minillm.ops.sampling_ops import LOGIT_DTYPES
+from minillm.ops.sampling_ops import LOGIT_DTYPES, seeded_exponential_
 from minillm.sampling.penalties import apply_penalties
 
 # Exp(1) draws can be exactly 0 (the uniform hit its endpoint); 0 would turn masked tokens into 0/0 = NaN,
@@ -56,8 +58,8 @@ class Sampler:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.seed = seed
         self.cuda = cuda
-        # Per device: (shared generator of unseeded rows, scratch generator re-seeded for each seeded row).
-        self._generators: dict[torch.device, tuple[torch.Generator, torch.Generator]] = {}
+        # Per device: the generator of the unseeded rows' noise (seeded rows' noise needs none).
+        self._generators: dict[torch.device, torch.Generator] = {}
         self._fused_steps = 0
         self.nonfinite = NonFiniteWatch()
 
@@ -97,39 +99,32 @@ class Sampler:
         """argmax(probs / E) with E ~ Exp(1): a sample from probs in one pass over the noise."""
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        shared, scratch = self._generators_for(probs.device)
         if batch.any_unseeded:
-            noise.exponential_(generator=shared)
+            noise.exponential_(generator=self._generator_for(probs.device))
         # Greedy rows may keep uninitialised noise: their sampled token is replaced by the argmax afterwards.
-        for row, seed in batch.seeded_rows:
-            # NOTE: each seeded row draws its own [V] noise from (seed, k) alone; see seed_for_token.
-            scratch.manual_seed(seed)
-            noise[row].exponential_(generator=scratch)
+        if batch.seeded is not None:
+            # One op for every seeded row, its noise keyed by (its seed, its output index) alone.
+            seeded = batch.seeded
+            seeded_exponential_(noise, seeded.args, seeded.args_dev, seeded.offset, cuda=self.cuda)
         return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
 
     def _fused_race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Temperature + exponential race + greedy rows in one pass of the CUDA kernel. Its noise is keyed by
         (sampler seed, row, step, column), so unseeded rows stay reproducible run to run."""
         from minillm.ops.sampling_ops import sample_exponential_race
-        n = batch.num_rows
+        inv_t = batch.inverse_temperature(logits.device)
         if batch.all_greedy:
             # Inverse temperature 0 on every row: the kernel's argmax (ties to the lowest column, NaN largest, as
             # torch.argmax), read from the logits as they are (no fp32 copy of half-precision ones). No noise is
             # drawn, so the step count stays: the sampled steps' noise does not depend on how many greedy ones ran.
-            zeros = torch.zeros(n, device=logits.device)
-            return sample_exponential_race(logits, zeros, self.seed, self._fused_steps, cuda=True)
-        inv_t = (1.0 / batch.temperature.view(n) if batch.temperature is not None
-                 else torch.ones(n, device=logits.device))
-        if batch.greedy_mask is not None:
-            inv_t = inv_t.masked_fill(batch.greedy_mask, 0.0)
+            return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, cuda=True)
         self._fused_steps += 1
-        return sample_exponential_race(logits, inv_t.float().contiguous(), self.seed, self._fused_steps, cuda=True)
+        return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, cuda=True)
 
-    def _generators_for(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    def _generator_for(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
-            shared = torch.Generator(device=device)
-            shared.manual_seed(self.seed)
-            self._generators[device] = (shared, torch.Generator(device=device))
+            self._generators[device] = torch.Generator(device=device)
+            self._generators[device].manual_seed(self.seed)
         return self._generators[device]
 
 
@@ -180,12 +175,12 @@ class NonFiniteWatch:
 
 def _fused_race_applies(batch: SamplingBatch) -> bool:
     """The one-pass sampling op covers plain temperature sampling and greedy rows, all-greedy batches included:
-    no truncation, no per-request seeds (their noise is defined by seed_for_token) and no logprobs. Everything
-    else takes the torch path. (The op runs its kernel on CUDA tensors and its numpy reference elsewhere; an
-    engine only enables it with its CUDA kernels.)"""
+    no truncation, no per-request seeds (their noise is keyed by their own seed: SeededRows) and no logprobs.
+    Everything else takes the torch path. (The op runs its kernel on CUDA tensors and its numpy reference
+    elsewhere; an engine only enables it with its CUDA kernels.)"""
     if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
         return False
-    return not batch.seeded_rows and batch.logprobs is None
+    return batch.seeded is None and batch.logprobs is None
 
 
 def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
