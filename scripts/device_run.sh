@@ -106,6 +106,10 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       stage benchfp8 110 python3 -m minillm bench --no-progress --kv-cache-dtype fp8 --output "$OUT/bench.jsonl"
       stage parallelab 240 env OUT="$LOG/ab" BASE_TREE="$PWD/.old" ROUNDS=1 REQUESTS=256 scripts/parallel_ab.sh
       cp "$LOG"/ab/ab_*.jsonl "$OUT"/ 2>/dev/null ;;
+    hoststep)   # host microseconds of LLM.step() with the model math stubbed out (scripts/bench_host_step.py)
+      stage hoststep 100 python3 scripts/bench_host_step.py --device cuda --steps 1000
+      stage hoststep_seeded 100 python3 scripts/bench_host_step.py --device cuda --steps 1000 --temperature 1.0 --seed
+      cp "$LOG"/hoststep*.log "$OUT"/ 2>/dev/null ;;
     fp8dec)   # the fp8 decode kernel: its GPU tests, then fp8 against bf16 decode timings
       stage fp8dec_tests 200 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider tests/test_kv_fp8_gpu.py \
         tests/test_kernels_gpu.py -k "decode or fp8"
