@@ -3,6 +3,7 @@ coverage declaration against the C++ launchers, the execution plan's moe verdict
 their twins (zero-token experts, every token on one expert, NaN-poisoned buffers and untouched experts, CUDA-graph
 replays under new routing)."""
 import dataclasses
+import math
 import re
 
 import pytest
@@ -229,7 +230,11 @@ def test_expert_kernels_match_their_twin_and_read_only_touched_experts(t, e, k, 
 
 
 @pytest.mark.gpu
-def test_fused_layer_matches_grouped_mm_path():
+def test_fused_layer_is_as_close_to_float64_as_the_grouped_mm_path():
+    """The Qwen3-30B-A3B layer shape at 64 tokens: the fused kernels' output is no further from a float64
+    computation (of the same routing) than the torch._grouped_mm path's, which rounds the SwiGLU output, each
+    expert's output and the routing weights to bf16 where the fused path keeps fp32 (so the two differ by
+    more than bf16 rounding in a few elements, and comparing them to each other says little)."""
     dev = _gpu()
     if moe_ops.grouped_mm_unsupported_reason(dev, torch.bfloat16, 2048, 768) is not None:
         pytest.skip(moe_ops.grouped_mm_unsupported_reason(dev, torch.bfloat16, 2048, 768))
@@ -237,9 +242,24 @@ def test_fused_layer_matches_grouped_mm_path():
     w13, w2 = _experts(e, h, i, torch.bfloat16, dev, 1)
     x = torch.randn(t, h, device=dev).to(torch.bfloat16)
     logits = router_logits(t, e, 9, None, dev)
-    fused = moe_ops.fused_experts(x, w13, w2, moe_ops.route_fused(logits, k, True))
-    torch_path = moe_ops.grouped_experts(x, w13, w2, moe_ops.route(logits, k, True, weight_dtype=x.dtype))
-    torch.testing.assert_close(fused.float(), torch_path.float(), atol=3e-2, rtol=3e-2)
+    fused_routing = moe_ops.route_fused(logits, k, True)
+    torch_routing = moe_ops.route(logits, k, True, weight_dtype=x.dtype)
+    fused = moe_ops.fused_experts(x, w13, w2, fused_routing)
+    torch_path = moe_ops.grouped_experts(x, w13, w2, torch_routing)
+
+    def float64_layer(routing):
+        xd, out = x.double(), torch.zeros(t, h, dtype=torch.float64, device=dev)
+        for slot in range(k):
+            for ex in routing.experts[:, slot].unique().tolist():
+                rows = (routing.experts[:, slot] == ex).nonzero().view(-1)
+                gate, up = F.linear(xd[rows], w13[ex].double()).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, w2[ex].double())
+                out[rows] += routing.weights[rows, slot].double().unsqueeze(-1) * y
+        return out
+
+    err_fused = (fused.double() - float64_layer(fused_routing)).abs().max().item()
+    err_torch = (torch_path.double() - float64_layer(torch_routing)).abs().max().item()
+    assert math.isfinite(err_fused) and err_fused <= 1.25 * err_torch + 1e-3, (err_fused, err_torch)
 
 
 @pytest.mark.gpu
