@@ -123,28 +123,38 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * CHUNKS * 8 + ((chunk ^ (row & 7)) * 8);
 }
 
+// ex2.approx.ftz: exp2 without exp2f's handling of results that would be denormal (they flush to 0, which the
+// softmax's sums never notice).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // One online-softmax step for fragment row r (0: row lane/4, 1: row lane/4 + 8) of an mma.sync score tile
 // sc[NT][4] (NT n8-tiles of raw scores; the 4 lanes of a quad share a row): the row's running max m and sum l move
 // to this tile, its scores become probabilities in place (ready to be packed as the A operand of P V), and its
 // output accumulators o[DT][4] are rescaled. sl2 = softmax scale * log2(e); m is kept in those log2 units. A row
-// that has seen only masked scores (-inf) so far keeps m = -inf, l = 0 and o = 0.
-template <int NT, int DT>
+// that has seen only masked scores (-inf) so far keeps m = -inf, l = 0 and o = 0. kFastExp: fast_exp2 instead of
+// exp2f (the prefill kernels).
+template <int NT, int DT, bool kFastExp = false>
 __device__ __forceinline__ void online_softmax_row(float (&sc)[NT][4], float (&o)[DT][4], float& m, float& l,
                                                    float sl2, int r) {
+  const auto ex2 = [](float x) { return kFastExp ? fast_exp2(x) : exp2f(x); };
   float mx = -CUDART_INF_F;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
   mx = warp_max_xor(mx, 1, 4) * sl2;
   const float m_new = fmaxf(m, mx);
   const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-  const float alpha = exp2f(m - m_use);
+  const float alpha = ex2(m - m_use);
   m = m_new;
   float sum = 0.f;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float p = exp2f(sc[nt][2 * r + e] * sl2 - m_use);
+      const float p = ex2(sc[nt][2 * r + e] * sl2 - m_use);
       sc[nt][2 * r + e] = p;
       sum += p;
     }

@@ -34,42 +34,6 @@ constexpr int kMT = kWarpRows / 16;
 template <int D>
 constexpr int smem_bytes() { return (kBM + 4 * kBN) * D * 2; }  // Q + 2 stages of K and V, 2-byte elements
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// online_softmax_row (common.cuh) with fast_exp2; same invariants: m in log2 units, a row that has seen only
-// masked scores keeps m = -inf, l = 0, o = 0.
-template <int NT, int DT>
-__device__ __forceinline__ void softmax_row(float (&sc)[NT][4], float (&o)[DT][4], float& m, float& l, float sl2,
-                                            int r) {
-  float mx = -CUDART_INF_F;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
-  mx = warp_max_xor(mx, 1, 4) * sl2;
-  const float m_new = fmaxf(m, mx);
-  const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-  const float alpha = fast_exp2(m - m_use);
-  m = m_new;
-  float sum = 0.f;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float p = fast_exp2(sc[nt][2 * r + e] * sl2 - m_use);
-      sc[nt][2 * r + e] = p;
-      sum += p;
-    }
-  l = l * alpha + sum;
-#pragma unroll
-  for (int i = 0; i < DT; ++i) {
-    o[i][2 * r] *= alpha;
-    o[i][2 * r + 1] *= alpha;
-  }
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2)
     paged_prefill_wide_kernel(PagedAttnArgs a, const int* __restrict__ qsl, int seq_begin) {
@@ -199,8 +163,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        softmax_row<NT, DT>(sc[mt], o[mt], mrow[mt][0], lrow[mt][0], sl2, 0);
-        softmax_row<NT, DT>(sc[mt], o[mt], mrow[mt][1], lrow[mt][1], sl2, 1);
+        online_softmax_row<NT, DT, true>(sc[mt], o[mt], mrow[mt][0], lrow[mt][0], sl2, 0);
+        online_softmax_row<NT, DT, true>(sc[mt], o[mt], mrow[mt][1], lrow[mt][1], sl2, 1);
       }
     }
 
