@@ -193,6 +193,7 @@ class StructuredConfig:
     compile_threads: int = 2              # compiles run on this many threads, never on the engine's
     mask_threads: int = 1                 # threads xgrammar fills a step's bitmask rows on (B=64 on the H200
                                           # host: 1 thread measured faster than 4)
+    mask_worker: bool = False             # the matchers in a process of their own, filling beside the engine
     max_spec_bytes: int = 65536           # a schema, regex, choice list or grammar longer than this is refused
     max_grammar_bytes: int = 64 << 20     # a compiled grammar larger than this is refused
     cache_size: int = 256                 # compiled grammars kept (least recently used go first)
@@ -210,6 +211,7 @@ class StructuredConfig:
                "an integer in [1, 64]")
         _check(_is_int(self.mask_threads, 1, 64), "structured.mask_threads", self.mask_threads,
                "an integer in [1, 64]")
+        _check(isinstance(self.mask_worker, bool), "structured.mask_worker", self.mask_worker, "true or false")
         _check(_is_int(self.max_spec_bytes, 16), "structured.max_spec_bytes", self.max_spec_bytes,
                "an integer >= 16")
         _check(_is_int(self.max_grammar_bytes, 1 << 10), "structured.max_grammar_bytes", self.max_grammar_bytes,
@@ -272,6 +274,9 @@ class EngineConfig:
         if self.kernels.backend == "torch" and self.runtime.attention == "cuda":
             raise ConfigError("runtime.attention='cuda' is not allowed with kernels.backend='torch' (no minillm "
                               "kernel runs then): use runtime.attention auto or torch, or kernels.backend auto")
+        if self.structured.mask_worker and self.parallel.tensor_parallel_size > 1:
+            # Its deferred sampler launch would reorder rank 0's collectives against the other ranks'.
+            raise ConfigError("structured.mask_worker=true is not allowed with parallel.tensor_parallel_size > 1")
         return self
 
     # LLM(...) keyword -> (section, field). Keeps the Python API flat like vLLM's while configs stay sectioned.
@@ -299,7 +304,7 @@ class EngineConfig:
         "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"), "pdl": ("kernels", "pdl"),
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
-                                                  "mask_threads",
+                                                  "mask_threads", "mask_worker",
                                                          "max_spec_bytes", "max_grammar_bytes", "cache_size")},
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "tensor_parallel_size": ("parallel", "tensor_parallel_size"),

@@ -123,7 +123,7 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
     structured)   # json_schema-constrained decode steps against unconstrained (scripts/structured_bench.py)
       stage structured 150 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --profile \
         --out "$OUT/structured.jsonl"
-      stage structured_t4 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-threads 4 \
+      stage structured_worker 100 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --mask-worker \
         --out "$OUT/structured.jsonl"
       stage structured_seeded 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --seeded \
         --out "$OUT/structured.jsonl"

@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--seeded", action="store_true", help="give every request a seed")
     ap.add_argument("--mask-threads", type=int, default=None, help="structured.mask_threads (default: config)")
+    ap.add_argument("--mask-worker", action="store_true", help="structured.mask_worker: the matchers in a process")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the all-constrained run at the largest B: the host time of building its masks")
     ap.add_argument("--out", default="results/structured.jsonl")
@@ -152,6 +153,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic"))
     extra = {} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads}
+    if args.mask_worker:
+        extra["structured_mask_worker"] = True
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
               max_model_len=1024, **extra)
     mask_threads = llm.engine.cfg.structured.mask_threads
@@ -173,7 +176,8 @@ def main() -> None:
             base = med if mode == "none" else base
             line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
                     "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
-                    "seeded": args.seeded, "mask_threads": mask_threads, "host_profiled": host,
+                    "seeded": args.seeded, "mask_threads": mask_threads, "mask_worker": args.mask_worker,
+                    "host_profiled": host,
                     "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
                     "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
             if isinstance(prof, tuple):

@@ -104,38 +104,33 @@ def test_compact_json_has_no_whitespace_and_any_is_bounded(service):
 
 
 def test_matcher_rolls_back_to_the_outputs_the_engine_holds(service):
-    import types
-
     import xgrammar as xgr
-    from minillm.structured.rows import GrammarState, GrammarRows
+    from minillm.structured.matchers import GrammarState, Matchers, RowWork
 
     spec = from_structured_outputs({"regex": "[a-z]{1,8}"})
     tok = __import__("tokenizers").Tokenizer.from_file(DEMO_TOKENIZER)
     ids = tok.encode("abcdef").ids
     assert len(ids) >= 2
-    req = types.SimpleNamespace(all_token_ids=[7] + ids, num_prompt_tokens=1, request_id="r")
-    rows = GrammarRows(None, 4096, StructuredConfig(), torch.device("cpu"), 4)
-    st = GrammarState(xgr.GrammarMatcher(service.compiled(spec)))
-    rows._advance(st, req, len(ids), None)
+    m = Matchers(None, 4096, StructuredConfig())
+    m.states["r"] = st = GrammarState(xgr.GrammarMatcher(service.compiled(spec)))
+    got = np.zeros((1, 128), dtype=np.int32)
+    m.fill([RowWork(0, "r", 0, tuple(ids), len(ids), False)], got)
     assert st.accepted == len(ids)
-    rows._advance(st, req, 1, None)   # the engine dropped all but the first output
+    m.fill([RowWork(0, "r", 1, (), 1, False)], got)   # the engine dropped all but the first output
     fresh = xgr.GrammarMatcher(service.compiled(spec))
     assert fresh.accept_token(ids[0])
-    a, b = xgr.allocate_token_bitmask(1, 4096), xgr.allocate_token_bitmask(1, 4096)
-    st.matcher.fill_next_token_bitmask(a)
-    fresh.fill_next_token_bitmask(b)
-    assert st.accepted == 1 and torch.equal(a, b)
+    want = xgr.allocate_token_bitmask(1, 4096)
+    fresh.fill_next_token_bitmask(want)
+    assert st.accepted == 1 and st.history == ids[:1] and np.array_equal(got, want.numpy())
 
 
 def test_min_tokens_ban_clears_eos_bits_unless_nothing_else_is_allowed():
-    from minillm.structured.rows import GrammarRows, GrammarState
+    from minillm.structured.matchers import _ban
 
-    rows = GrammarRows(None, 100, StructuredConfig(), torch.device("cpu"), 3)
-    banned = (2, 31, 63)   # EOS ids 2 and 63, stop token id 31
-    states = [GrammarState(None, banned=banned) for _ in range(3)]
+    banned = np.array([2, 31, 63], dtype=np.int64)   # EOS ids 2 and 63, stop token id 31
     only_banned = [(1 << 2) | -2**31, -2**31, 0, 0]   # the grammar allows nothing but EOS / stop ids
-    mask = torch.tensor([[-1, -1, -1, 0], only_banned, [-1, -1, -1, 0]], dtype=torch.int32)
-    rows._min_tokens(mask, [5] * 3, states, [1, 1, 5], [0, 1, 2])   # min_tokens 5: row 2 is past it
+    mask = np.array([[-1, -1, -1, 0], only_banned, [-1, -1, -1, 0]], dtype=np.int32)
+    _ban(mask.view(np.uint32), np.array([0, 1]), banned)   # row 2 is past min_tokens: not a banned row
     words = [[x & 0xFFFFFFFF for x in r] for r in mask.tolist()]
     assert words[0] == [0x7FFFFFFB, 0x7FFFFFFF, 0xFFFFFFFF, 0]
     assert words[1] == [x & 0xFFFFFFFF for x in only_banned]   # the ban yields to the grammar
@@ -306,7 +301,7 @@ def test_random_schemas_are_satisfied_or_refused(llm, schema):
 
 
 def test_min_tokens_ban_on_rows_that_are_not_contiguous():
-    from minillm.structured.rows import _ban
+    from minillm.structured.matchers import _ban
 
     words = np.full((4, 3), 0xFFFFFFFF, dtype=np.uint32)
     words[2] = 0

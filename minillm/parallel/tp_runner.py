@@ -74,6 +74,9 @@ class _NoGrammar:
     def masks(self, sampled, seq_lens, prev):
         return None
 
+    def close(self) -> None:
+        pass
+
 
 class _BroadcastSampler:
     """Rank 0: sample, then send the ids to the other ranks."""

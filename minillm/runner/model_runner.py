@@ -6,6 +6,7 @@ process.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import compress
 
@@ -26,7 +27,7 @@ from minillm.runner.request_state import CachedRequest, RequestStates
 from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatchCache
 from minillm.sampling.sampler import Sampler
-from minillm.structured.rows import GrammarRows
+from minillm.structured.rows import GrammarRows, PendingMask
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,16 @@ class InFlight:
     host_ids: torch.Tensor | None           # pinned host copy being filled (CPU: the tokens themselves)
     done: object | None                     # torch.cuda.Event recorded after that copy (None on the CPU)
     sampled: list[CachedRequest] | None = None   # the request state each token belongs to
+    pending: Callable[[], None] | None = None     # launches the sampler, once the step's grammar mask is filled
+
+    def complete(self) -> None:
+        """Launch the sampler if it waits for a grammar mask (structured.mask_worker); the tokens follow."""
+        if self.pending is not None:
+            run, self.pending = self.pending, None
+            run()
 
     def prev_tokens(self) -> PrevTokens | None:
+        self.complete()
         if self.token_ids is None:
             return None
         return PrevTokens(self.token_ids, self.req_ids)
@@ -220,11 +229,22 @@ class ModelRunner:
         if len(sampled) != len(reqs):
             seq_lens = list(compress(seq_lens, so.sample))
         # Constrained rows: their bitmask, built once the previous step's tokens are known (the forward pass of
-        # this step is already queued); None when no row is constrained.
+        # this step is already queued); None when no row is constrained. A mask a worker process fills defers the
+        # sampler to complete(): the next launch or this step's resolve (minillm/structured/rows.py).
         mask = self.grammar.masks(sampled, seq_lens, prev)
-        result = self.sampler(logits, self.sampling.get(sampled, seq_lens), mask)
-        return InFlight(so.sampled_req_ids(), result.token_ids, result.logprobs,
-                        *self._copy_to_host(result.token_ids), sampled=sampled)
+        batch = self.sampling.get(sampled, seq_lens)
+        inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled)
+        if isinstance(mask, PendingMask):
+            inflight.pending = lambda: self._run_sampler(inflight, logits, batch, mask.result())
+        else:
+            self._run_sampler(inflight, logits, batch, mask)
+        return inflight
+
+    @torch.inference_mode()   # a deferred sampler runs from complete(), outside launch()'s inference mode
+    def _run_sampler(self, inflight: InFlight, logits, batch, mask) -> None:
+        result = self.sampler(logits, batch, mask)
+        inflight.token_ids, inflight.logprobs = result.token_ids, result.logprobs
+        inflight.host_ids, inflight.done = self._copy_to_host(result.token_ids)
 
     def _copy_to_host(self, token_ids: torch.Tensor):
         """Start the device-to-host copy of the sampled ids right behind the sampler, so that waiting for
@@ -246,6 +266,7 @@ class ModelRunner:
 
     def resolve(self, inflight: InFlight, prof=None) -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens."""
+        inflight.complete()
         if inflight.done is not None:
             inflight.done.synchronize()
         tokens = inflight.host_ids.tolist() if inflight.host_ids is not None else []
@@ -254,6 +275,10 @@ class ModelRunner:
         if prof is not None:
             prof.mark("sample_sync")
         return ModelRunnerOutput(req_ids=inflight.req_ids, sampled_token_ids=tokens, logprobs=inflight.logprobs)
+
+    def close(self) -> None:
+        """Stop what this runner started beside it (the grammar mask worker, if any)."""
+        self.grammar.close()
 
     def kv_bytes_per_block(self) -> int:
         return self.kv_spec.bytes_per_block

@@ -1,0 +1,137 @@
+"""The grammar matchers in a process of their own (`structured.mask_worker`), so that xgrammar's accepts and
+fills, which hold the GIL, run beside the engine's host work instead of inside it.
+
+    engine process (GrammarRows)                         worker process (Matchers)
+    open / drop (a request's grammar, its end)   --->    compile (its own cache), matcher / forget
+    fill (turn, [RowWork])                       --->    advance, fill rows of shared buffer `turn`, min_tokens
+    wait (turn)                                  <---    filled
+
+The bitmasks travel in shared memory (two buffers used in turn), the messages over a pipe. The worker exits when
+told, when the pipe closes, or when its parent is gone; a worker that dies or does not answer in time fails the
+step that waits for it (RuntimeError), which the engine answers as any failed step.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import weakref
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from minillm.config import StructuredConfig
+
+_POLL_S = 0.5          # an idle worker checks on its parent this often
+
+
+class MaskWorker:
+    def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, max_rows: int):
+        words = (vocab_size + 31) // 32
+        self.shape = (2, max_rows, words)
+        self.shm = shared_memory.SharedMemory(create=True, size=int(np.prod(self.shape)) * 4)
+        self.buffers = np.ndarray(self.shape, dtype=np.int32, buffer=self.shm.buf)
+        # A fill waits at most this long: a new grammar compiles in the worker first (bounded by the same limit).
+        self.timeout_s = 2 * cfg.compile_timeout_s + 10.0
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, name="minillm-grammar-masks", daemon=True,
+                                args=(child, model_dir, vocab_size, cfg, self.shm.name, self.shape, os.getpid()))
+        self.proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.shm)
+
+    def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
+        self._send(("open", req_id, spec, banned, eos_ids))
+
+    def drop(self, req_ids) -> None:
+        self._send(("drop", list(req_ids)))
+
+    def fill(self, turn: int, work) -> None:
+        self._send(("fill", turn, work))
+
+    def wait(self, turn: int, n: int) -> np.ndarray:
+        """The first n rows of buffer `turn`, once the worker says they are filled."""
+        if not self.conn.poll(self.timeout_s):
+            raise RuntimeError(f"the grammar mask worker did not answer within {self.timeout_s:g} s")
+        try:
+            reply = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the grammar mask worker exited (exit code {self.proc.exitcode})") from None
+        if reply[0] == "error":
+            raise RuntimeError(f"the grammar mask worker failed: {reply[1]}")
+        if reply != ("filled", turn):
+            raise RuntimeError(f"the grammar mask worker answered {reply!r}, expected buffer {turn}")
+        return self.buffers[turn, :n]
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, OSError):
+            raise RuntimeError(f"the grammar mask worker exited (exit code {self.proc.exitcode})") from None
+
+
+def _shutdown(proc, conn, shm) -> None:
+    try:
+        conn.send(("stop",))
+    except (BrokenPipeError, OSError):
+        pass
+    proc.join(2.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2.0)
+    conn.close()
+    shm.close()
+    shm.unlink()
+
+
+def _serve(conn, model_dir, vocab_size: int, cfg: StructuredConfig, shm_name: str, shape, parent_pid: int) -> None:
+    """The worker's loop: apply each message in order; a fill answers ("filled", turn) or ("error", text)."""
+    import signal
+
+    from minillm.structured.matchers import Matchers
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the process group: the engine stops us
+    shm = shared_memory.SharedMemory(name=shm_name)
+    buffers = np.ndarray(shape, dtype=np.int32, buffer=shm.buf)
+    matchers = Matchers(model_dir, vocab_size, cfg)
+    errors: list[str] = []   # what failed outside a fill (an open): the next fill answers with it
+    try:
+        while True:
+            if not conn.poll(_POLL_S):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return
+            if msg[0] == "stop":
+                return
+            _apply(matchers, buffers, msg, conn, errors)
+    finally:
+        del buffers
+        shm.close()
+
+
+def _apply(matchers, buffers: np.ndarray, msg, conn, errors: list[str]) -> None:
+    kind = msg[0]
+    try:
+        if kind == "open":
+            matchers.open(*msg[1:])
+        elif kind == "drop":
+            matchers.drop(msg[1])
+        elif kind == "fill":
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            turn, work = msg[1], msg[2]
+            matchers.fill(work, buffers[turn, :len(work)])
+            conn.send(("filled", turn))
+    except Exception as e:  # noqa: BLE001 - the waiting step fails with this text; the worker serves on
+        if kind == "fill":
+            errors.clear()
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        else:
+            errors.append(f"{kind}: {type(e).__name__}: {e}")

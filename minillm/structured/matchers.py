@@ -1,0 +1,129 @@
+"""The matcher side of structured outputs: one xgrammar matcher per live constrained request, brought to a step's
+outputs and asked for its bitmask row. GrammarRows (rows.py) runs it in the engine's process, or MaskWorker
+(mask_worker.py) in a process of its own; either way a step arrives as a list of RowWork.
+
+A matcher always stands at a known point of its request's output: it has accepted the first `accepted` output
+tokens of `history` (the output tokens it has been sent). A RowWork says how many outputs precede the token
+sampled now (`before`) and brings `history` up to date first (`start`, `tokens`: history[start:] becomes
+tokens). The matcher then accepts what it has not seen or rolls back what the engine no longer holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minillm.config import StructuredConfig
+
+
+@dataclass(eq=False)
+class GrammarState:
+    matcher: object                 # xgrammar.GrammarMatcher
+    accepted: int = 0               # output tokens the matcher has accepted
+    failed: bool = False            # a token the grammar refused (cannot happen under the mask): left unmasked
+    banned: tuple[int, ...] = ()    # what min_tokens bans: EOS (unless ignore_eos) and the stop token ids
+    history: list[int] = field(default_factory=list)   # the output tokens sent so far
+
+
+@dataclass(frozen=True)
+class RowWork:
+    row: int                        # the row of the step's bitmask
+    req_id: str
+    start: int                      # history[start:] is replaced by tokens
+    tokens: tuple[int, ...]
+    before: int                     # outputs preceding the token sampled now
+    ban: bool                       # min_tokens is not reached: clear the banned tokens (unless nothing else is left)
+
+
+class Matchers:
+    def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig):
+        self.model_dir, self.vocab_size, self.cfg = model_dir, vocab_size, cfg
+        self.states: dict[str, GrammarState] = {}
+        self._batch = None
+
+    def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
+        import xgrammar as xgr
+        from minillm.structured.compiler import grammar_service
+
+        compiled = grammar_service(self.model_dir, self.vocab_size, self.cfg).compiled(spec)
+        self.states[req_id] = GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=list(eos_ids) or None),
+                                           banned=banned)
+
+    def drop(self, req_ids) -> None:
+        for rid in req_ids:
+            self.states.pop(rid, None)
+
+    def fill(self, work: list[RowWork], bitmask: np.ndarray) -> None:
+        """Bring each row's matcher to its outputs and write its bitmask row (int32 [rows, words]); a row whose
+        matcher refused a token or has terminated is left all ones (unconstrained: its token is dropped)."""
+        states = [self.states[w.req_id] for w in work]
+        self._advance_all(work, states)
+        live = [j for j, st in enumerate(states) if not (st.failed or st.matcher.is_terminated())]
+        if len(live) < len(work):
+            bitmask[[w.row for w in work]] = -1
+        if not live:
+            return
+        self._fill([states[j].matcher for j in live], bitmask, [work[j].row for j in live])
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for j in live:
+            if work[j].ban and states[j].banned:
+                groups.setdefault(states[j].banned, []).append(work[j].row)
+        words = bitmask.view(np.uint32)
+        for banned, rows in groups.items():
+            _ban(words, np.asarray(rows), np.asarray(banned, dtype=np.int64))
+
+    def _advance_all(self, work: list[RowWork], states: list[GrammarState]) -> None:
+        """The common case, one new token per row, goes to xgrammar in one batched call; rollbacks and catch-ups
+        (preemption, a resync) go row by row."""
+        one, tokens = [], []
+        for w, st in zip(work, states):
+            del st.history[w.start:]
+            st.history.extend(w.tokens)
+            if w.before == st.accepted + 1 and not st.failed:
+                one.append(st)
+                tokens.append(st.history[st.accepted])
+            else:
+                _advance(st, w.before)
+        if one:
+            import xgrammar as xgr
+            for st, ok in zip(one, xgr.BatchGrammarMatcher.batch_accept_token([st.matcher for st in one], tokens)):
+                st.failed = not ok
+                st.accepted += 1
+
+    def _fill(self, matchers, bitmask: np.ndarray, rows: list[int]) -> None:
+        import torch
+        view = torch.from_numpy(bitmask)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(view, rows[0])
+            return
+        if self._batch is None:
+            import xgrammar as xgr
+            self._batch = xgr.BatchGrammarMatcher(max_threads=self.cfg.mask_threads)
+        self._batch.batch_fill_next_token_bitmask(matchers, view, indices=rows)
+
+
+def _advance(st: GrammarState, before: int) -> None:
+    if before < st.accepted:
+        st.matcher.rollback(st.accepted - before)
+        st.accepted = before
+    while st.accepted < before and not st.failed:
+        st.failed = not st.matcher.accept_token(st.history[st.accepted])
+        st.accepted += 1
+
+
+def _ban(words: np.ndarray, rows: np.ndarray, banned: np.ndarray) -> None:
+    """Clear the banned tokens' bits in `rows` (ascending) of the uint32 bitmask `words`, except in a row left
+    with none. Rows are usually one contiguous run (all the step's constrained rows): then it works on a view."""
+    cols = np.unique(banned >> 5)
+    keep = np.full(len(cols), 0xFFFFFFFF, dtype=np.uint32)
+    bits = np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32))
+    np.bitwise_and.at(keep, np.searchsorted(cols, banned >> 5), ~bits)
+    contiguous = rows[-1] - rows[0] + 1 == len(rows)
+    block = words[rows[0]:rows[-1] + 1] if contiguous else words[rows]
+    saved = block[:, cols]
+    block[:, cols] = saved & keep
+    empty = ~block.any(axis=1)
+    if empty.any():
+        block[np.ix_(empty, cols)] = saved[empty]
+    if not contiguous:
+        words[rows] = block

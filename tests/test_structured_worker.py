@@ -1,0 +1,86 @@
+"""structured.mask_worker: the grammar matchers in a process of their own, the sampler of a constrained step
+launched once its mask is filled. Token for token the in-process matchers' output (async and synchronous steps,
+seeds, n > 1, min_tokens, preemption, an abort), no process or shared memory left after close, and a worker
+that dies fails the step with a message that names it."""
+import os
+import signal
+
+import pytest
+
+from minillm.config import ConfigError, EngineConfig
+from minillm.llm import LLM
+from minillm.sampling_params import SamplingParams
+from minillm.structured.spec import from_structured_outputs
+from test_engine_process import _children
+
+pytestmark = pytest.mark.slow   # each engine here starts a worker process
+
+REGEX = from_structured_outputs({"regex": "[a-z]{3,12}(-[0-9]{1,3}){1,4}"})
+SCHEMA = from_structured_outputs({"json": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                          "maxItems": 3}},
+    "required": ["name", "tags"]}})
+
+
+def _requests():
+    prompts = [f"item {i}:" for i in range(10)]
+    params = [SamplingParams(temperature=t, max_tokens=40, seed=i, n=2 if i == 3 else 1, min_tokens=6 if i == 4 else 0,
+                             structured=[REGEX, SCHEMA, None][i % 3])
+              for i, t in zip(range(10), [1.0, 0.0, 0.8, 1.0, 0.7] * 2)]
+    return prompts, params
+
+
+def _run(worker: bool, **kw):
+    """(token ids of every completion, the worker's shared-memory name or None)."""
+    with LLM(device="cpu", max_num_seqs=8, structured_mask_worker=worker, **kw) as llm:
+        prompts, params = _requests()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        shm = llm.engine.runner.grammar._worker
+        _run.preemptions = llm.stats().num_preemptions
+        return [[c.token_ids for c in o.outputs] for o in out], shm and shm.shm.name
+
+
+def test_worker_gives_the_in_process_tokens_and_leaves_nothing_behind():
+    before = set(_children(os.getpid()))
+    want, none = _run(False)
+    got, shm = _run(True)
+    assert none is None and shm is not None
+    assert got == want
+    assert set(_children(os.getpid())) == before   # closed: the worker is gone, and its shared memory
+    assert not os.path.exists(f"/dev/shm/{shm.lstrip('/')}")
+    # preemption (a pool too small for every row) and synchronous steps give the same tokens too
+    small, _ = _run(True, num_kv_blocks=12, max_model_len=128, async_scheduling=False)
+    assert small == want and _run.preemptions > 0
+
+
+def test_an_abort_mid_run_leaves_the_other_constrained_rows_exact():
+    params = [SamplingParams(temperature=1.0, max_tokens=30, seed=s, structured=REGEX) for s in (1, 2, 3)]
+    with LLM(device="cpu", max_num_seqs=4) as ref:
+        want = [o.outputs[0].token_ids for o in ref.generate(["a:", "c:"], [params[0], params[2]], use_tqdm=False)]
+    with LLM(device="cpu", max_num_seqs=4, structured_mask_worker=True) as llm:
+        ids = [llm.add_request(p, sp) for p, sp in zip(["a:", "b:", "c:"], params)]
+        done, steps = {}, 0
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                if o.finished:
+                    done[o.request_id] = o
+            steps += 1
+            if steps == 4:
+                assert llm.abort(ids[1])
+        assert done[ids[1]].finish_reason == "abort"
+        assert [done[i].output.outputs[0].token_ids for i in (ids[0], ids[2])] == want
+
+
+def test_a_dead_worker_fails_the_step_with_its_name():
+    with LLM(device="cpu", max_num_seqs=4, structured_mask_worker=True) as llm:
+        llm.generate(["warm:"], SamplingParams(max_tokens=2, structured=REGEX), use_tqdm=False)
+        worker = llm.engine.runner.grammar._worker
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.join(5)
+        with pytest.raises(RuntimeError, match="grammar mask worker"):
+            llm.generate(["again:"], SamplingParams(max_tokens=8, structured=REGEX), use_tqdm=False)
+
+
+def test_the_worker_is_refused_with_tensor_parallelism():
+    with pytest.raises(ConfigError, match="structured.mask_worker"):
+        EngineConfig.from_kwargs(None, structured_mask_worker=True, tensor_parallel_size=2).validate()
