@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -54,8 +55,9 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": I
 PRESET = Path(__file__).resolve().parents[1] / "minillm" / "presets" / "qwen3-0.6b.json"
 
 
-def synthetic_model_dir(root: Path) -> Path:
-    """config.json of the Qwen3-0.6B preset and a WordLevel byte-level tokenizer of its vocabulary size."""
+def synthetic_model_dir(root: Path, tiny: bool = False) -> Path:
+    """config.json of the Qwen3-0.6B preset (tiny: its layers shrunk to bench_host_step's one-layer model) and a
+    WordLevel byte-level tokenizer of its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -77,15 +79,29 @@ def synthetic_model_dir(root: Path) -> Path:
     data["added_tokens"] = [{"id": eos, "content": "<|im_end|>", "single_word": False, "lstrip": False,
                              "rstrip": False, "normalized": False, "special": True}]
     (root / "tokenizer.json").write_text(json.dumps(data))
+    if tiny:
+        from bench_host_step import TINY
+        cfg.update(TINY)
     (root / "config.json").write_text(json.dumps({**cfg, "vocab_size": vocab_size}))
     return root
 
 
-def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_steps: int = 0, seeded: bool = False):
+def stub_model(llm: LLM) -> None:
+    """bench_host_step's stand-in model: fixed hidden states and logits (a fresh copy of the logits each step,
+    since the grammar mask writes into them)."""
+    from bench_host_step import StubModel
+    runner = llm.engine.runner
+    runner.model = StubModel(runner.max_num_tokens, runner.arch.hidden_size, runner.vocab_size, fresh=True,
+                             device=runner.device, dtype=runner.dtype)
+    runner.sampler.nonfinite.seen = True
+
+
+def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_steps: int = 0, seeded: bool = False,
+             temperature: float = 1.0):
     """Step times (s) of steps where all `batch` rows decode; with prof_steps, a profiler over that many."""
     rng = random.Random(batch)
     for i in range(batch):
-        kw = dict(temperature=1.0, max_tokens=steps + 8, seed=i if seeded else None)
+        kw = dict(temperature=temperature, max_tokens=steps + 8, seed=i if seeded else None)
         params = SamplingParams(structured=spec, min_tokens=steps + 8, **kw) if i < constrained else \
             SamplingParams(ignore_eos=True, **kw)
         llm.add_request([rng.randrange(1000, 100000) for _ in range(32)], params)
@@ -144,20 +160,28 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--seeded", action="store_true", help="give every request a seed")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="0 on a CPU with --stub-model: the sampler's passes over [B, V] would hide the rest")
     ap.add_argument("--mask-threads", type=int, default=None, help="structured.mask_threads (default: config)")
     ap.add_argument("--mask-worker", action="store_true", help="structured.mask_worker: the matchers in a process")
+    ap.add_argument("--stub-model", action="store_true",
+                    help="a one-layer model whose forward and LM head return fixed tensors (scripts/bench_host_step.py):"
+                         " the host's share of a step alone, e.g. on a CPU")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the all-constrained run at the largest B: the host time of building its masks")
     ap.add_argument("--out", default="results/structured.jsonl")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic"))
+    model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic",
+                                                   tiny=args.stub_model))
     extra = {} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads}
     if args.mask_worker:
         extra["structured_mask_worker"] = True
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
               max_model_len=1024, **extra)
     mask_threads = llm.engine.cfg.structured.mask_threads
+    if args.stub_model:
+        stub_model(llm)
     spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
     llm.compile_grammar(spec).result()
     for b in batches:
@@ -168,7 +192,8 @@ def main() -> None:
             if host:
                 cprof = cProfile.Profile()
                 cprof.enable()
-            times, prof = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded)
+            times, prof = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded,
+                                   args.temperature)
             if host:
                 cprof.disable()
                 write_host_profile(cprof, Path(f"results/profiles/structured_host_B{b}.txt"))
@@ -176,7 +201,8 @@ def main() -> None:
             base = med if mode == "none" else base
             line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
                     "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
-                    "seeded": args.seeded, "mask_threads": mask_threads, "mask_worker": args.mask_worker,
+                    "seeded": args.seeded, "temperature": args.temperature, "mask_threads": mask_threads,
+                    "mask_worker": args.mask_worker, "stub_model": args.stub_model,
                     "host_profiled": host,
                     "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
                     "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}

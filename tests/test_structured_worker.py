@@ -84,3 +84,16 @@ def test_a_dead_worker_fails_the_step_with_its_name():
 def test_the_worker_is_refused_with_tensor_parallelism():
     with pytest.raises(ConfigError, match="structured.mask_worker"):
         EngineConfig.from_kwargs(None, structured_mask_worker=True, tensor_parallel_size=2).validate()
+
+
+def test_all_then_mixed_batches_on_one_engine_equal_the_in_process_matchers():
+    """The mask buffers first filled from a launch (inside inference mode), then from a resolve: both work."""
+    def run(worker):
+        with LLM(device="cpu", max_num_seqs=4, structured_mask_worker=worker) as llm:
+            every = [SamplingParams(temperature=0.0, max_tokens=12, structured=REGEX) for _ in range(3)]
+            mixed = [SamplingParams(temperature=0.0, max_tokens=12, structured=REGEX if i % 2 else None)
+                     for i in range(4)]
+            first = llm.generate(["x:", "y:", "z:"], every, use_tqdm=False)
+            second = llm.generate(["p:", "q:", "r:", "s:"], mixed, use_tqdm=False)
+            return [o.outputs[0].token_ids for o in first + second]
+    assert run(True) == run(False)

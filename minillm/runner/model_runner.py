@@ -235,13 +235,17 @@ class ModelRunner:
         batch = self.sampling.get(sampled, seq_lens)
         inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled)
         if isinstance(mask, PendingMask):
-            inflight.pending = lambda: self._run_sampler(inflight, logits, batch, mask.result())
+            inflight.pending = lambda: self._run_sampler(inflight, logits, batch, mask)
         else:
             self._run_sampler(inflight, logits, batch, mask)
         return inflight
 
-    @torch.inference_mode()   # a deferred sampler runs from complete(), outside launch()'s inference mode
+    # A deferred sampler runs from complete(), maybe outside launch()'s inference mode: the mask's buffers and the
+    # sampler's tensors are inference tensors either way.
+    @torch.inference_mode()
     def _run_sampler(self, inflight: InFlight, logits, batch, mask) -> None:
+        if isinstance(mask, PendingMask):
+            mask = mask.result()
         result = self.sampler(logits, batch, mask)
         inflight.token_ids, inflight.logprobs = result.token_ids, result.logprobs
         inflight.host_ids, inflight.done = self._copy_to_host(result.token_ids)
