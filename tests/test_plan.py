@@ -64,9 +64,11 @@ def test_record_keeps_the_former_keys_and_adds_every_verdict():
                         "decode_ctas_per_sm", "megakernel_max_batch", "megakernel_max_tokens",
                         "megakernel_min_chunks", "pdl", "unavailable", "cuda_graphs", "plan"}
     assert (rec["cuda_ops"], rec["attention"], rec["megakernel_max_batch"], rec["pdl"]) == (True, "cuda", 16, True)
-    assert set(rec["plan"]) == set(PATHS) | {"skinny_gemm", "decode_gemm", "moe"}
+    assert set(rec["plan"]) == set(PATHS) | {"skinny_gemm", "decode_gemm", "moe", "prefill_kernel"}
     assert set(rec["plan"]["skinny_gemm"]) == set(rec["plan"]["decode_gemm"]) == set(LINEAR_LAYERS)
-    assert all(v["reason"] for k, v in rec["plan"].items() if k not in ("skinny_gemm", "decode_gemm"))
+    assert rec["plan"]["prefill_kernel"] == "wide"
+    assert all(v["reason"] for k, v in rec["plan"].items() if k not in ("skinny_gemm", "decode_gemm",
+                                                                        "prefill_kernel"))
     assert all(set(v) == {"on", "reason", "max_rows"} and v["reason"] for v in rec["plan"]["decode_gemm"].values())
 
 

@@ -26,15 +26,18 @@ def test_wide_is_chosen_for_native_caches_and_narrow_for_fp8():
     assert ops.prefill_kernel("bfloat16", "bfloat16", 96) == "narrow"   # outside both: the launcher refuses it
 
 
-def test_the_backend_binds_the_choice_for_its_cache():
-    def spec(dtype):
-        return types.SimpleNamespace(layout="nhd", dtype=dtype, head_dim=128, block_size=16)
+def test_the_plan_names_the_prefill_kernel_and_the_backend_runs_it(monkeypatch):
+    from minillm.ops import build
+    from test_plan import CPU, plan
 
-    native, fp8 = CudaAttentionBackend(), CudaAttentionBackend()
-    assert native.prefill_kernel is None   # unbound: chosen per call from the tensors
-    native.bind_kv_cache(spec(torch.bfloat16))
-    fp8.bind_kv_cache(spec(torch.float8_e4m3fn))
+    monkeypatch.setattr(build, "load_extension", lambda: object())   # as tests/test_plan.py: no GPU here
+
+    native, fp8 = plan(), plan(kv_cache_dtype="fp8")
     assert (native.prefill_kernel, fp8.prefill_kernel) == ("wide", "narrow")
+    assert native.record()["plan"]["prefill_kernel"] == "wide" and "prefill=wide" in native.describe()
+    assert plan(device=CPU, dtype="float32").prefill_kernel is None   # attention on the torch path
+    assert CudaAttentionBackend(prefill_kernel="narrow").prefill_kernel == "narrow"
+    assert CudaAttentionBackend().prefill_kernel is None   # standalone: chosen per call from the tensors
 
 
 def test_an_unknown_kernel_or_an_fp8_cache_on_wide_is_refused_before_launch():

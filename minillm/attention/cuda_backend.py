@@ -32,14 +32,15 @@ class CudaAttentionBackend:
     name = "cuda"
 
     def __init__(self, mode: str = "split", *, min_partitions: int = ops.MIN_PARTITIONS,
-                 ctas_per_sm: int = ops.CTAS_PER_SM_TARGET, fuse_kv_write: bool = True):
+                 ctas_per_sm: int = ops.CTAS_PER_SM_TARGET, fuse_kv_write: bool = True,
+                 prefill_kernel: str | None = None):
         if mode not in MODES:
             raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.min_partitions, self.ctas_per_sm = min_partitions, ctas_per_sm
         self.fuse_kv_write = fuse_kv_write   # the plan's fused_kv_write verdict: qk_norm_rope stores k/v
         self.kv_spec = None
-        self.prefill_kernel = None   # bind_kv_cache: attention_ops.prefill_kernel for the cache; None: per call
+        self.prefill_kernel = prefill_kernel   # the plan's choice for the engine's cache; None: per call
 
     def bind_kv_cache(self, spec) -> None:
         """The engine's KVCacheSpec (minillm/cache/spec.py). A layout or shape the kernels do not read is refused
@@ -53,7 +54,6 @@ class CudaAttentionBackend:
         if reason is not None:
             raise ValueError(f"the CUDA attention kernels do not cover this KV cache: {reason}")
         self.kv_spec = spec
-        self.prefill_kernel = ops.prefill_kernel(dtype, kv_dtype, spec.head_dim)
 
     def fused_kv_write_target(self, qkv: torch.Tensor, num_heads: int, head_dim: int, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, meta: AttentionMetadata

@@ -3,7 +3,8 @@ model's architecture, the KV-cache spec, the dtype and the device, and recorded 
 
 Each path has a verdict (on or off) and a reason a person can read:
   fused_ops       the fused norms, RoPE, SwiGLU and the one-pass sampler (or their torch twins)
-  attention       the CUDA paged-attention kernels (or the torch backend)
+  attention       the CUDA paged-attention kernels (or the torch backend); prefill_kernel names the prefill kernel
+                  that covers the cache (attention_ops.prefill_kernel: "wide", or "narrow" for an fp8 cache)
   fused_kv_write  k/v stored into the cache by the RoPE kernel (or by a separate KV write)
   skinny_gemm     per linear layer (qkv_proj, o_proj, gate_up_proj, down_proj): the skinny GEMM for decode-sized
                   products (or cuBLAS); the row count is the only question left for the call
@@ -113,6 +114,7 @@ class ExecutionPlan:
     notices: tuple[str, ...] = field(default=(), compare=False)   # said once at engine start
     decode_gemm: dict[str, RowsVerdict] = field(default_factory=lambda: _all_off("plain torch"))
     moe: RowsVerdict = RowsVerdict(False, "plain torch")
+    prefill_kernel: str | None = None      # the CUDA prefill kernel (attention_ops.PREFILL_KERNELS); None: torch
 
     # ---- what the runner and the model ask ----
     @property
@@ -154,7 +156,7 @@ class ExecutionPlan:
                 "plan": {**{p: getattr(self, p).record() for p in PATHS},
                          "skinny_gemm": {n: v.record() for n, v in self.skinny_gemm.items()},
                          "decode_gemm": {n: v.record() for n, v in self.decode_gemm.items()},
-                         "moe": self.moe.record()}}
+                         "moe": self.moe.record(), "prefill_kernel": self.prefill_kernel}}
 
     def describe(self) -> str:
         """One line: every path's verdict."""
@@ -165,6 +167,8 @@ class ExecutionPlan:
         parts.insert(3, f"decode_gemm={','.join(decode) or 'off'}")
         if self.moe.on:
             parts.insert(3, f"moe<={self.moe.max_rows}")
+        if self.prefill_kernel is not None:
+            parts.insert(2, f"prefill={self.prefill_kernel}")
         return "execution plan: " + " ".join(parts)
 
 
@@ -188,7 +192,15 @@ def resolve_plan(cfg: EngineConfig, arch, kv_spec, dtype: torch.dtype, device: D
         attention_mode=cfg.runtime.attention_mode, decode_min_partitions=k.decode_min_partitions,
         decode_ctas_per_sm=k.decode_ctas_per_sm, megakernel_rows=case.megakernel_rows(),
         megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks,
-        unavailable=loaded.unavailable, notices=_notices(device, attention, graphs), decode_gemm=decode, moe=moe)
+        unavailable=loaded.unavailable, notices=_notices(device, attention, graphs), decode_gemm=decode, moe=moe,
+        prefill_kernel=_prefill_kernel(attention, kv_spec, dtype))
+
+
+def _prefill_kernel(attention: Verdict, kv_spec, dtype: torch.dtype) -> str | None:
+    """Which CUDA prefill kernel covers this cache (attention_ops.prefill_kernel), when attention runs on CUDA."""
+    if not attention.on:
+        return None
+    return attention_ops.prefill_kernel(_name(dtype), _name(kv_spec.dtype), kv_spec.head_dim)
 
 
 def torch_plan(cfg: EngineConfig | None = None) -> ExecutionPlan:
