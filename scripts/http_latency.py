@@ -161,6 +161,7 @@ def main() -> int:
         proc.send_signal(signal.SIGTERM)
         server_rc = proc.wait(120)
         print(f"HTTP sweep exit {http_rc}; server exit {server_rc} after SIGTERM", flush=True)
+        _append_core_loops(out_dir / f"serve_{tag}.log", output, tag)
         codes += [http_rc, server_rc]
     print("in-process sweep ...", flush=True)
     local_rc = _minillm(_sweep_args(args, out_dir, "inprocess", outputs[0]), out_dir / "sweep_inprocess.log")
@@ -169,6 +170,19 @@ def main() -> int:
     for output in outputs:
         _side_by_side(output, args.config_name, since[output])
     return 0 if all(c == 0 for c in codes) else 1
+
+def _append_core_loops(server_log: Path, output: Path, tag: str) -> None:
+    """The engine-core processes' exit lines (their step time by phase and by path: megakernel, graph, eager)
+    as results lines next to the latency rows, so a run says where a slower core step went."""
+    from minillm.bench.report import append_jsonl
+    from minillm.engine.core_process import EXIT_LINE
+
+    for line in server_log.read_text(errors="replace").splitlines():
+        if line.startswith(EXIT_LINE):
+            replica, _, summary = line[len(EXIT_LINE):].partition(": ")
+            append_jsonl(str(output), {"kind": "engine_core_loop", "server": tag, "replica": int(replica),
+                                       **json.loads(summary)})
+
 
 if __name__ == "__main__":
     sys.exit(main())

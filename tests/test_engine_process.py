@@ -215,3 +215,26 @@ def test_serve_with_two_replicas_answers_all_and_survives_one_killed():
         assert srv.terminate(30) == 0
     finally:
         srv.kill()
+
+
+def test_the_core_loops_exit_line_becomes_a_results_line(tmp_path):
+    """The core's exit summary (step time by phase and path) is JSON after EXIT_LINE, and http_latency.py files
+    it beside the latency rows."""
+    import importlib.util
+
+    from minillm.engine.core_process import EXIT_LINE, LoopTimes
+
+    times = LoopTimes()
+    times.profile.count_step(3, True)
+    times.profile.count_path("graph")
+    times.add(0.002, 0.0001)
+    log = tmp_path / "serve.log"
+    log.write_text(f"ready\n{EXIT_LINE}0: {json.dumps(times.summary())}\n")
+    spec = importlib.util.spec_from_file_location("http_latency", REPO / "scripts" / "http_latency.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "latency.jsonl"
+    script._append_core_loops(log, out, "process")
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["kind"] == "engine_core_loop" and row["replica"] == 0 and row["paths"] == {"graph": 1}
+    assert row["steps"] == 1 and abs(row["step_ms"] - 2.0) < 1e-9 and set(row["phase_ms"]) >= {"schedule", "update"}

@@ -11,6 +11,7 @@ Shutdown) and exits by itself once its parent is gone, so a killed front end lea
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import pickle
@@ -30,6 +31,7 @@ log = logging.getLogger("minillm.engine")
 _IDLE_POLL_MS = 500          # an idle core checks on its parent this often
 _SEND_TIMEOUT_MS = 1000      # a send blocked this long (nobody reads) checks on the parent
 _ZERO_COPY_BYTES = 1 << 16   # pyzmq's zero-copy send pays for itself only on large messages
+EXIT_LINE = "minillm engine core "   # + replica + ": " + the loop's summary as JSON (scripts/http_latency.py reads it)
 
 
 @dataclass
@@ -198,7 +200,7 @@ class CoreLoop:
         from minillm.engine.engine import close_core
         close_core(self.core)
         if self.times.steps:
-            sys.stderr.write(f"minillm engine core {self.replica}: {self.times.summary()}\n")
+            sys.stderr.write(f"{EXIT_LINE}{self.replica}: {json.dumps(self.times.summary())}\n")
         sys.stdout.flush()
 
 
@@ -216,9 +218,8 @@ class LoopTimes:
         self.step_s += step_s
         self.send_s += send_s
 
-    def summary(self) -> str:
-        n = self.steps
-        summary = self.profile.summary()
-        phases = ", ".join(f"{k} {v:.3f}" for k, v in summary["ms_per_step"].items())
-        return (f"{n} steps, {1e3 * self.step_s / n:.3f} ms a step ({phases} ms per scheduled step; paths "
-                f"{summary['paths']}), {1e3 * self.send_s / n:.3f} ms a step encoding and sending outputs")
+    def summary(self) -> dict:
+        """Steps, ms a step, the StepProfile's phases and paths, and ms a step spent sending outputs."""
+        n, prof = self.steps, self.profile.summary()
+        return {"steps": n, "step_ms": 1e3 * self.step_s / n, "send_ms": 1e3 * self.send_s / n,
+                "phase_ms": prof["ms_per_step"], "paths": prof["paths"], "mean_rows": prof["mean_rows"]}
