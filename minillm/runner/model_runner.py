@@ -236,10 +236,14 @@ class ModelRunner:
         batch = self.sampling.get(sampled, seq_lens)
         inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled)
         if isinstance(mask, PendingMask):
-            inflight.pending = lambda: self._run_sampler(inflight, logits, batch, mask)
+            inflight.pending = lambda: self._run_deferred(inflight, logits, batch, mask)
         else:
             self._run_sampler(inflight, logits, batch, mask)
         return inflight
+
+    def _run_deferred(self, inflight: InFlight, logits, batch, mask) -> None:
+        with self._launches():   # the launch mode launch() gives the sampler
+            self._run_sampler(inflight, logits, batch, mask)
 
     # A deferred sampler runs from complete(), maybe outside launch()'s inference mode: the mask's buffers and the
     # sampler's tensors are inference tensors either way.
