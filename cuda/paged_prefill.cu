@@ -108,15 +108,7 @@ __global__ void __launch_bounds__(kThreads)
   const C* kc = static_cast<const C*>(a.k_cache) + kvh * D;
   const C* vc = static_cast<const C*>(a.v_cache) + kvh * D;
 
-  {  // Q tile; rows past the query length are zero-filled.
-    const T* qb = static_cast<const T*>(a.q) + h * a.q_stride_h;
-    for (int i = threadIdx.x; i < kBM * CH; i += kThreads) {
-      const int r = i / CH, c = i % CH;
-      const bool valid = m0 + r < qlen;
-      const T* src = valid ? qb + (int64_t)(q0 + m0 + r) * a.q_stride_t + c * 8 : qb;
-      cp_async16(sQ + swz<CH>(r, c), src, valid ? 16 : 0);
-    }
-  }
+  load_q_tile<T, D, kBM, kThreads>(sQ, a, h, q0, m0, qlen);  // rows past qlen: zero-filled
   constexpr int CCH = F8 ? TileCopy8<D>::CH : CH;
   const int cr0 = threadIdx.x / CCH, cc = threadIdx.x % CCH;  // this thread's rows and column in tile copies
   const int bs_log2 = __ffs(a.block_size) - 1;

@@ -6,6 +6,7 @@
 
 #include <stdint.h>
 
+#include "attention.h"
 #include "common.cuh"
 
 namespace minillm {
@@ -50,6 +51,20 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int (
     const T* src = valid ? cache + (int64_t)slot[i] * tok_stride + c * 8 : cache;
     const int row = r0 + i * TC::PASS;
     cp_async16(dst + (SW128 ? sw128<BN>(row, c) : swz<D / 8>(row, c)), src, valid ? 16 : 0);
+  }
+}
+
+// The CTA's Q tile: BM query rows from row m0 of a sequence whose rows start at q0 (query head h), into swizzled
+// shared memory (swz, or sw128 when SW128); rows past qlen are zero-filled.
+template <typename T, int D, int BM, int THREADS, bool SW128 = false>
+__device__ __forceinline__ void load_q_tile(T* sQ, const PagedAttnArgs& a, int h, int q0, int m0, int qlen) {
+  constexpr int CH = D / 8;
+  const T* qb = static_cast<const T*>(a.q) + h * a.q_stride_h;
+  for (int i = threadIdx.x; i < BM * CH; i += THREADS) {
+    const int r = i / CH, c = i % CH;
+    const bool valid = m0 + r < qlen;
+    const T* src = valid ? qb + (int64_t)(q0 + m0 + r) * a.q_stride_t + c * 8 : qb;
+    cp_async16(sQ + (SW128 ? sw128<BM>(r, c) : swz<CH>(r, c)), src, valid ? 16 : 0);
   }
 }
 

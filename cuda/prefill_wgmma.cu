@@ -265,15 +265,7 @@ __global__ void __launch_bounds__(Shape<WG>::kThreads, Shape<WG>::kCtasPerSm)
   const T* kc = static_cast<const T*>(a.k_cache) + kvh * D;
   const T* vc = static_cast<const T*>(a.v_cache) + kvh * D;
 
-  {  // Q tile; rows past the query length are zero-filled.
-    const T* qb = static_cast<const T*>(a.q) + h * a.q_stride_h;
-    for (int i = threadIdx.x; i < kBM * CH; i += kThreads) {
-      const int r = i / CH, c = i % CH;
-      const bool valid = m0 + r < qlen;
-      const T* src = valid ? qb + (int64_t)(q0 + m0 + r) * a.q_stride_t + c * 8 : qb;
-      cp_async16(sQ + sw128<kBM>(r, c), src, valid ? 16 : 0);
-    }
-  }
+  load_q_tile<T, D, kBM, kThreads, true>(sQ, a, h, q0, m0, qlen);  // rows past qlen: zero-filled
   const int cr0 = threadIdx.x / CH, cc = threadIdx.x % CH;  // this thread's rows and column in tile copies
   const int bs_log2 = __ffs(a.block_size) - 1;
   int slot[TC::ROWS];
