@@ -256,13 +256,10 @@ cudaError_t launch_typed(const PagedAttnArgs& a, const int* qsl, int seq_begin, 
 
 cudaError_t launch_paged_prefill(const PagedAttnArgs& a, const int* query_start_loc, int seq_begin,
                                  int max_query_len, cudaStream_t stream, const KvQuant* quant) {
-  const bool pow2_block = a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0;
-  if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || !pow2_block || max_query_len < 0)
-    return cudaErrorInvalidValue;
+  if (!prefill_args_valid(a, max_query_len)) return cudaErrorInvalidValue;
   if (quant != nullptr && (quant->k_scale == nullptr || quant->v_scale == nullptr)) return cudaErrorInvalidValue;
   if (a.num_seqs == 0 || max_query_len == 0) return cudaSuccess;
   const bool bf16 = a.dtype == ScalarType::kBFloat16;
-  if (a.dtype != ScalarType::kBFloat16 && a.dtype != ScalarType::kFloat16) return cudaErrorInvalidValue;
   if (a.head_dim == 128)
     return bf16 ? launch_typed<__nv_bfloat16, 128>(a, query_start_loc, seq_begin, max_query_len, stream, quant)
                 : launch_typed<__half, 128>(a, query_start_loc, seq_begin, max_query_len, stream, quant);

@@ -68,4 +68,12 @@ __device__ __forceinline__ void load_q_tile(T* sQ, const PagedAttnArgs& a, int h
   }
 }
 
+// The launchers' shared argument check: GQA heads that divide, a power-of-two block size (the copies shift and
+// mask), a query length >= 0, bf16 or fp16 activations. Head dims are each launcher's own dispatch.
+inline bool prefill_args_valid(const PagedAttnArgs& a, int max_query_len) {
+  const bool pow2_block = a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0;
+  return a.num_kv_heads > 0 && a.num_q_heads % a.num_kv_heads == 0 && pow2_block && max_query_len >= 0 &&
+         (a.dtype == ScalarType::kBFloat16 || a.dtype == ScalarType::kFloat16);
+}
+
 }  // namespace minillm

@@ -54,8 +54,16 @@ def test_the_kernels_a_gpu_runs():
     assert ops.prefill_kernel("bfloat16", "bfloat16", 128) == "wide"   # the wgmma kernels: opt-in until measured
 
 
+def _launcher_checks(name: str) -> str:
+    """A prefill launcher's source, with the argument check it shares (prefill_tiles.cuh) when it calls it."""
+    src = (CUDA_DIR / name).read_text()
+    assert "if (!prefill_args_valid(a, max_query_len)) return cudaErrorInvalidValue;" in src
+    shared = (CUDA_DIR / "prefill_tiles.cuh").read_text()
+    return src + shared[shared.index("inline bool prefill_args_valid"):]
+
+
 def test_wgmma_declaration_matches_its_launcher():
-    src = (CUDA_DIR / "prefill_wgmma.cu").read_text()
+    src = _launcher_checks("prefill_wgmma.cu")
     cov = ops.PREFILL_WGMMA_COVERAGE
     assert {int(d) for d in re.findall(r"a\.head_dim == (\d+)", src)} == set(cov.head_dims)
     assert "major != 9" in src and (cov.min_capability, cov.max_major) == ((9, 0), 9)
@@ -65,7 +73,7 @@ def test_wgmma_declaration_matches_its_launcher():
 
 
 def test_wide_declaration_matches_its_launcher():
-    src = (CUDA_DIR / "prefill_wide.cu").read_text()
+    src = _launcher_checks("prefill_wide.cu")
     cov = ops.PREFILL_WIDE_COVERAGE
     assert {int(d) for d in re.findall(r"a\.head_dim == (\d+)", src)} == set(cov.head_dims)
     assert "ScalarType::kBFloat16" in src and "ScalarType::kFloat16" in src and set(cov.dtypes) == {"bfloat16",
