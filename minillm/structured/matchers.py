@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from minillm.config import StructuredConfig
 
@@ -91,7 +92,6 @@ class Matchers:
                 st.accepted += 1
 
     def _fill(self, matchers, bitmask: np.ndarray, rows: list[int]) -> None:
-        import torch
         view = torch.from_numpy(bitmask)
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(view, rows[0])
