@@ -10,6 +10,7 @@ tokens). The matcher then accepts what it has not seen or rolls back what the en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,8 +27,7 @@ class GrammarState:
     history: list[int] = field(default_factory=list)   # the output tokens sent so far
 
 
-@dataclass(frozen=True)
-class RowWork:
+class RowWork(NamedTuple):   # built per constrained row per step and pickled to a worker: a plain tuple
     row: int                        # the row of the step's bitmask
     req_id: str
     start: int                      # history[start:] is replaced by tokens
