@@ -65,8 +65,11 @@ def test_disconnect_mid_stream_aborts_and_frees_the_request(server):
         assert server.metrics()["minillm_requests_running"] == 1
     # the connection is closed: the request must end now, not after its 1,500 tokens
     assert _wait_for(lambda: server.metrics().get(ABORTED, 0.0) == aborted + 1)
+    # The gauges follow the engine's next stats report (from the engine-core process, just after the abort's
+    # output): wait for them too, within the same bound.
+    assert _wait_for(lambda: (m := server.metrics())["minillm_requests_running"] == 0
+                     and m["minillm_kv_cache_usage"] == 0.0)
     m = server.metrics()
-    assert m["minillm_requests_running"] == 0 and m["minillm_kv_cache_usage"] == 0.0
     generated = m["minillm_generation_tokens_total"]
     time.sleep(0.3)
     assert server.metrics()["minillm_generation_tokens_total"] == generated   # nothing decodes for it any more
