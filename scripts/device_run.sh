@@ -182,6 +182,27 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       cp "$LOG"/http/*.jsonl "$LOG"/http/*.png "$OUT"/ 2>/dev/null ;;
     l2probe)   # decode GEMMs with cold, L2-resident and prefetched weights (scripts/gemm_l2_probe.py)
       stage l2probe 200 python3 scripts/gemm_l2_probe.py --output "$OUT/gemm_l2_probe.jsonl" ;;
+    moeengine)   # the Qwen3-30B-A3B shape end to end: decode sweep and offline reference; moeonline: chunked-2048, 4 req/s
+      stage moesweep 200 python3 -m minillm bench --decode-sweep --no-progress --model qwen3-30b-a3b \
+        -o "$OUT/decode_steps.jsonl"
+      stage moeoffline 200 python3 -m minillm bench --no-progress --model qwen3-30b-a3b --output "$OUT/bench.jsonl" ;;
+    moeonline)
+      stage moeonline 200 python3 -m minillm latency-sweep --configs chunked-2048 --rates 4 --no-progress \
+        --model qwen3-30b-a3b -o "$OUT/latency.jsonl" --plot "$LOG/latency_moe.png" ;;
+    longprompt)   # the long-prompt workload (0.6B), then TTFT of one 8k / 32k / 128k prompt, 0.6B and 8B shapes
+      stage longprompt 200 python3 -m minillm bench --no-progress --workload configs/workloads/long-prompt.yaml \
+        --model qwen3-0.6b --output "$OUT/bench.jsonl"
+      for m in qwen3-0.6b qwen3-8b; do
+        for w in 8k 32k 128k; do
+          model=$m; [[ $w == 128k ]] && model=$m-yarn
+          stage ttft_${m}_$w 150 python3 -m minillm bench --no-progress --workload configs/workloads/ttft-$w.yaml \
+            --model $model --output "$OUT/bench.jsonl"
+        done
+      done ;;
+    ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel, T=4096 causal, 16/8 heads
+      stage ncuprefill 200 ncu --clock-control none --set full -k regex:paged_prefill_wide --launch-count 1 -f \
+        -o "$LOG/prefill_wide" python3 scripts/prefill_bench.py --out /dev/null --lengths 4096
+      ncu -i "$LOG/prefill_wide.ncu-rep" --page details --print-details all > "$OUT/ncu_prefill_wide.txt" 2>&1 ;;
     checks)
       stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
