@@ -140,6 +140,16 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       stage httpquick 200 python3 scripts/http_latency.py --rates 4,8 --num-requests 120 --engine-process true \
         --output "$LOG/http/latency_http.jsonl"
       cp "$LOG"/http/latency_http.jsonl "$OUT"/ 2>/dev/null ;;
+    httpboth)   # httpquick's comparison with 60 requests a rate, plus the server with the engine thread in its process
+      mkdir -p "$LOG/http"
+      stage httpboth 300 python3 scripts/http_latency.py --rates 4,8 --num-requests 60 --engine-process both \
+        --output "$LOG/http/latency_http.jsonl"
+      cp "$LOG"/http/latency_http*.jsonl "$OUT"/ 2>/dev/null ;;
+    moeprofile)   # torch.profiler over Qwen3-30B-A3B-shape decode steps at B = 1 and 64 (context 512)
+      for b in 1 64; do
+        stage moeprofile_b$b 150 python3 scripts/profile_decode.py --model qwen3-30b-a3b --batch $b --context 512 \
+          --steps 20 --async-scheduling --output "$OUT/profile_decode_moe_b$b.json"
+      done ;;
     sweep)
       stage sweep 200 python3 -m minillm bench --decode-sweep --no-progress -o "$OUT/decode_steps.jsonl" ;;
     latency)   # the in-process latency sweep, chunked-2048 at 4 and 8 req/s

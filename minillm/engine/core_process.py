@@ -222,4 +222,5 @@ class LoopTimes:
         """Steps, ms a step, the StepProfile's phases and paths, and ms a step spent sending outputs."""
         n, prof = self.steps, self.profile.summary()
         return {"steps": n, "step_ms": 1e3 * self.step_s / n, "send_ms": 1e3 * self.send_s / n,
-                "phase_ms": prof["ms_per_step"], "paths": prof["paths"], "mean_rows": prof["mean_rows"]}
+                "phase_ms": prof["ms_per_step"], "paths": prof["paths"], "mean_rows": prof["mean_rows"],
+                "gpu_ms": prof["gpu_ms_per_step"]}

@@ -16,6 +16,8 @@ class StepProfile:
         self.decode_only_steps = 0
         self.rows = 0
         self.paths: dict[str, int] = defaultdict(int)   # steps by how they ran: megakernel, graph, eager
+        self.gpu_ms = 0.0     # summed device spans of the timed steps (add_gpu)
+        self.gpu_steps = 0
         self._t = 0.0
 
     def start(self) -> None:
@@ -35,9 +37,16 @@ class StepProfile:
     def count_path(self, path: str) -> None:
         self.paths[path] += 1
 
+    def add_gpu(self, ms: float) -> None:
+        """One step's device span: from when the stream reached the step's first launch to its tokens' copy. Set
+        against the host's ms per step, it tells a step the GPU is slow on from one the GPU waits for."""
+        self.gpu_ms += ms
+        self.gpu_steps += 1
+
     def summary(self) -> dict:
         n = max(self.steps, 1)
         return {"steps": self.steps, "decode_only_steps": self.decode_only_steps,
                 "mean_rows": self.rows / n, "paths": dict(self.paths),
                 "ms_per_step": {p: 1e3 * self.totals[p] / n for p in PHASES},
+                "gpu_ms_per_step": self.gpu_ms / self.gpu_steps if self.gpu_steps else None,
                 "total_s": {p: self.totals[p] for p in PHASES}}

@@ -41,6 +41,7 @@ class InFlight:
     done: object | None                     # torch.cuda.Event recorded after that copy (None on the CPU)
     sampled: list[CachedRequest] | None = None   # the request state each token belongs to
     pending: Callable[[], None] | None = None     # launches the sampler, once the step's grammar mask is filled
+    started: object | None = None   # a timing event at the step's first launch, when a profile asks (resolve())
 
     def complete(self) -> None:
         """Launch the sampler if it waits for a grammar mask (structured.mask_worker); the tokens follow."""
@@ -104,6 +105,7 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._out_host = [torch.zeros(sched.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
+        self._timed = False   # launch(): timing events for a profile (resolve() reads their span)
 
     def _make_plan(self):
         """The KV-cache spec and the execution plan, made before anything is allocated, from the model's
@@ -198,6 +200,8 @@ class ModelRunner:
 
         `prev`: the step still in flight, whose sampled tokens feed this step's placeholder inputs.
         """
+        self._timed = prof is not None and self.device.type == "cuda"
+        started = self._step_done() if self._timed else None
         self.update_states(so)
         reqs = self.states.rows(so.req_ids)
         step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
@@ -214,7 +218,9 @@ class ModelRunner:
                 hidden = self.graphs.replay(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-            return self._sample(so, reqs, step, hidden, prof, prev)
+            inflight = self._sample(so, reqs, step, hidden, prof, prev)
+        inflight.started = started
+        return inflight
 
     def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof, prev: InFlight | None) -> InFlight:
         """The LM head and the sampler over the step's sampled rows, and the copy of their tokens to the host."""
@@ -269,7 +275,7 @@ class ModelRunner:
         """An event recorded behind the work queued so far (None on the CPU, where nothing is queued)."""
         if self.device.type != "cuda":
             return None
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=self._timed)
         done.record()
         return done
 
@@ -278,6 +284,8 @@ class ModelRunner:
         inflight.complete()
         if inflight.done is not None:
             inflight.done.synchronize()
+            if prof is not None and inflight.started is not None:
+                prof.add_gpu(inflight.started.elapsed_time(inflight.done))
         tokens = inflight.host_ids.tolist() if inflight.host_ids is not None else []
         if inflight.sampled is not None:
             self.states.append_sampled(inflight.sampled, tokens)
