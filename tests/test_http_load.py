@@ -65,3 +65,20 @@ def test_target_with_several_configs_is_a_usage_error(tmp_path):
     result = _invoke("latency-sweep", "--target", "http://127.0.0.1:9", "--configs", "chunked-512,chunked-1024",
                      "--output", tmp_path / "lat.jsonl", code=2)
     assert "at most one config" in result.output
+
+
+def test_request_body_samples_like_the_in_process_replay():
+    """The server fills unset fields from its sampling defaults (top_p 0.9 out of the box): the replay's body must
+    set every field the in-process run relies on, or the two transports time different sampler work."""
+    from minillm.bench.http_load import _body
+    from minillm.config_loader import SAMPLING_DEFAULTS
+    from minillm.sampling_params import SamplingParams
+    from minillm.serve.http.protocol import CompletionRequest, sampling_params
+
+    body = _body("m", [1, 2, 3], 7, 0.6, stream=True)
+    body.pop("stream_options")
+    served, _ = sampling_params(CompletionRequest(**body), dict(SAMPLING_DEFAULTS))
+    local = SamplingParams(temperature=0.6, max_tokens=7, ignore_eos=True)
+    for field in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "ignore_eos", "seed",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        assert getattr(served, field) == getattr(local, field), field

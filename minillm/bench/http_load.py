@@ -36,8 +36,10 @@ class _Outcome:
 
 
 def _body(model: str, prompt: list[int], max_tokens: int, temperature: float, stream: bool) -> dict:
+    # Every sampling field the in-process replay sets (plain temperature sampling, minillm/bench/offline.py), so a
+    # server's own defaults (top_p 0.9 in the config's sampling section) cannot make its sampler do other work.
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "ignore_eos": True, "stream": stream, "return_token_ids": True}
+            "top_p": 1.0, "top_k": 0, "min_p": 0.0, "ignore_eos": True, "stream": stream, "return_token_ids": True}
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
