@@ -48,6 +48,7 @@ def test_bench_writes_jsonl(tiny, tmp_path):
     assert line["config"]["model"]["max_model_len"] == 128
     # no GPU: the floor's work is computed, its seconds and fraction are null
     assert line["floor"]["kv_bytes"] > 0 and line["floor"]["floor_s"] is None
+    assert line["kv_cache_tokens"] > 0 and line["kv_cache_tokens"] % line["config"]["cache"]["block_size"] == 0
     assert line["fingerprint"]["torch"] and line["commit"]
     assert "minillm bench (offline)" in result.output
     table = result.stdout.split("appended")[0]

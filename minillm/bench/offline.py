@@ -111,12 +111,13 @@ def run_config(cfg, workload: Workload, rates: DeviceRates, label: str, repeat: 
         work, dtype = floor_work(llm, workload, cfg.scheduler.max_num_seqs, cfg.cache.kv_cache_dtype)
         model_kv_work, _ = floor_work(llm, workload, cfg.scheduler.max_num_seqs)
         kernels = llm.engine.runner.plan.record()
+        kv_tokens = llm.engine.runner.num_blocks * cfg.cache.block_size   # what the pool holds at this config
     finally:
         del llm
         free_device_memory()
     wall = statistics.median(walls)
     return {"kind": "bench", "engine": "minillm", "label": label, "config": dataclasses.asdict(cfg), "dtype": dtype,
-            "kv_cache_dtype": cfg.cache.kv_cache_dtype, "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
+            "kv_cache_dtype": cfg.cache.kv_cache_dtype, "kv_cache_tokens": kv_tokens, "workload": workload.summary(), "load_s": load_s, "warmup_s": warmup_s,
             "measure_s": rates.measure_s, "wall_s": wall, "walls_s": walls,
             "output_tok_s": workload.output_tokens / wall,
             "total_tok_s": (workload.input_tokens + workload.output_tokens) / wall,
