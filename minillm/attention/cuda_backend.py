@@ -14,15 +14,16 @@ bind_kv_cache refuses a cache outside the coverage once, at start-up; the C++ la
 An fp8 cache (the KVCacheSpec's dtype): the KV write (fused or not) quantizes and the decode and prefill kernels
 read fp8, all with the layer's scales from the spec (minillm/ops/kv_quant.py FP8_KERNEL_COVERAGE).
 
-Whole prompts: with prefill_sdpa_min_tokens > 0 (the plan's prefill_sdpa verdict), a prefill sequence that is a
-whole prompt in one chunk (its query count equals its context length: no cached prefix, no earlier chunk) of at
-least that many tokens runs on torch SDPA over its own k/v (flash attention), one call per such sequence; the other
-prefill sequences go to the paged kernel, one launch per run of adjacent ones (split_prefill: the launcher takes a
-range of sequences whose rows are contiguous; a step has few prompts this long, so few runs). Chunks over a
-prefix keep the paged kernel because SDPA would need their cached K/V gathered into a copy, which measured only
-1.15x faster before that copy; short prompts because it is not measured to win there. The plan never sets the
-threshold over an fp8 cache (attention_ops.PREFILL_SDPA_COVERAGE). The cache write is unchanged: the prompt's k/v
-are stored as before, so later chunks and decode steps read them.
+Whole prompts: with prefill_sdpa_min_tokens > 0 (the plan's prefill_sdpa verdict), a prefill sequence with no
+context before its chunk (its query count equals its context length: a whole prompt, or the first chunk of a
+chunked one; no prefix hit) of at least that many tokens runs on torch SDPA (flash attention), one call per such
+sequence, over its own k/v: this step's k/v where the write is not fused, else its blocks read back from the cache
+(one copy of its k/v; qk_norm_rope stored them there). The other prefill sequences go to the paged kernel, one
+launch per run of adjacent ones (split_prefill: the launcher takes a range of sequences with contiguous rows; a step
+holds few prompts this long). Chunks over a prefix stay on the kernel: SDPA would need their K/V gathered and
+expanded to the query heads, and measured only 1.15x faster before that copy; shorter prompts are not measured to
+win; an fp8 cache never gets a threshold (attention_ops.PREFILL_SDPA_COVERAGE). The cache write is unchanged, so
+later chunks and decode steps read the prompt's k/v as before.
 
 The decode path does no host sync and sizes its split-K workspace from host-side maxima (meta.max_seq_len),
 so it can be captured in a CUDA graph.
@@ -34,6 +35,7 @@ import torch
 from minillm.attention.metadata import AttentionMetadata
 from minillm.ops import attention_ops as ops
 from minillm.ops.kv_quant import is_fp8
+from minillm.ops.reference import gather_kv_batch
 
 MODES = ("split", "unified")
 
@@ -111,7 +113,7 @@ class CudaAttentionBackend:
             if k is not None:   # the write was not fused: this step's k/v are at hand
                 kp, vp = k[lo:hi], v[lo:hi]
             else:               # qk_norm_rope stored them straight into the cache: read the prompt's blocks back
-                kp, vp = (ops.prompt_kv(c, meta.block_tables[s], hi - lo) for c in (k_cache, v_cache))
+                kp, vp = (gather_kv_batch(c, meta.block_tables[s:s + 1], hi - lo)[0] for c in (k_cache, v_cache))
             out[lo:hi] = ops.prefill_sdpa(q[lo:hi], kp, vp, scale)
         for begin, end, max_query_len in runs:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -188,9 +188,3 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                                        v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
-
-def prompt_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence's cache [num_blocks, block_size, Hkv, D] through its block-table row,
-    as [length, Hkv, D] (a copy: the blocks need not be adjacent). No host sync."""
-    blocks = -(-length // cache.shape[1])
-    return cache.index_select(0, block_table[:blocks]).flatten(0, 1)[:length]
