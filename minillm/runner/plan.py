@@ -300,7 +300,8 @@ class _Case:
             return TokensVerdict(False, "runtime.attention_mode=unified sends every row through the prefill kernel")
         if spec.quantized:
             return TokensVerdict(False, f"the {self.cfg.cache.kv_cache_dtype} cache: later chunks and decode steps "
-                                        "read the quantized k/v, so the prompt's own rows read them too (narrow kernel)")
+                                        "read the quantized k/v, so the prompt's own rows read them too (narrow "
+                                        "kernel)")
         reason = attention_ops.PREFILL_SDPA_COVERAGE.reason(dtype=self.dtype, capability=self.device.capability,
                                                             head_dim=a.head_dim, kv_dtype=_name(spec.dtype))
         if reason is not None:
