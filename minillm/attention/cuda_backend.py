@@ -14,6 +14,17 @@ bind_kv_cache refuses a cache outside the coverage once, at start-up; the C++ la
 An fp8 cache (the KVCacheSpec's dtype): the KV write (fused or not) quantizes and the decode and prefill kernels
 read fp8, all with the layer's scales from the spec (minillm/ops/kv_quant.py FP8_KERNEL_COVERAGE).
 
+Whole prompts: with prefill_sdpa_min_tokens > 0 (the plan's prefill_sdpa verdict), a prefill sequence with no
+context before its chunk (its query count equals its context length: a whole prompt, or the first chunk of a
+chunked one; no prefix hit) of at least that many tokens runs on torch SDPA (flash attention), one call per such
+sequence, over its own k/v: this step's k/v where the write is not fused, else its blocks read back from the cache
+(one copy of its k/v; qk_norm_rope stored them there). The other prefill sequences go to the paged kernel, one
+launch per run of adjacent ones (split_prefill: the launcher takes a range of sequences with contiguous rows; a step
+holds few prompts this long). Chunks over a prefix stay on the kernel: SDPA would need their K/V gathered and
+expanded to the query heads, and measured only 1.15x faster before that copy; shorter prompts are not measured to
+win; an fp8 cache never gets a threshold (attention_ops.PREFILL_SDPA_COVERAGE). The cache write is unchanged, so
+later chunks and decode steps read the prompt's k/v as before.
+
 The decode path does no host sync and sizes its split-K workspace from host-side maxima (meta.max_seq_len),
 so it can be captured in a CUDA graph.
 """
@@ -24,6 +35,7 @@ import torch
 from minillm.attention.metadata import AttentionMetadata
 from minillm.ops import attention_ops as ops
 from minillm.ops.kv_quant import is_fp8
+from minillm.ops.reference import gather_kv_batch
 
 MODES = ("split", "unified")
 
@@ -33,7 +45,7 @@ class CudaAttentionBackend:
 
     def __init__(self, mode: str = "split", *, min_partitions: int = ops.MIN_PARTITIONS,
                  ctas_per_sm: int = ops.CTAS_PER_SM_TARGET, fuse_kv_write: bool = True,
-                 prefill_kernel: str | None = None):
+                 prefill_kernel: str | None = None, prefill_sdpa_min_tokens: int = 0):
         if mode not in MODES:
             raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -41,6 +53,7 @@ class CudaAttentionBackend:
         self.fuse_kv_write = fuse_kv_write   # the plan's fused_kv_write verdict: qk_norm_rope stores k/v
         self.kv_spec = None
         self.prefill_kernel = prefill_kernel   # the plan's choice for the engine's cache; None: per call
+        self.prefill_sdpa_min_tokens = prefill_sdpa_min_tokens   # the plan's prefill_sdpa threshold; 0: off
 
     def bind_kv_cache(self, spec) -> None:
         """The engine's KVCacheSpec (minillm/cache/spec.py). A layout or shape the kernels do not read is refused
@@ -53,6 +66,8 @@ class CudaAttentionBackend:
                                      block_size=spec.block_size, kv_dtype=kv_dtype)
         if reason is not None:
             raise ValueError(f"the CUDA attention kernels do not cover this KV cache: {reason}")
+        if self.prefill_sdpa_min_tokens and is_fp8(spec.dtype):
+            raise ValueError("whole prompts on SDPA read native caches only, not fp8 ones (PREFILL_SDPA_COVERAGE)")
         self.kv_spec = spec
 
     def fused_kv_write_target(self, qkv: torch.Tensor, num_heads: int, head_dim: int, k_cache: torch.Tensor,
@@ -83,7 +98,44 @@ class CudaAttentionBackend:
                              scale, meta.max_seq_len, min_partitions=self.min_partitions,
                              ctas_per_sm=self.ctas_per_sm, k_scale=ks, v_scale=vs)
         if meta.num_seqs > nd:
-            ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              scale, meta.max_query_len, seq_begin=nd, num_seqs=meta.num_seqs - nd,
-                              k_scale=ks, v_scale=vs, kernel=self.prefill_kernel)
+            self._prefill(out, q, k, v, k_cache, v_cache, meta, scale, nd, ks, vs)
         return out
+
+    def _prefill(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, nd: int, ks, vs):
+        """Prefill sequences [nd, num_seqs): whole long prompts on SDPA, the rest on the paged kernel."""
+        if not self.prefill_sdpa_min_tokens:
+            runs, sdpa = [(nd, meta.num_seqs, meta.max_query_len)], []
+        else:
+            qsl, lens = meta.host_lists()
+            sdpa, runs = split_prefill(qsl, lens, nd, meta.num_seqs, self.prefill_sdpa_min_tokens)
+        for s in sdpa:
+            lo, hi = qsl[s], qsl[s + 1]
+            if k is not None:   # the write was not fused: this step's k/v are at hand
+                kp, vp = k[lo:hi], v[lo:hi]
+            else:               # qk_norm_rope stored them straight into the cache: read the prompt's blocks back
+                kp, vp = (gather_kv_batch(c, meta.block_tables[s:s + 1], hi - lo)[0] for c in (k_cache, v_cache))
+            out[lo:hi] = ops.prefill_sdpa(q[lo:hi], kp, vp, scale)
+        for begin, end, max_query_len in runs:
+            ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                              scale, max_query_len, seq_begin=begin, num_seqs=end - begin, k_scale=ks, v_scale=vs,
+                              kernel=self.prefill_kernel)
+
+
+def split_prefill(qsl: list[int], seq_lens: list[int], begin: int, end: int, min_tokens: int
+                  ) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Route prefill sequences [begin, end) of a step (host query_start_loc and seq_lens): (the whole prompts of
+    at least min_tokens tokens, for SDPA; the runs (first, last + 1, longest query) of adjacent other sequences,
+    one paged-kernel launch each, sized by their own longest query rather than the step's)."""
+    sdpa, runs, first, longest = [], [], begin, 0
+    for s in range(begin, end):
+        n = qsl[s + 1] - qsl[s]
+        if n == seq_lens[s] and n >= min_tokens:
+            if s > first:
+                runs.append((first, s, longest))
+            sdpa.append(s)
+            first, longest = s + 1, 0
+        else:
+            longest = max(longest, n)
+    if end > first:
+        runs.append((first, end, longest))
+    return sdpa, runs

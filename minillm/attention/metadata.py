@@ -37,3 +37,10 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+    def host_lists(self) -> tuple[list[int], list[int]]:
+        """Host copies of query_start_loc and seq_lens; one device->host copy each if the runner did not provide
+        them (the runner always does)."""
+        qsl = self.query_start_loc_cpu if self.query_start_loc_cpu is not None else self.query_start_loc.tolist()
+        lens = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens.tolist()
+        return qsl, lens

@@ -41,7 +41,7 @@ class TorchAttentionBackend:
         kv_write_ref(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n], ks, vs)
         # Rows past num_tokens are CUDA-graph padding: they stay zero.
         out = torch.zeros_like(q)
-        qsl, seq_lens = _host_lists(meta)
+        qsl, seq_lens = meta.host_lists()
         if nd:
             out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd], seq_lens[:nd], scale,
                                           ks, vs)
@@ -53,10 +53,3 @@ class TorchAttentionBackend:
             out[lo:n] = rows
         return out
 
-
-def _host_lists(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
-    """Host copies of query_start_loc and seq_lens; falls back to one device->host copy if the runner
-    did not provide them."""
-    qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
-    lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
-    return qsl, lens

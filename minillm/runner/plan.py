@@ -6,6 +6,9 @@ Each path has a verdict (on or off) and a reason a person can read:
   attention       the CUDA paged-attention kernels (or the torch backend); prefill_kernel names the prefill kernel
                   that covers the cache (attention_ops.prefill_kernel: "wide", or "narrow" for an fp8 cache)
   fused_kv_write  k/v stored into the cache by the RoPE kernel (or by a separate KV write)
+  prefill_sdpa    prefill sequences that are a whole prompt in one chunk, of at least min_tokens tokens, on torch
+                  SDPA (flash attention) instead of the prefill kernel (attention_ops.PREFILL_SDPA_COVERAGE,
+                  kernels.prefill_sdpa, kernels.prefill_sdpa_min_tokens); the backend splits a step's rows by it
   skinny_gemm     per linear layer (qkv_proj, o_proj, gate_up_proj, down_proj): the skinny GEMM for decode-sized
                   products (or cuBLAS); the row count is the only question left for the call
   decode_gemm     per linear layer: the decode GEMM up to its measured-win row count (minillm/ops/decode_gemm.py
@@ -49,7 +52,7 @@ from minillm.ops import moe_ops
 from minillm.ops.choice import KernelLoad, ModelKernels, load_cuda_kernels
 
 LINEAR_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-PATHS = ("fused_ops", "attention", "fused_kv_write", "megakernel", "cuda_graphs", "pdl")
+PATHS = ("fused_ops", "attention", "fused_kv_write", "megakernel", "cuda_graphs", "pdl", "prefill_sdpa")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,15 @@ class RowsVerdict(Verdict):
         return {**super().record(), "max_rows": self.max_rows}
 
 
+@dataclass(frozen=True)
+class TokensVerdict(Verdict):
+    """A verdict on sequences of at least min_tokens tokens (0 when off)."""
+    min_tokens: int = 0
+
+    def record(self) -> dict:
+        return {**super().record(), "min_tokens": self.min_tokens}
+
+
 def _all_off(reason: str) -> dict[str, RowsVerdict]:
     return {n: RowsVerdict(False, reason) for n in LINEAR_LAYERS}
 
@@ -115,11 +127,17 @@ class ExecutionPlan:
     decode_gemm: dict[str, RowsVerdict] = field(default_factory=lambda: _all_off("plain torch"))
     moe: RowsVerdict = RowsVerdict(False, "plain torch")
     prefill_kernel: str | None = None      # the CUDA prefill kernel (attention_ops.PREFILL_KERNELS); None: torch
+    prefill_sdpa: TokensVerdict = TokensVerdict(False, "plain torch")
 
     # ---- what the runner and the model ask ----
     @property
     def attention_backend(self) -> str:
         return "cuda" if self.attention.on else "torch"
+
+    @property
+    def prefill_sdpa_min_tokens(self) -> int:
+        """The attention backend's threshold for whole prompts on SDPA; 0: every prefill row on the kernel."""
+        return self.prefill_sdpa.min_tokens if self.prefill_sdpa.on else 0
 
     def model_kernels(self) -> ModelKernels:
         return ModelKernels(cuda=self.fused_ops.on,
@@ -193,7 +211,7 @@ def resolve_plan(cfg: EngineConfig, arch, kv_spec, dtype: torch.dtype, device: D
         decode_ctas_per_sm=k.decode_ctas_per_sm, megakernel_rows=case.megakernel_rows(),
         megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks,
         unavailable=loaded.unavailable, notices=_notices(device, attention, graphs), decode_gemm=decode, moe=moe,
-        prefill_kernel=_prefill_kernel(attention, kv_spec, dtype))
+        prefill_kernel=_prefill_kernel(attention, kv_spec, dtype), prefill_sdpa=case.prefill_sdpa(attention))
 
 
 def _prefill_kernel(attention: Verdict, kv_spec, dtype: torch.dtype) -> str | None:
@@ -270,6 +288,27 @@ class _Case:
             self._required("attention", reason)
             return Verdict(False, f"the CUDA attention kernels do not cover {reason}")
         return Verdict(True, f"CUDA paged attention ({self.cfg.runtime.attention_mode})")
+
+    def prefill_sdpa(self, attention: Verdict) -> TokensVerdict:
+        """Whole prompts on SDPA: it stands in for the CUDA prefill kernel on native caches, in split mode."""
+        k, a, spec = self.cfg.kernels, self.arch, self.kv_spec
+        if not k.prefill_sdpa:
+            return TokensVerdict(False, "kernels.prefill_sdpa=false")
+        if not attention.on:
+            return TokensVerdict(False, f"it stands in for the CUDA prefill kernel, which is off ({attention.reason})")
+        if self.cfg.runtime.attention_mode != "split":
+            return TokensVerdict(False, "runtime.attention_mode=unified sends every row through the prefill kernel")
+        if spec.quantized:
+            return TokensVerdict(False, f"the {self.cfg.cache.kv_cache_dtype} cache: later chunks and decode steps "
+                                        "read the quantized k/v, so the prompt's own rows read them too (narrow "
+                                        "kernel)")
+        reason = attention_ops.PREFILL_SDPA_COVERAGE.reason(dtype=self.dtype, capability=self.device.capability,
+                                                            head_dim=a.head_dim, kv_dtype=_name(spec.dtype))
+        if reason is not None:
+            return TokensVerdict(False, f"SDPA's flash path is not declared for {reason}")
+        n = k.prefill_sdpa_min_tokens
+        return TokensVerdict(True, f"whole prompts of >= {n} tokens in one chunk on torch SDPA (flash); chunks over "
+                                   "a prefix and shorter prompts on the prefill kernel", n)
 
     def skinny_gemm(self) -> dict[str, Verdict]:
         if not self.cfg.kernels.skinny_gemm:
