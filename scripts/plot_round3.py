@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Figures of the round-3 kernel benchmarks from their results lines (the newest commit in each file):
-results/prefill_kernels.png (TFLOP/s against prompt length, per kernel and head shape) and
-results/moe_kernels.png (MoE layer time against tokens, fused kernels against torch._grouped_mm).
+results/prefill_kernels.png (TFLOP/s against prompt length, per kernel and head shape),
+results/moe_kernels.png (MoE layer time against tokens, fused kernels against torch._grouped_mm) and
+results/decode_steps_models.png (the decode sweep, one curve per model at its newest commit: ms per step with its
+bandwidth floor, and % of that floor, against the batch size). decode_steps.png, which `minillm bench
+--decode-sweep` redraws after each sweep, compares one model's newest two commits instead.
 
 Usage: python scripts/plot_round3.py [--results results]
 """
@@ -63,12 +66,63 @@ def plot_moe(rows: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def newest_per_model(path: Path) -> dict[str, dict[int, dict]]:
+    """model -> batch size -> line, from each model's newest commit (its newest line per batch size)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = sorted((r for r in rows if r.get("kind") == "decode_step"), key=lambda r: r.get("date", ""))
+    by_model: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_model[r["config"]["model"]["model"]].append(r)
+    out = {}
+    for model, lines in by_model.items():
+        commit = lines[-1]["commit"]
+        out[model] = {r["batch_size"]: r for r in lines if r["commit"] == commit}
+    return out
+
+
+def plot_decode_models(models: dict[str, dict[int, dict]], out: Path) -> None:
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    lines = [ln for pts in models.values() for ln in pts.values()]
+    fig, (ms_ax, pct_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, (model, pts) in enumerate(sorted(models.items())):
+        xs = sorted(pts)
+        commit, color = pts[xs[0]]["commit"], f"C{i}"
+        ms_ax.plot(xs, [pts[x]["ms_per_step"] for x in xs], "o-", color=color, label=f"{model} ({commit})")
+        ms_ax.plot(xs, [pts[x]["floor_ms"] for x in xs], "--", color=color, label=f"{model} bandwidth floor")
+        pct_ax.plot(xs, [100 * pts[x]["fraction_of_floor"] for x in xs], "o-", color=color,
+                    label=f"{model} ({commit})")
+    batches = sorted({b for pts in models.values() for b in pts})
+    for ax in (ms_ax, pct_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch size (decode rows per step)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ms_ax.set_yscale("log")
+    ms_ax.set_ylim(top=4 * max(ln["ms_per_step"] for ln in lines))   # room for the legend above the curves
+    ms_ax.set_yticks([t for t in (0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100)
+                      if min(ln["floor_ms"] for ln in lines) / 1.5 <= t <= 4 * max(ln["ms_per_step"] for ln in lines)])
+    ms_ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ms_ax.yaxis.set_minor_formatter(NullFormatter())
+    ms_ax.set_ylabel("ms per decode step")
+    pct_ax.set_ylim(0, 100)
+    pct_ax.set_ylabel("% of the bandwidth floor (floor / measured)")
+    setups = {(ln["dtype"].removeprefix("torch."), ln["config"]["model"]["load_format"], ln["prompt_len"],
+               ln["out_tokens"], (ln.get("fingerprint") or {}).get("gpu") or "no GPU") for ln in lines}
+    title = "; ".join(f"{d}, {w} weights, {p}-token prompts, {n} tokens, {g}" for d, w, p, n, g in sorted(setups))
+    fig.suptitle(f"Decode step against batch size ({title})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=Path("results"))
     args = ap.parse_args()
     plot_prefill(newest(args.results / "prefill_kernels.jsonl", "prefill_kernel"), args.results / "prefill_kernels.png")
     plot_moe(newest(args.results / "moe_kernels.jsonl", "moe_layer"), args.results / "moe_kernels.png")
+    plot_decode_models(newest_per_model(args.results / "decode_steps.jsonl"), args.results / "decode_steps_models.png")
 
 
 if __name__ == "__main__":

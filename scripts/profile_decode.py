@@ -1,6 +1,6 @@
 """Where a steady-state decode step's time goes: torch.profiler over N engine steps at a fixed batch/context.
 
-    python scripts/profile_decode.py [--model qwen3-0.6b] [--batch 256] [--context 1024] [--steps 20]
+    python scripts/profile_decode.py [--model qwen3-0.6b|qwen3-30b-a3b|DIR] [--batch 256] [--context 1024] [--steps 20]
                                      [--async-scheduling] [--output profile.json]
 
 Runs the N steps twice: first un-profiled, for the wall time per step (the profiler's own host overhead slows
@@ -87,7 +87,8 @@ def run(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3-0.6b", help="preset (dummy weights) or 'tiny' (demo model, CPU)")
+    ap.add_argument("--model", default="qwen3-0.6b",
+                    help="preset or checkpoint directory (dummy weights either way), or 'tiny' (demo model, CPU)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)

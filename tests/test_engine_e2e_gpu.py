@@ -55,22 +55,23 @@ def prompts() -> list[list[int]]:
 
 
 class HF:
-    """HF transformers fp32 on the GPU: greedy continuations and next-token log-probabilities."""
+    """HF transformers fp32 on the GPU (or `device`): greedy continuations and next-token log-probabilities."""
 
-    def __init__(self, path):
+    def __init__(self, path, device: str = "cuda"):
         from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
     @torch.no_grad()
     def greedy(self, prompt: list[int]) -> list[int]:
-        ids = torch.tensor([prompt], device="cuda")
+        ids = torch.tensor([prompt], device=self.device)
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                   min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         return out[0, len(prompt):].tolist()
 
     @torch.no_grad()
     def logprobs(self, tokens: list[int]) -> torch.Tensor:
-        logits = self.model(input_ids=torch.tensor([tokens], device="cuda")).logits[0, -1].float()
+        logits = self.model(input_ids=torch.tensor([tokens], device=self.device)).logits[0, -1].float()
         return logits.log_softmax(-1)
 
 

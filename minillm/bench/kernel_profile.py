@@ -19,10 +19,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 # First match wins, so the order matters: "paged_decode" must be decode attention before "attention" (prefill)
-# could claim it, and "copy" must not claim a GEMM's splitK reduction. Substrings are matched case-insensitively.
-# The aten:: names in "gemm" are for the CPU fallback. NOTE: the pure-PyTorch attention path runs decode through
-# SDPA too, so there it is counted as "prefill attention".
+# could claim it, "copy" must not claim a GEMM's splitK reduction, and the MoE expert GEMMs (torch._grouped_mm's
+# CUTLASS kernels, "...GemmUniversal<cutlass::gemm::GroupProblemShape...") must be "moe experts" before "gemm"
+# could claim them. Substrings are matched case-insensitively. The aten:: names are for the CPU fallback.
+# NOTE: the pure-PyTorch attention path runs decode through SDPA too, so there it is counted as "prefill
+# attention"; the torch MoE path routes with stock softmax/topk/sort kernels, counted as "sampler" and "other"
+# (minillm's fused routing kernel is "moe routing"); the router's own [T, H] x [H, E] linear is a "gemm".
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("moe routing", ("moe_topk", "moe_group")),
+    ("moe experts", ("moe_gate_up", "moe_down", "moe_combine", "grouped_mm", "groupproblemshape")),
     ("decode attention", ("paged_decode", "decode_reduce")),
     ("prefill attention", ("paged_prefill", "flash", "sdpa", "scaled_dot_product", "attention", "fmha")),
     ("kv write", ("kv_write",)),
