@@ -150,6 +150,16 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage moeprofile_b$b 150 python3 scripts/profile_decode.py --model qwen3-30b-a3b --batch $b --context 512 \
           --steps 20 --async-scheduling --output "$OUT/profile_decode_moe_b$b.json"
       done ;;
+    ttft)   # the long-prompt workload (0.6B) and one 32k prompt on the 0.6B and 8B shapes (after a prefill change)
+      stage longprompt 200 python3 -m minillm bench --no-progress --workload configs/workloads/long-prompt.yaml \
+        --model qwen3-0.6b --output "$OUT/bench.jsonl"
+      for m in qwen3-0.6b qwen3-8b; do
+        stage ttft_${m}_32k 150 python3 -m minillm bench --no-progress --workload configs/workloads/ttft-32k.yaml \
+          --model $m --output "$OUT/bench.jsonl"
+      done ;;
+    hoststep1)   # hoststep without the seeded pass
+      stage hoststep 100 python3 scripts/bench_host_step.py --device cuda --steps 1000
+      cp "$LOG"/hoststep*.log "$OUT"/ 2>/dev/null ;;
     sweep)
       stage sweep 200 python3 -m minillm bench --decode-sweep --no-progress -o "$OUT/decode_steps.jsonl" ;;
     latency)   # the in-process latency sweep, chunked-2048 at 4 and 8 req/s
