@@ -190,7 +190,7 @@ class KernelConfig:
         _check(isinstance(self.megakernel_min_chunks, int) and 1 <= self.megakernel_min_chunks <= 64,
                "kernels.megakernel_min_chunks", self.megakernel_min_chunks, "an integer in [1, 64]")
         _check(_is_int(self.prefill_sdpa_min_tokens, 1, 1 << 24), "kernels.prefill_sdpa_min_tokens",
-               self.prefill_sdpa_min_tokens, "an integer in [1, 16777216] (tokens of a whole prompt)")
+               self.prefill_sdpa_min_tokens, "an integer in [1, 16777216] (queries of a prefill chunk)")
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
