@@ -168,9 +168,12 @@ class KernelConfig:
     # prefill_sdpa_min_tokens tokens run on torch SDPA (flash attention) instead of minillm's paged prefill kernel,
     # where the plan finds it covered (minillm/runner/plan.py). 4096 is the shortest whole prompt measured
     # (results/prefill_kernels.jsonl, 27c2e6b: SDPA 1.6-1.9x faster than the wide kernel from 4096 to 32768 tokens);
-    # shorter ones are not measured.
+    # shorter ones are not measured. prefill_sdpa_prefix: chunks over a cached prefix (a chunked prompt's later
+    # chunks, prefix-cache hits) of at least as many queries run on flash attention's variable-length forward too
+    # (one call per step over their K/V gathered from the cache); it needs prefill_sdpa on.
     prefill_sdpa: bool = True
     prefill_sdpa_min_tokens: int = 4096
+    prefill_sdpa_prefix: bool = True
 
     def validate(self) -> None:
         check_types("kernels", self)
@@ -187,7 +190,7 @@ class KernelConfig:
         _check(isinstance(self.megakernel_min_chunks, int) and 1 <= self.megakernel_min_chunks <= 64,
                "kernels.megakernel_min_chunks", self.megakernel_min_chunks, "an integer in [1, 64]")
         _check(_is_int(self.prefill_sdpa_min_tokens, 1, 1 << 24), "kernels.prefill_sdpa_min_tokens",
-               self.prefill_sdpa_min_tokens, "an integer in [1, 16777216] (tokens of a whole prompt)")
+               self.prefill_sdpa_min_tokens, "an integer in [1, 16777216] (queries of a prefill chunk)")
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -312,6 +315,7 @@ class EngineConfig:
         "megakernel_max_tokens": ("kernels", "megakernel_max_tokens"),
         "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"), "pdl": ("kernels", "pdl"),
         "prefill_sdpa": ("kernels", "prefill_sdpa"), "prefill_sdpa_min_tokens": ("kernels", "prefill_sdpa_min_tokens"),
+        "prefill_sdpa_prefix": ("kernels", "prefill_sdpa_prefix"),
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
                                                   "mask_threads", "mask_worker",

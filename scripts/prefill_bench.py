@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Paged prefill attention: the minillm kernels (attention_ops.PREFILL_KERNELS) against torch SDPA on contiguous
-K/V, single sequences, causal, bf16, head dim 128, block size 16, random block table.
+K/V and the varlen flash route over the paged cache (the engine's route for chunks over a prefix, K/V gather
+included; and the op alone over contiguous K/V), single sequences, causal, bf16, head dim 128, block size 16,
+random block table.
 
-Shapes: Qwen3-0.6B (16 query / 8 KV heads) and Qwen3-8B (32 / 8), whole prompts of --lengths tokens, plus a
-2,048-query chunk over a 14,336-token cached prefix. Per kernel: median ms over CUDA-graph replays
+Shapes: Qwen3-0.6B (16 query / 8 KV heads) and Qwen3-8B (32 / 8), whole prompts of --lengths tokens, plus chunks
+over a cached prefix: 2,048 queries over 14,336 tokens, and 16,384 over 16,384 (a 32k prompt's second chunk under
+the default 16,384-token budget). Per impl: median ms over CUDA-graph replays
 (minillm/diagnostics/kernel_check.py: prefill_timings), TFLOP/s of the causal work (QK^T and PV: 4 H D per
 (query, visible key) pair; 2*2*T*T*D*H/2 to leading order), the ratio to SDPA and the max abs difference to SDPA.
 Prints a table and appends one JSON line per (shape, kernel) to --out, with the commit and GPU fingerprint: the
-engine's kernels (wide, narrow) and SDPA first, then on sm_90 the opt-in wgmma kernels in a pass of their own.
+engine's kernels (wide, narrow), SDPA and the varlen flash route first, then on sm_90 the opt-in wgmma kernels in a
+pass of their own.
 
 Usage: python scripts/prefill_bench.py [--out results/prefill_kernels.jsonl] [--lengths 4096,8192,16384,32768]
 """
@@ -26,7 +30,7 @@ from minillm.ops import attention_ops as ops  # noqa: E402
 from minillm.fingerprint import stamp  # noqa: E402
 
 SHAPES = {"qwen3-0.6b": (16, 8), "qwen3-8b": (32, 8)}   # query heads, KV heads (head dim 128 both)
-CHUNK = (16384, 2048)                                   # context, queries: a chunk over a 14k cached prefix
+CHUNKS = [(16384, 2048), (32768, 16384)]                # context, queries: chunks over a 14k and a 16k prefix
 
 
 def main() -> int:
@@ -57,7 +61,7 @@ def main() -> int:
     for kernels, sdpa_too in passes:
         rows = []
         for model, (hq, hkv) in SHAPES.items():
-            for ctx, q_len in [(t, None) for t in lengths] + [CHUNK]:
+            for ctx, q_len in [(t, None) for t in lengths] + CHUNKS:
                 for r in prefill_timings(ctx, q_len, hq=hq, hkv=hkv, kernels=kernels, sdpa_too=sdpa_too):
                     rows.append({"model_shape": model, "ctx": ctx, "q_len": q_len or ctx, **r})
                 torch.cuda.empty_cache()

@@ -291,7 +291,10 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
                     kernels=ENGINE_PREFILL_KERNELS, sdpa_too: bool = True) -> list[dict]:
     """Prefill kernels (and SDPA on contiguous K/V) on one sequence: q_len queries (default ctx, a whole prompt)
     at the end of a ctx-token context, bf16. A chunk over a cached prefix is compared with SDPA's lower-right
-    causal mask over K/V expanded to the query heads (SDPA's GQA path takes no such mask)."""
+    causal mask over K/V expanded to the query heads (SDPA's GQA path takes no such mask). With sdpa_too, also the
+    varlen flash route as the engine runs it over the paged cache ("flash varlen gather+op": the slot index, the
+    K/V gather, the op and the rows written back; cuda_backend.flash_varlen_prefill, its VarlenBatch built once as
+    the engine does per layer) and the op alone over K/V already contiguous (what the gather costs)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
@@ -333,6 +336,13 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
     base = ms.get("sdpa causal")
     if not sdpa_too:
         ms.clear()
+    elif ops.flash_varlen_available():
+        for name, fn in _flash_varlen_impls(out, q, kc, vc, bt, lens, q_len, ctx, scale).items():
+            fn()
+            err = _max_err(out, ref)
+            t, how = _time_graph_or_eager(fn)
+            name += "" if how == "graph" else " (eager)"
+            ms[name], errs[name] = t, err
     for kernel in kernels:
         ours(kernel)()
         errs[f"minillm prefill {kernel}"] = _max_err(out, ref)
@@ -342,6 +352,46 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
     bench = f"prefill {what} H{hq}/{hkv} D{d} bs{bs}"
     return [dict(bench=bench, impl=name, ms=t, tflops=flops / t / 1e9, ratio_vs_sdpa=base / t if base else None,
                  max_abs_err_vs_sdpa=errs.get(name)) for name, t in ms.items()]
+
+
+def _flash_varlen_impls(out, q, kc, vc, bt, lens, q_len: int, ctx: int, scale: float) -> dict:
+    """The varlen flash route on one sequence: through the paged cache as the engine runs it, and the op alone."""
+    import torch
+
+    from minillm.attention.cuda_backend import VarlenBatch, flash_varlen_prefill
+    from minillm.ops import attention_ops as ops
+    from minillm.ops.reference import gather_kv_ragged
+
+    batch = VarlenBatch.of([0], [0, q_len], [ctx], q.device)
+    slots = torch.arange(ctx, device=q.device)
+    slots = bt[0].long()[slots // kc.shape[1]] * kc.shape[1] + slots % kc.shape[1]
+    kg, vg = gather_kv_ragged(kc, slots), gather_kv_ragged(vc, slots)
+
+    def alone():
+        out.copy_(ops.prefill_flash_varlen(q, kg, vg, batch.cu_q, batch.cu_k, q_len, ctx, scale))
+
+    return {"flash varlen gather+op": lambda: flash_varlen_prefill(out, q, kc, vc, bt, lens, batch, scale),
+            "flash varlen op alone (K/V contiguous)": alone}
+
+
+def _time_graph_or_eager(fn) -> tuple[float, str]:
+    """(_time_graph, "graph"), or where capture is refused, (the median ms of eager calls between CUDA events,
+    "eager")."""
+    import torch
+
+    try:
+        return _time_graph([fn]), "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), "eager"
 
 
 def run_timings(quick: bool) -> list[dict]:

@@ -47,6 +47,15 @@ _PREFILL_COVERAGE = {"wide": PREFILL_WIDE_COVERAGE, "narrow": COVERAGE, "wgmma":
 PREFILL_SDPA_COVERAGE = KernelCoverage("prefill_sdpa", dtypes=COVERAGE.dtypes, head_dims=COVERAGE.head_dims,
                                        graph_safe=False)
 
+# Prefill chunks over a cached prefix (a later chunk of a chunked prompt, a prefix-cache hit) of at least that many
+# queries run on FlashAttention-2's variable-length forward through ATen (torch.ops.aten._flash_attention_forward),
+# all of a step's such chunks in one call, over their K/V gathered from the paged cache into one contiguous buffer
+# (FA2's own paged mode needs pages of a multiple of 256 tokens). FA2 aligns a chunk's causal mask to the
+# bottom-right corner when it has fewer queries than keys: query i of n sees keys [0, L - n + i]. Same dtypes, head
+# dims and native caches as PREFILL_SDPA_COVERAGE (FA2 itself takes head dims up to 256; the paged kernels that
+# write the cache cover 64 and 128); the op must exist in the torch build (flash_varlen_available). Not graph-safe.
+PREFILL_FLASH_VARLEN_COVERAGE = dataclasses.replace(PREFILL_SDPA_COVERAGE, family="prefill_flash_varlen")
+
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per
 # SM (rounded down, each >= 256 tokens, the kernel's rule, so a short context uses fewer), and at least
@@ -188,3 +197,19 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                                        v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
+
+
+def flash_varlen_available() -> bool:
+    """Whether this torch build registers ATen's variable-length flash-attention forward (the plan asks once)."""
+    return hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+def prefill_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                         max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Causal attention of several sequences in one call: q [total_q, Hq, D] (rows cu_q[s]:cu_q[s+1] are sequence
+    s's queries), k/v [total_k, Hkv, D] (rows cu_k[s]:cu_k[s+1] its whole context, GQA not expanded), cu_q / cu_k
+    int32 [S + 1] on the device, max_q / max_k host bounds of the per-sequence counts -> [total_q, Hq, D].
+    A sequence's queries are the last of its context (bottom-right causal alignment: query i of n sees its first
+    L - n + i + 1 keys), which is what FA2 does for is_causal with fewer queries than keys."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, True, False,
+                                                   scale=float(scale))[0]

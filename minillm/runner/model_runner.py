@@ -75,7 +75,8 @@ class ModelRunner:
                                                    min_partitions=p.decode_min_partitions,
                                                    ctas_per_sm=p.decode_ctas_per_sm, fuse_kv_write=p.fused_kv_write.on,
                                                    prefill_kernel=p.prefill_kernel,
-                                                   prefill_sdpa_min_tokens=p.prefill_sdpa_min_tokens)
+                                                   prefill_sdpa_min_tokens=p.prefill_sdpa_min_tokens,
+                                                   prefill_prefix_min_tokens=p.prefill_prefix_min_tokens)
         self.model, self.arch, self.model_dir = self._load_model()
         self.kv_spec = _kv_spec(cfg, self.arch, self.model_dir, self.dtype)   # an fp8 cache's checkpoint scales
         self.attn_backend.bind_kv_cache(self.kv_spec)
