@@ -157,8 +157,11 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage ttft_${m}_32k 150 python3 -m minillm bench --no-progress --workload configs/workloads/ttft-32k.yaml \
           --model $m --output "$OUT/bench.jsonl"
       done ;;
-    hoststep1)   # hoststep without the seeded pass
-      stage hoststep 100 python3 scripts/bench_host_step.py --device cuda --steps 1000
+    moekv)   # the MoE preset's KV pool at gpu_memory_utilization 0.9 (kv_cache_tokens of a short offline run)
+      stage moekv 120 python3 -m minillm bench --no-progress --model qwen3-30b-a3b --num-requests 16 \
+        --output "$OUT/bench_moekv.jsonl" ;;
+    hoststep1)   # hoststep without the seeded pass, 400 steps a batch size
+      stage hoststep 100 python3 scripts/bench_host_step.py --device cuda --steps 400
       cp "$LOG"/hoststep*.log "$OUT"/ 2>/dev/null ;;
     sweep)
       stage sweep 200 python3 -m minillm bench --decode-sweep --no-progress -o "$OUT/decode_steps.jsonl" ;;
