@@ -1,8 +1,9 @@
 // Launchers of the fused elementwise kernels and the one-pass sampler (plain C++, no torch types).
 //
 // Sources: fused_norm.cu (rms_norm, fused_add_rms_norm), fused_act.cu (silu_and_mul), fused_rope.cu
-// (qk_norm_rope), sampling.cu (sample_exponential_race, seeded_exponential). fused_bindings.cpp turns tensors
-// into these arguments and registers the torch.ops.minillm.* ops. Strides and sizes are in elements. Every launcher
+// (qk_norm_rope), sampling.cu (sample_exponential_race, seeded_exponential), sampling_topp.cu
+// (truncation_threshold). fused_bindings.cpp turns tensors into these arguments and registers the
+// torch.ops.minillm.* ops. Strides and sizes are in elements. Every launcher
 // returns the launch's error code (cudaSuccess, or cudaErrorInvalidValue for arguments outside the limits
 // below, which the bindings check first with clearer messages).
 #pragma once
@@ -97,6 +98,16 @@ cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_strid
 // [0, rows) are skipped. listed <= 65535.
 cudaError_t launch_seeded_exponential(float* noise, int64_t row_stride, int64_t rows, int64_t vocab,
                                       const int64_t* args, int64_t listed, uint64_t offset, cudaStream_t stream);
+
+// Truncation threshold per row (sampling_topp.cu): out[r] = the logit below which top-k / top-p / min-p mask
+// row r of fp32 logits (after temperature), with the semantics of the torch reference
+// (minillm/ops/sampling_ops.py: truncation_threshold_torch); -inf when nothing is masked. top_k: int64 [rows]
+// (< 1 or >= vocab: off); top_p: fp32 [rows] (1: off); log_min_p: fp32 [rows], log(min_p) (-inf: off); each
+// nullable (off on every row). The masses are summed in 64-bit fixed point, so vocab <= kMaxThresholdVocab.
+constexpr int64_t kMaxThresholdVocab = int64_t{1} << 23;
+cudaError_t launch_truncation_threshold(const float* logits, int64_t row_stride, int64_t rows, int64_t vocab,
+                                        const int64_t* top_k, const float* top_p, const float* log_min_p,
+                                        float* out, cudaStream_t stream);
 
 // More CTAs per row would only lengthen the merge of a row's partial results.
 constexpr int kMaxRaceSplits = 1024;

@@ -348,6 +348,38 @@ void seeded_exponential_(Tensor& noise, const Tensor& args, int64_t offset) {
                "seeded_exponential_");
 }
 
+// Per-row truncation threshold [N] of fp32 logits [N, V] (after temperature) for top-k / top-p / min-p:
+// top_k int64 [N], top_p float32 [N], log_min_p float32 [N] (log of min_p), each optional, on logits' device.
+const void* optional_row_param(const std::optional<Tensor>& t, const Tensor& logits, at::ScalarType dtype,
+                               const char* name) {
+  if (!t.has_value()) return nullptr;
+  MINILLM_CHECK(t->scalar_type() == dtype && t->dim() == 1 && t->size(0) == logits.size(0) && t->is_contiguous() &&
+                    t->device() == logits.device(),
+                name, " must be contiguous ", dtype, " [", logits.size(0), "] on logits' device, got ", t->sizes(),
+                " ", t->scalar_type(), " on ", t->device());
+  return t->data_ptr();
+}
+
+Tensor truncation_threshold(const Tensor& logits_in, const std::optional<Tensor>& top_k,
+                            const std::optional<Tensor>& top_p, const std::optional<Tensor>& log_min_p) {
+  MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
+                "logits must be a float32 CUDA tensor [N, V], got ", logits_in.sizes(), " ", logits_in.scalar_type(),
+                " on ", logits_in.device());
+  const Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  MINILLM_CHECK(vocab >= 1 && vocab <= minillm::kMaxThresholdVocab, "logits: vocab size must be in [1, ",
+                minillm::kMaxThresholdVocab, "], got ", vocab);
+  const auto* k = static_cast<const int64_t*>(optional_row_param(top_k, logits, at::kLong, "top_k"));
+  const auto* p = static_cast<const float*>(optional_row_param(top_p, logits, at::kFloat, "top_p"));
+  const auto* m = static_cast<const float*>(optional_row_param(log_min_p, logits, at::kFloat, "log_min_p"));
+  const c10::cuda::CUDAGuard guard(logits.device());
+  Tensor out = at::empty({rows}, logits.options());
+  check_launch(minillm::launch_truncation_threshold(logits.data_ptr<float>(), logits.stride(0), rows, vocab, k, p, m,
+                                                    out.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+               "truncation_threshold");
+  return out;
+}
+
 // x [M, K] times w [N, K]^T -> [M, N] (a decode-sized linear layer, no bias); launcher in gemm.h.
 Tensor skinny_gemm(const Tensor& x_in, const Tensor& w, int64_t splits) {
   MINILLM_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [M, K], got ", x_in.sizes(), " on ",
@@ -440,6 +472,11 @@ Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t
 
 void seeded_exponential_meta(Tensor&, const Tensor&, int64_t) {}
 
+Tensor truncation_threshold_meta(const Tensor& logits, const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                 const std::optional<Tensor>&) {
+  return at::empty({logits.size(0)}, logits.options());
+}
+
 Tensor skinny_gemm_meta(const Tensor& x, const Tensor& w, int64_t) {
   return at::empty({x.size(0), w.size(0)}, x.options());
 }
@@ -460,6 +497,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
   m.def("seeded_exponential_(Tensor(a!) noise, Tensor args, int offset=0) -> ()");
+  m.def("truncation_threshold(Tensor logits, Tensor? top_k, Tensor? top_p, Tensor? log_min_p) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
   m.def("l2_prefetch(Tensor[] tensors) -> ()");
   m.def("set_pdl_launches(bool on) -> bool", &set_pdl_launches);  // no tensor: one kernel for every backend
@@ -474,6 +512,7 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8);
   m.impl("sample_exponential_race", &sample_exponential_race);
   m.impl("seeded_exponential_", &seeded_exponential_);
+  m.impl("truncation_threshold", &truncation_threshold);
   m.impl("skinny_gemm", &skinny_gemm);
   m.impl("l2_prefetch", &l2_prefetch);
 }
@@ -487,5 +526,6 @@ TORCH_LIBRARY_IMPL(minillm, Meta, m) {
   m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8_meta);
   m.impl("sample_exponential_race", &sample_exponential_race_meta);
   m.impl("seeded_exponential_", &seeded_exponential_meta);
+  m.impl("truncation_threshold", &truncation_threshold_meta);
   m.impl("skinny_gemm", &skinny_gemm_meta);
 }
