@@ -409,3 +409,36 @@ def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(m
         assert seen == []       # the torch path never calls the op
 
 
+
+
+def test_truncation_threshold_op_on_cpu_is_the_torch_path():
+    """cuda=True asks for the threshold kernel, which only runs on CUDA tensors: on the CPU the op is its torch
+    path, and the sampler with the kernels chosen picks the very tokens it picks without them (the kernel against
+    this path is tests/test_sampling_topp_gpu.py)."""
+    from minillm.ops.sampling_ops import truncation_threshold, truncation_threshold_torch
+
+    requests = [req(top_p=0.9, temperature=0.7), req(top_k=5, top_p=0.5), req(top_k=3), req(min_p=0.2),
+                req(temperature=0.0), req(top_p=0.3, seed=4)]
+    logits = rand_logits(len(requests), seed=8)
+    batch = SamplingBatch.build(requests, "cpu", V)
+    args = (logits, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k)
+    assert torch.equal(truncation_threshold(*args, cuda=True), truncation_threshold_torch(*args[:4], args[4]))
+    assert truncation_threshold(logits, None, None, None, cuda=True) is None
+    for seed in range(3):
+        got = Sampler(seed, cuda=True)(logits.clone(), batch).token_ids
+        assert torch.equal(got, Sampler(seed, cuda=False)(logits.clone(), batch).token_ids)
+
+
+def test_truncation_threshold_torch_keeps_ties_and_at_least_one():
+    """The reference's edge rules the kernel must share: every tie of the last kept value stays; top-p keeps at
+    least one token however small p; k = V or p = 1 keeps everything (threshold -inf)."""
+    from minillm.ops.sampling_ops import truncation_threshold_torch
+
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, -math.inf], [5.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                           [1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [3.0, 2.0, 1.0, 0.0, -1.0, -2.0]])
+    k = torch.tensor([2, 6, 6, 6])
+    p = torch.tensor([1.0, 1e-6, 0.5, 1.0])
+    thr = truncation_threshold_torch(logits, k, p, None, 2)
+    kept = (logits >= thr).sum(dim=1).tolist()
+    assert kept == [4, 1, 6, 6]
+    assert float(thr[3]) == -math.inf

@@ -15,7 +15,8 @@ Order of operations on a batch of float32 logits [N, V] (modified in place):
   4. logprobs, when asked: log-softmax of the logits *after penalties and temperature, before truncation*
      (so top-N alternatives are real numbers even when top-k/top-p would have cut them);
   5. truncation: one threshold per row from top-k, then top-p on the renormalised top-k distribution
-     (the token that crosses p is kept), then min-p; everything below the threshold becomes -inf;
+     (the token that crosses p is kept), then min-p; everything below the threshold becomes -inf (with the
+     CUDA kernels, the threshold is one radix-select kernel instead of a sort: sampling_ops.truncation_threshold);
   6. exponential race: token = argmax(probs / E), E ~ Exp(1), which draws exactly from probs (Gumbel-max);
      unseeded rows draw E from the sampler's generator, seeded rows from a counter-based generator keyed by
      (their seed, their output index), all seeded rows of a batch in one op.
@@ -37,7 +38,7 @@ import torch
 from minillm.contract import TokenLogprobs
 from minillm.sampling.batch import SamplingBatch
 from minillm.sampling.grammar_mask import GrammarMask, apply_grammar_mask
-from minillm.ops.sampling_ops import LOGIT_DTYPES, seeded_exponential_
+from minillm.ops.sampling_ops import LOGIT_DTYPES, seeded_exponential_, truncation_threshold
 from minillm.sampling.penalties import apply_penalties
 
 # Exp(1) draws can be exactly 0 (the uniform hit its endpoint); 0 would turn masked tokens into 0/0 = NaN,
@@ -89,7 +90,7 @@ class Sampler:
         if batch.temperature is not None:
             logits.div_(batch.temperature)
         lp_rows = _log_softmax_rows(logits, batch.logprobs)
-        truncate_logits(logits, batch)
+        truncate_logits(logits, batch, cuda=self.cuda)
         tokens = self._race(logits, batch)
         if greedy_tokens is not None:
             tokens = torch.where(batch.greedy_mask, greedy_tokens, tokens)
@@ -191,50 +192,12 @@ def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
         raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
 
 
-def truncate_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """Mask (to -inf, in place) every token that top-k, top-p or min-p removes from its row."""
-    threshold = _truncation_threshold(logits, batch)
+def truncate_logits(logits: torch.Tensor, batch: SamplingBatch, *, cuda: bool = False) -> None:
+    """Mask (to -inf, in place) every token that top-k, top-p or min-p removes from its row. cuda: the
+    threshold kernel may run (sampling_ops.truncation_threshold; its torch path elsewhere)."""
+    threshold = truncation_threshold(logits, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k, cuda=cuda)
     if threshold is not None:
         logits.masked_fill_(logits < threshold, -math.inf)
-
-
-def _truncation_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-    """Per-row logit threshold [N, 1] below which tokens are masked, or None when nothing truncates."""
-    if batch.top_p is not None:
-        threshold = _top_k_top_p_threshold(logits, batch)
-    elif batch.top_k is not None:
-        threshold = _top_k_threshold(logits, batch)
-    else:
-        threshold = None
-    if batch.min_p is not None:
-        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p): no softmax needed (log(0) = -inf keeps all).
-        min_p_thr = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
-        threshold = min_p_thr if threshold is None else torch.maximum(threshold, min_p_thr)
-    return threshold
-
-
-def _top_k_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """k-th largest logit per row via one topk of the batch's largest k (no full sort)."""
-    values = logits.topk(batch.max_top_k, dim=-1).values
-    k = batch.top_k.unsqueeze(1)
-    kth = values.gather(1, (k.clamp(max=batch.max_top_k) - 1))
-    return torch.where(k < batch.vocab_size, kth, -math.inf)
-
-
-def _top_k_top_p_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """One descending sort serves both: keep the first min(k, kept_p) tokens, where a token is kept by top-p
-    when the renormalised top-k mass strictly before it is < p (so the token that crosses p stays)."""
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    probs = sorted_logits.softmax(dim=-1)
-    cum = probs.cumsum(dim=-1)
-    vocab = batch.vocab_size
-    k = batch.top_k if batch.top_k is not None else torch.full_like(batch.top_p, vocab, dtype=torch.int64)
-    k = k.unsqueeze(1)
-    top_k_mass = cum.gather(1, k - 1)
-    kept_p = ((cum - probs) < batch.top_p.unsqueeze(1) * top_k_mass).sum(dim=-1, keepdim=True)
-    kept = torch.where(batch.top_p.unsqueeze(1) < 1.0, torch.minimum(kept_p, k).clamp_min(1), k)
-    threshold = sorted_logits.gather(1, kept - 1)
-    return torch.where(kept < vocab, threshold, -math.inf)
 
 
 def _log_softmax_rows(logits: torch.Tensor, wanted: list[int | None] | None) -> torch.Tensor | None:
