@@ -189,9 +189,9 @@ __device__ void scan_buckets(Scratch& s, int nb, unsigned int (&cnt)[kPerThread]
 }
 
 // Radix select over the logits at or above floor_key. By count: the key of the rank-th largest (rank >= 1).
-// By mass: the smallest key whose logits have mass(keys above) < target, target = p * (their total mass) when
-// target < 0 (p-only rows), else the given target in 2^-40 units. Returns the key in pick.bucket's place via
-// `key`, with the count and mass above it and the count equal to it.
+// By mass: the smallest key whose logits have mass(keys above) < target, where target < 0 means p * (their
+// total mass) (p-only rows), else the given target in 2^-40 units; the top key when none qualifies. Sets `key`,
+// the count and mass of the logits above it and the count of those equal to it.
 template <bool VEC>
 __device__ void radix_select(const float* x, int vocab, float mx, bool by_mass, bool want_mass, unsigned int rank,
                              float p, double target, uint32_t floor_key, Scratch& s, uint32_t& key,
