@@ -82,6 +82,41 @@ __device__ __forceinline__ void flush(Hist& h, int b, unsigned int c, unsigned l
   if (mass) atomicAdd(&h.mass[b], m);
 }
 
+// f(logit) for each logit of the row, this thread's share. One CTA streams a whole row (from L2 or HBM), so each
+// thread keeps kUnroll 16-byte loads in flight before it uses them: one load at a time leaves the SM waiting on
+// latency. Scalar loads (a row off the 16-byte grid) take the plain loop.
+constexpr int kUnroll = 4;
+
+template <bool VEC, typename F>
+__device__ __forceinline__ void for_each_logit(const float* __restrict__ x, int vocab, F&& f) {
+  if constexpr (VEC) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const int n4 = vocab / 4, step = static_cast<int>(blockDim.x);
+    int i = threadIdx.x;
+    for (; i + (kUnroll - 1) * step < n4; i += kUnroll * step) {
+      float4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = x4[i + u * step];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        f(v[u].x);
+        f(v[u].y);
+        f(v[u].z);
+        f(v[u].w);
+      }
+    }
+    for (; i < n4; i += step) {
+      const float4 v = x4[i];
+      f(v.x);
+      f(v.y);
+      f(v.z);
+      f(v.w);
+    }
+  } else {
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) f(x[i]);
+  }
+}
+
 // Histogram of digit (key >> shift) & digit_mask over the logits with (key & prefix_mask) == prefix and
 // key >= floor_key. Ends with the histogram complete (synced).
 template <bool VEC>
@@ -109,18 +144,7 @@ __device__ void histogram_pass(const float* x, int vocab, uint32_t prefix, uint3
     ++run_c;
     run_m += m;
   };
-  if constexpr (VEC) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (int i = threadIdx.x; i < vocab / 4; i += blockDim.x) {
-      const float4 v = x4[i];
-      add(v.x);
-      add(v.y);
-      add(v.z);
-      add(v.w);
-    }
-  } else {
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) add(x[i]);
-  }
+  for_each_logit<VEC>(x, vocab, add);
   flush(s.hist, run_b, run_c, run_m, mass);
   __syncthreads();
 }
@@ -241,15 +265,7 @@ __device__ void radix_select(const float* x, int vocab, float mx, bool by_mass, 
 template <bool VEC>
 __device__ float block_max(const float* x, int vocab, Scratch& s) {
   float m = -INFINITY;
-  if constexpr (VEC) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (int i = threadIdx.x; i < vocab / 4; i += blockDim.x) {
-      const float4 v = x4[i];
-      m = fmaxf(m, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
-    }
-  } else {
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, x[i]);
-  }
+  for_each_logit<VEC>(x, vocab, [&](float v) { m = fmaxf(m, v); });
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if ((threadIdx.x & 31) == 0) s.max[threadIdx.x / 32] = m;
   __syncthreads();
@@ -259,10 +275,11 @@ __device__ float block_max(const float* x, int vocab, Scratch& s) {
   return m;
 }
 
-// Grid: one CTA per row. top_k (int64, values >= vocab or < 1 = off), top_p (1 = off) and log_min_p (log of
+// Grid: one CTA per row. (Launch bounds with one CTA per SM: without the 1, nvcc 13 held the kernel to 32
+// registers and spilled the unrolled loads; it needs 56, ptxas -v.) top_k (int64, values >= vocab or < 1 = off), top_p (1 = off) and log_min_p (log of
 // min_p, -inf = off) may each be null (off for every row).
 template <bool VEC>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     truncation_threshold_kernel(const float* __restrict__ logits, int64_t row_stride, int vocab,
                                 const int64_t* __restrict__ top_k, const float* __restrict__ top_p,
                                 const float* __restrict__ log_min_p, float* __restrict__ out) {
