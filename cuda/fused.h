@@ -99,15 +99,23 @@ cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_strid
 cudaError_t launch_seeded_exponential(float* noise, int64_t row_stride, int64_t rows, int64_t vocab,
                                       const int64_t* args, int64_t listed, uint64_t offset, cudaStream_t stream);
 
+// The current device's SM count and compute capability (major), asked once per device (sampling.cu); 0 if the
+// query fails.
+int current_sm_count();
+int current_cc_major();
+
 // Truncation threshold per row (sampling_topp.cu): out[r] = the logit below which top-k / top-p / min-p mask
 // row r of fp32 logits (after temperature), with the semantics of the torch reference
 // (minillm/ops/sampling_ops.py: truncation_threshold_torch); -inf when nothing is masked. top_k: int64 [rows]
 // (< 1 or >= vocab: off); top_p: fp32 [rows] (1: off); log_min_p: fp32 [rows], log(min_p) (-inf: off); each
 // nullable (off on every row). The masses are summed in 64-bit fixed point, so vocab <= kMaxThresholdVocab.
+// splits: CTAs per row (a cluster, sm_90 only), 0 = the launcher's choice (several only when the rows leave SMs
+// idle); rounded down to a power of two <= 8, and 1 off sm_90. The thresholds are the same bit for bit for every
+// value (integer sums).
 constexpr int64_t kMaxThresholdVocab = int64_t{1} << 23;
 cudaError_t launch_truncation_threshold(const float* logits, int64_t row_stride, int64_t rows, int64_t vocab,
                                         const int64_t* top_k, const float* top_p, const float* log_min_p,
-                                        float* out, cudaStream_t stream);
+                                        float* out, int64_t splits, cudaStream_t stream);
 
 // More CTAs per row would only lengthen the merge of a row's partial results.
 constexpr int kMaxRaceSplits = 1024;

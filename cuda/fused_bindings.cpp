@@ -360,8 +360,10 @@ const void* optional_row_param(const std::optional<Tensor>& t, const Tensor& log
   return t->data_ptr();
 }
 
+// splits: CTAs per row, 0 = the launcher's choice; the thresholds are the same for every value, which the tests use.
 Tensor truncation_threshold(const Tensor& logits_in, const std::optional<Tensor>& top_k,
-                            const std::optional<Tensor>& top_p, const std::optional<Tensor>& log_min_p) {
+                            const std::optional<Tensor>& top_p, const std::optional<Tensor>& log_min_p,
+                            int64_t splits) {
   MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
                 "logits must be a float32 CUDA tensor [N, V], got ", logits_in.sizes(), " ", logits_in.scalar_type(),
                 " on ", logits_in.device());
@@ -372,10 +374,12 @@ Tensor truncation_threshold(const Tensor& logits_in, const std::optional<Tensor>
   const auto* k = static_cast<const int64_t*>(optional_row_param(top_k, logits, at::kLong, "top_k"));
   const auto* p = static_cast<const float*>(optional_row_param(top_p, logits, at::kFloat, "top_p"));
   const auto* m = static_cast<const float*>(optional_row_param(log_min_p, logits, at::kFloat, "log_min_p"));
+  MINILLM_CHECK(splits >= 0 && splits <= 8, "splits must be 0 (automatic) or in [1, 8], got ", splits);
+  MINILLM_CHECK(rows <= INT32_MAX / 8, "logits: at most ", INT32_MAX / 8, " rows, got ", rows);
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options());
   check_launch(minillm::launch_truncation_threshold(logits.data_ptr<float>(), logits.stride(0), rows, vocab, k, p, m,
-                                                    out.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+                                                    out.data_ptr<float>(), splits, at::cuda::getCurrentCUDAStream()),
                "truncation_threshold");
   return out;
 }
@@ -473,7 +477,7 @@ Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t
 void seeded_exponential_meta(Tensor&, const Tensor&, int64_t) {}
 
 Tensor truncation_threshold_meta(const Tensor& logits, const std::optional<Tensor>&, const std::optional<Tensor>&,
-                                 const std::optional<Tensor>&) {
+                                 const std::optional<Tensor>&, int64_t) {
   return at::empty({logits.size(0)}, logits.options());
 }
 
@@ -497,7 +501,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
   m.def("seeded_exponential_(Tensor(a!) noise, Tensor args, int offset=0) -> ()");
-  m.def("truncation_threshold(Tensor logits, Tensor? top_k, Tensor? top_p, Tensor? log_min_p) -> Tensor");
+  m.def("truncation_threshold(Tensor logits, Tensor? top_k, Tensor? top_p, Tensor? log_min_p, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
   m.def("l2_prefetch(Tensor[] tensors) -> ()");
   m.def("set_pdl_launches(bool on) -> bool", &set_pdl_launches);  // no tensor: one kernel for every backend

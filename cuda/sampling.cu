@@ -264,8 +264,12 @@ int race_splits(int64_t rows, int64_t vocab, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min({by_width, by_grid, int64_t{kMaxRaceSplits}})));
 }
 
-// SMs of the current device, asked once per device: the sampler runs every decode step. 0 if the query fails.
-int current_sm_count() {
+}  // namespace
+
+// An attribute of the current device, asked once per device: the sampler runs every decode step. 0 if the query
+// fails (every attribute cached here is > 0).
+template <cudaDeviceAttr kAttr>
+int cached_device_attribute() {
   constexpr int kCachedDevices = 64;
   static std::atomic<int> cache[kCachedDevices];  // 0: not asked yet
   int device = 0;
@@ -274,11 +278,16 @@ int current_sm_count() {
     const int known = cache[device].load(std::memory_order_relaxed);
     if (known > 0) return known;
   }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  if (device >= 0 && device < kCachedDevices) cache[device].store(sms, std::memory_order_relaxed);
-  return sms;
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, kAttr, device) != cudaSuccess) return 0;
+  if (device >= 0 && device < kCachedDevices) cache[device].store(value, std::memory_order_relaxed);
+  return value;
 }
+
+int current_sm_count() { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(); }
+int current_cc_major() { return cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
+
+namespace {
 
 template <typename T>
 cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_temperature, int64_t* out,

@@ -20,12 +20,25 @@
 // logits at or above the k-th value when both are on, since a smaller top-p threshold loses to it).
 // Shared-memory atomics: each thread keeps a run of equal buckets in registers and adds it at once when the
 // bucket changes, so a peaked row (most logits in one bucket) does not serialise on one address.
-// One CTA per row. Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a cuda/sampling_topp.cu
+// One CTA per row when the rows fill the GPU. With few rows (decode batches of 1-16 against 132 SMs) one CTA
+// would stream its whole row alone, so on sm_90 a cluster of up to 8 CTAs shares each row, one slice each: every
+// CTA builds the histogram of its slice, then reads all the cluster's histograms (distributed shared memory) and
+// makes the same pick from their sum (integers: the same in every CTA, and the same threshold as one CTA).
+// Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a cuda/sampling_topp.cu
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include <cooperative_groups.h>
+
 #include "fused.h"
 #include "launch.h"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MINILLM_TOPP_CLUSTERS 1  // thread block clusters and distributed shared memory
+#else
+#define MINILLM_TOPP_CLUSTERS 0
+#endif
 
 namespace minillm {
 namespace {
@@ -74,6 +87,34 @@ struct Scratch {
   int lowest, fallback;  // scan indices (descending bucket order) of the candidates
   Pick pick[kLevels];    // one per level: a level's result is read while the next is being set up
   float max[kWarps];
+  float row_max;         // this CTA's max, read by the row's other CTAs
+};
+
+// The CTAs of one row: `splits` CTAs of a cluster (sm_90), each on a slice of the row, which read each other's
+// histograms through distributed shared memory; or one CTA (splits == 1). Every CTA of a row takes the same
+// branches (they depend only on the row's parameters and on the merged histograms), so their barriers match.
+struct RowGroup {
+  int splits, rank;
+
+  // A barrier of every thread of the row's CTAs (memory of each visible to all).
+  __device__ void sync() const {
+#if MINILLM_TOPP_CLUSTERS
+    if (splits > 1) {
+      cooperative_groups::this_cluster().sync();
+      return;
+    }
+#endif
+    __syncthreads();
+  }
+
+  // `local` (this CTA's shared memory) as it lies in CTA r of the row.
+  template <typename T>
+  __device__ T* at(T* local, int r) const {
+#if MINILLM_TOPP_CLUSTERS
+    if (splits > 1) return cooperative_groups::this_cluster().map_shared_rank(local, r);
+#endif
+    return local;
+  }
 };
 
 __device__ __forceinline__ void flush(Hist& h, int b, unsigned int c, unsigned long long m, bool mass) {
@@ -117,11 +158,13 @@ __device__ __forceinline__ void for_each_logit(const float* __restrict__ x, int 
   }
 }
 
-// Histogram of digit (key >> shift) & digit_mask over the logits with (key & prefix_mask) == prefix and
-// key >= floor_key. Ends with the histogram complete (synced).
+// Histogram of digit (key >> shift) & digit_mask over this CTA's logits (x, vocab: its slice) with
+// (key & prefix_mask) == prefix and key >= floor_key. Ends with the histograms of all the row's CTAs complete.
 template <bool VEC>
 __device__ void histogram_pass(const float* x, int vocab, uint32_t prefix, uint32_t prefix_mask, int shift,
-                               uint32_t digit_mask, uint32_t floor_key, bool mass, float mx, Scratch& s) {
+                               uint32_t digit_mask, uint32_t floor_key, bool mass, float mx, Scratch& s,
+                               const RowGroup& g) {
+  g.sync();  // no CTA of the row still reads the previous histograms
   for (int b = threadIdx.x; b < kBuckets; b += blockDim.x) {
     s.hist.count[b] = 0;
     s.hist.mass[b] = 0;
@@ -146,20 +189,27 @@ __device__ void histogram_pass(const float* x, int vocab, uint32_t prefix, uint3
   };
   for_each_logit<VEC>(x, vocab, add);
   flush(s.hist, run_b, run_c, run_m, mass);
-  __syncthreads();
+  g.sync();  // every CTA's histogram of the row is complete
 }
 
-// Exclusive scan of the buckets in descending order (scan index i = bucket nb - 1 - i): for each of this
-// thread's kPerThread indices, the count and mass of the buckets above it. Also sets s.total.
-__device__ void scan_buckets(Scratch& s, int nb, unsigned int (&cnt)[kPerThread], unsigned long long (&ms)[kPerThread],
-                             unsigned int (&ex_c)[kPerThread], unsigned long long (&ex_m)[kPerThread]) {
+// Exclusive scan of the row's buckets (the sum of its CTAs' histograms) in descending order (scan index i = bucket
+// nb - 1 - i): for each of this thread's kPerThread indices, the count and mass of the buckets above it. Also sets
+// s.total. Every CTA of the row computes the same integers.
+__device__ void scan_buckets(Scratch& s, const RowGroup& g, int nb, unsigned int (&cnt)[kPerThread],
+                             unsigned long long (&ms)[kPerThread], unsigned int (&ex_c)[kPerThread],
+                             unsigned long long (&ex_m)[kPerThread]) {
   unsigned int c = 0;
   unsigned long long m = 0;
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int b = nb - 1 - (static_cast<int>(threadIdx.x) * kPerThread + j);
-    cnt[j] = b >= 0 ? s.hist.count[b] : 0;
-    ms[j] = b >= 0 ? s.hist.mass[b] : 0;
+    cnt[j] = 0;
+    ms[j] = 0;
+    for (int r = 0; r < g.splits && b >= 0; ++r) {
+      const Hist* h = g.at(&s.hist, r);
+      cnt[j] += h->count[b];
+      ms[j] += h->mass[b];
+    }
     ex_c[j] = c;
     ex_m[j] = m;
     c += cnt[j];
@@ -218,7 +268,7 @@ __device__ void scan_buckets(Scratch& s, int nb, unsigned int (&cnt)[kPerThread]
 // the count and mass of the logits above it and the count of those equal to it.
 template <bool VEC>
 __device__ void radix_select(const float* x, int vocab, float mx, bool by_mass, bool want_mass, unsigned int rank,
-                             float p, double target, uint32_t floor_key, Scratch& s, uint32_t& key,
+                             float p, double target, uint32_t floor_key, Scratch& s, const RowGroup& g, uint32_t& key,
                              unsigned int& count_above, unsigned int& count_eq, unsigned long long& mass_above) {
   uint32_t prefix = 0, prefix_mask = 0;
   count_above = 0;
@@ -226,10 +276,10 @@ __device__ void radix_select(const float* x, int vocab, float mx, bool by_mass, 
   for (int level = 0; level < kLevels; ++level) {
     const int shift = level_shift(level), nb = level_buckets(level);
     histogram_pass<VEC>(x, vocab, prefix, prefix_mask, shift, static_cast<uint32_t>(nb - 1), floor_key,
-                        want_mass || by_mass, mx, s);
+                        want_mass || by_mass, mx, s, g);
     unsigned int cnt[kPerThread], ex_c[kPerThread];
     unsigned long long ms[kPerThread], ex_m[kPerThread];
-    scan_buckets(s, nb, cnt, ms, ex_c, ex_m);
+    scan_buckets(s, g, nb, cnt, ms, ex_c, ex_m);
     if (by_mass && target < 0) target = static_cast<double>(p) * static_cast<double>(s.total);
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
@@ -262,8 +312,9 @@ __device__ void radix_select(const float* x, int vocab, float mx, bool by_mass, 
   key = prefix;
 }
 
+// The row's max (over all its CTAs' slices).
 template <bool VEC>
-__device__ float block_max(const float* x, int vocab, Scratch& s) {
+__device__ float row_max(const float* x, int vocab, Scratch& s, const RowGroup& g) {
   float m = -INFINITY;
   for_each_logit<VEC>(x, vocab, [&](float v) { m = fmaxf(m, v); });
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -271,29 +322,37 @@ __device__ float block_max(const float* x, int vocab, Scratch& s) {
   __syncthreads();
   m = -INFINITY;
   for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s.max[w]);
-  __syncthreads();  // s.max may be reused
+  if (threadIdx.x == 0) s.row_max = m;
+  g.sync();
+  for (int r = 0; r < g.splits; ++r) m = fmaxf(m, *g.at(&s.row_max, r));
   return m;
 }
 
-// Grid: one CTA per row. (Launch bounds with one CTA per SM: without the 1, nvcc 13 held the kernel to 32
-// registers and spilled the unrolled loads; it needs 56, ptxas -v.) top_k (int64, values >= vocab or < 1 = off), top_p (1 = off) and log_min_p (log of
-// min_p, -inf = off) may each be null (off for every row).
+// Grid: `splits` CTAs per row (a cluster of them when splits > 1, sm_90 only), CTA rank r on the r-th slice of
+// the row (slices of whole 4-column groups, the last one shorter or empty). (Launch bounds with one CTA per SM:
+// without the 1, nvcc 13 held the kernel to 32 registers and spilled the unrolled loads; it needs 56, ptxas -v.)
+// top_k (int64, values >= vocab or < 1 = off), top_p (1 = off) and log_min_p (log of min_p, -inf = off) may
+// each be null (off for every row).
 template <bool VEC>
 __global__ void __launch_bounds__(kThreads, 1)
-    truncation_threshold_kernel(const float* __restrict__ logits, int64_t row_stride, int vocab,
+    truncation_threshold_kernel(const float* __restrict__ logits, int64_t row_stride, int vocab, int splits,
                                 const int64_t* __restrict__ top_k, const float* __restrict__ top_p,
                                 const float* __restrict__ log_min_p, float* __restrict__ out) {
   pdl_enter();
   __shared__ Scratch s;
-  const int64_t row = blockIdx.x;
-  const float* x = logits + row * row_stride;
+  const RowGroup g{splits, static_cast<int>(blockIdx.x % splits)};
+  const int64_t row = blockIdx.x / splits;
+  const int slice = ((vocab + 3) / 4 + splits - 1) / splits * 4;
+  const int begin = min(vocab, g.rank * slice);
+  const int n = min(vocab, begin + slice) - begin;
+  const float* x = logits + row * row_stride + begin;
   const int64_t k64 = top_k != nullptr ? top_k[row] : vocab;
   const bool use_k = k64 >= 1 && k64 < vocab;
   const float p = top_p != nullptr ? top_p[row] : 1.f;
   const bool use_p = p < 1.f;
   const float lmp = log_min_p != nullptr ? log_min_p[row] : -INFINITY;
   float mx = -INFINITY;
-  if (use_p || log_min_p != nullptr) mx = block_max<VEC>(x, vocab, s);
+  if (use_p || log_min_p != nullptr) mx = row_max<VEC>(x, n, s, g);
   uint32_t key = 0, k_key = 0;
   unsigned int above = 0, eq = 0;
   unsigned long long mass_above = 0;
@@ -301,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bool all_kept = !use_k;
   if (use_k) {
     const unsigned int k = static_cast<unsigned int>(k64);
-    radix_select<VEC>(x, vocab, mx, false, use_p, k, p, 0.0, 0u, s, k_key, above, eq, mass_above);
+    radix_select<VEC>(x, n, mx, false, use_p, k, p, 0.0, 0u, s, g, k_key, above, eq, mass_above);
     key = k_key;
     if (use_p) {  // top-k mass: everything above the k-th value plus as many of its ties as make k
       const unsigned long long mk = mass_above + (k - above) * fixed_mass(key_value(k_key), mx);
@@ -310,28 +369,52 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (use_p && mx > -INFINITY) {
     uint32_t p_key = 0;
-    radix_select<VEC>(x, vocab, mx, true, true, 0u, p, target, k_key, s, p_key, above, eq, mass_above);
+    radix_select<VEC>(x, n, mx, true, true, 0u, p, target, k_key, s, g, p_key, above, eq, mass_above);
     key = max(key, p_key);
     all_kept = !use_k && above + eq >= static_cast<unsigned int>(vocab);
   }
-  if (threadIdx.x == 0) {
+  if (g.rank == 0 && threadIdx.x == 0) {
     const float thr = all_kept ? -INFINITY : key_value(key);
     out[row] = fmaxf(thr, __fadd_rn(mx, lmp));
   }
+  if (splits > 1) g.sync();  // no CTA leaves while another may still read its shared memory
+}
+
+// CTAs per row: a cluster of up to kMaxSplits (the portable cluster size) on sm_90 when the rows alone leave SMs
+// idle (one CTA fills an SM), each slice keeping at least kMinSliceColumns columns; else 1.
+constexpr int kMaxSplits = 8;
+constexpr int64_t kMinSliceColumns = 8192;
+
+int threshold_splits(int64_t rows, int64_t vocab, int64_t requested) {
+  if (current_cc_major() != 9) return 1;  // the clustered code is in the sm_90a build only
+  int64_t want = requested;
+  if (want <= 0) want = std::min<int64_t>(current_sm_count() / std::max<int64_t>(rows, 1), vocab / kMinSliceColumns);
+  int splits = 1;
+  while (splits * 2 <= std::min<int64_t>(want, kMaxSplits)) splits *= 2;
+  return splits;
 }
 
 }  // namespace
 
 cudaError_t launch_truncation_threshold(const float* logits, int64_t row_stride, int64_t rows, int64_t vocab,
                                         const int64_t* top_k, const float* top_p, const float* log_min_p,
-                                        float* out, cudaStream_t stream) {
-  if (rows < 0 || rows > INT32_MAX || vocab <= 0 || vocab > kMaxThresholdVocab) return cudaErrorInvalidValue;
+                                        float* out, int64_t splits, cudaStream_t stream) {
+  if (rows < 0 || rows > INT32_MAX / kMaxSplits || vocab <= 0 || vocab > kMaxThresholdVocab || splits < 0) {
+    return cudaErrorInvalidValue;
+  }
   if (rows == 0) return cudaSuccess;
   const bool vec = vocab % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  const dim3 grid(static_cast<unsigned int>(rows));
+  const int ctas = threshold_splits(rows, vocab, splits);
+  const dim3 grid(static_cast<unsigned int>(rows * ctas));
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = static_cast<unsigned int>(ctas);
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
   const int v = static_cast<int>(vocab);
-  return launch_kernel(vec ? truncation_threshold_kernel<true> : truncation_threshold_kernel<false>, grid,
-                       dim3(kThreads), 0, stream, logits, row_stride, v, top_k, top_p, log_min_p, out);
+  return launch_kernel_with(cluster, ctas > 1 ? 1 : 0,
+                            vec ? truncation_threshold_kernel<true> : truncation_threshold_kernel<false>, grid,
+                            dim3(kThreads), 0, stream, logits, row_stride, v, ctas, top_k, top_p, log_min_p, out);
 }
 
 }  // namespace minillm

@@ -183,6 +183,22 @@ def test_batch_sizes_and_determinism(ops, rows):
         assert torch.equal(truncation_threshold(logits, *params, cuda=True), first)
 
 
+@pytest.mark.parametrize("vocab", [151936, 1001, 20])
+def test_split_rows_give_the_one_cta_thresholds(ops, vocab):
+    """Several CTAs per row (a cluster on sm_90; elsewhere the op runs one CTA whatever is asked) sum integer
+    histograms, so every split count gives the one-CTA thresholds bit for bit, empty slices included (V=20 with 8
+    CTAs: 4-column slices, the last three empty)."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for rows in (1, 3):
+        logits = torch.randn(rows, vocab, generator=gen, device="cuda") * 3
+        k, p, mp, _ = _params(rows, vocab, ks=[0, 5, 0], ps=[0.9, 0.7, 1.0], min_ps=[0.0, 0.0, 0.1])
+        lmp = mp.log()
+        one = ops.truncation_threshold(logits, k, p, lmp, 1)
+        for splits in (0, 2, 4, 8):
+            assert torch.equal(ops.truncation_threshold(logits, k, p, lmp, splits), one), f"rows={rows} {splits}"
+        _check(logits, k, p, mp, int(k[k < vocab].max()) if bool((k < vocab).any()) else 0)
+
+
 def test_bad_arguments_raise_value_error(ops):
     logits = torch.randn(2, 100, device="cuda")
     with pytest.raises(ValueError, match="logits must be a float32"):
@@ -191,6 +207,8 @@ def test_bad_arguments_raise_value_error(ops):
         ops.truncation_threshold(logits, torch.ones(3, dtype=torch.int64, device="cuda"), None, None)
     with pytest.raises(ValueError, match="top_p must be contiguous"):
         ops.truncation_threshold(logits, None, torch.ones(2, dtype=torch.float64, device="cuda"), None)
+    with pytest.raises(ValueError, match="splits must be"):
+        ops.truncation_threshold(logits, None, None, None, 9)
 
 
 def _requests(n):
