@@ -112,7 +112,7 @@ int current_cc_major();
 // splits: CTAs per row (a cluster, sm_90 only), 0 = the launcher's choice (several only when the rows leave SMs
 // idle); rounded down to a power of two <= 8, and 1 off sm_90. The thresholds are the same bit for bit for every
 // value (integer sums).
-constexpr int64_t kMaxThresholdVocab = int64_t{1} << 23;
+constexpr int64_t kMaxThresholdVocab = 8388608;  // 2^23
 cudaError_t launch_truncation_threshold(const float* logits, int64_t row_stride, int64_t rows, int64_t vocab,
                                         const int64_t* top_k, const float* top_p, const float* log_min_p,
                                         float* out, int64_t splits, cudaStream_t stream);

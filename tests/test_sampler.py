@@ -442,3 +442,14 @@ def test_truncation_threshold_torch_keeps_ties_and_at_least_one():
     kept = (logits >= thr).sum(dim=1).tolist()
     assert kept == [4, 1, 6, 6]
     assert float(thr[3]) == -math.inf
+
+
+def test_threshold_vocab_limit_matches_the_kernel():
+    """The op hands the kernel only vocabularies its fixed-point sums cover (cuda/fused.h), else its torch path."""
+    import re
+    from pathlib import Path
+
+    from minillm.ops.sampling_ops import THRESHOLD_MAX_VOCAB
+
+    header = (Path(__file__).resolve().parents[1] / "cuda" / "fused.h").read_text()
+    assert int(re.search(r"constexpr int64_t kMaxThresholdVocab = (\d+);", header).group(1)) == THRESHOLD_MAX_VOCAB

@@ -28,6 +28,8 @@ _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 _MAX_U63 = 2**63 - 1
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The threshold kernel sums masses in 64-bit fixed point: its vocab limit (kMaxThresholdVocab, cuda/fused.h).
+THRESHOLD_MAX_VOCAB = 1 << 23
 # Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
 _REF_CHUNK_ELEMS = 1 << 22
 
@@ -207,12 +209,13 @@ def truncation_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p
     renormalised top-k mass strictly before it is < p (so the token that crosses p stays), at least one; ties of
     the last kept value stay too (the caller masks `logit < threshold`). Then min-p: p >= min_p * p_max, i.e.
     logit >= max + log(min_p).
-    With cuda=True and CUDA logits this is one kernel without a sort (cuda/sampling_topp.cu), whose masses are
-    summed in another order than the sort's cumsum: at a row's exact top-p boundary (a token whose preceding mass
-    is within float rounding of p) the two may keep one token more or less. Elsewhere the torch path below."""
+    With cuda=True and CUDA logits (vocab <= THRESHOLD_MAX_VOCAB) this is one kernel without a sort
+    (cuda/sampling_topp.cu); it sums masses in fixed point rather than by the sort's float32 cumsum, so at a row's
+    exact top-p boundary (a token whose preceding mass is within rounding of p) the two may keep one token more or
+    less. Elsewhere the torch path below."""
     if top_k is None and top_p is None and min_p is None:
         return None
-    if cuda and logits.is_cuda:
+    if cuda and logits.is_cuda and logits.shape[1] <= THRESHOLD_MAX_VOCAB:
         log_min_p = min_p.float().log().contiguous() if min_p is not None else None
         p = top_p.float().contiguous() if top_p is not None else None
         return torch.ops.minillm.truncation_threshold(logits, top_k, p, log_min_p).unsqueeze(1)
