@@ -86,10 +86,12 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ScalarType dtype, cu
 // workspace: sample_exponential_race_workspace_bytes(rows, splits) bytes of device memory, any contents (the
 // launch zeroes what it needs on `stream`), not used by another launch until this one is done; null when that
 // size is 0.
+// threshold: fp32 [rows] or null; columns whose widened logit is below their row's threshold count as -inf (the
+// masking of top-k / top-p / min-p, launch_truncation_threshold).
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
-                                           int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, int splits, void* workspace, ScalarType logits_dtype,
-                                           cudaStream_t stream);
+                                           const float* threshold, int64_t* out, int64_t rows, int64_t vocab,
+                                           uint64_t seed, uint64_t offset, int splits, void* workspace,
+                                           ScalarType logits_dtype, cudaStream_t stream);
 
 // Seeded rows' noise: for i < listed, noise[args[i], c] = E ~ Exp(1) for every column c < vocab, from
 // Philox4x32-10 with key = args[listed + i] (the request's seed, as 64 bits) and counter = (c / 4, position low,

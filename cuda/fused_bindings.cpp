@@ -284,6 +284,19 @@ Tensor qk_norm_rope_cache_fp8(const Tensor& qkv, const Tensor& positions, const 
                          k_norm_weight, eps, k_cache, v_cache, slot_mapping, &k_scale, &v_scale);
 }
 
+// An optional per-row parameter of an op on logits [N, V]: null when absent, else its data, checked to be
+// contiguous `dtype` [N] on logits' device.
+const void* optional_row_param(const std::optional<Tensor>& t, const Tensor& logits, at::ScalarType dtype,
+                               const char* name) {
+  if (!t.has_value()) return nullptr;
+  MINILLM_CHECK(t->scalar_type() == dtype && t->dim() == 1 && t->size(0) == logits.size(0) && t->is_contiguous() &&
+                    t->device() == logits.device(),
+                name, " must be contiguous ", dtype, " [", logits.size(0), "] on logits' device, got ", t->sizes(),
+                " ", t->scalar_type(), " on ", t->device());
+  return t->data_ptr();
+}
+
+// splits: CTAs per row, 0 = the launcher's choice; the thresholds are the same for every value, which the tests use.
 // Device scratch of the sampler's split rows (partial results and tickets; none when a CTA covers each row).
 // Fresh from the caching allocator on every call rather than a persistent per-device buffer: under CUDA graph
 // capture it comes from the graph's private pool, so the captured launch and every replay own the same block,
@@ -297,8 +310,9 @@ Tensor race_workspace(const Tensor& logits, int64_t rows, int splits) {
 // logits: float32, float16 or bfloat16 (the lm_head output as it is); the kernel widens each value to fp32.
 // splits: CTAs per row, 0 = the launcher's choice (several per row only when rows are few); the tokens are the
 // same for every value, which the tests use to check the split rows against one CTA per row.
+// threshold: optional float32 [N], the truncation threshold of each row (columns below it cannot be drawn).
 Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset,
-                               int64_t splits) {
+                               int64_t splits, const std::optional<Tensor>& threshold) {
   MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
                     logits_in.sizes(), " on ", logits_in.device());
   const ScalarType dtype = act_dtype(logits_in, "logits");
@@ -315,12 +329,13 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
   MINILLM_CHECK(offset >= 0, "offset must be in [0, 2**63), got ", offset);
   MINILLM_CHECK(splits >= 0 && splits <= minillm::kMaxRaceSplits, "splits must be 0 (automatic) or in [1, ",
                     minillm::kMaxRaceSplits, "], got ", splits);
+  const auto* thr = static_cast<const float*>(optional_row_param(threshold, logits, at::kFloat, "threshold"));
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const int ctas = minillm::sample_exponential_race_splits(rows, vocab, splits);
   const Tensor workspace = race_workspace(logits, rows, ctas);
   check_launch(minillm::launch_sample_exponential_race(
-                   logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), out.data_ptr<int64_t>(),
+                   logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), thr, out.data_ptr<int64_t>(),
                    rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), ctas,
                    workspace.defined() ? workspace.data_ptr() : nullptr, dtype, at::cuda::getCurrentCUDAStream()),
                "sample_exponential_race");
@@ -348,19 +363,6 @@ void seeded_exponential_(Tensor& noise, const Tensor& args, int64_t offset) {
                "seeded_exponential_");
 }
 
-// Per-row truncation threshold [N] of fp32 logits [N, V] (after temperature) for top-k / top-p / min-p:
-// top_k int64 [N], top_p float32 [N], log_min_p float32 [N] (log of min_p), each optional, on logits' device.
-const void* optional_row_param(const std::optional<Tensor>& t, const Tensor& logits, at::ScalarType dtype,
-                               const char* name) {
-  if (!t.has_value()) return nullptr;
-  MINILLM_CHECK(t->scalar_type() == dtype && t->dim() == 1 && t->size(0) == logits.size(0) && t->is_contiguous() &&
-                    t->device() == logits.device(),
-                name, " must be contiguous ", dtype, " [", logits.size(0), "] on logits' device, got ", t->sizes(),
-                " ", t->scalar_type(), " on ", t->device());
-  return t->data_ptr();
-}
-
-// splits: CTAs per row, 0 = the launcher's choice; the thresholds are the same for every value, which the tests use.
 Tensor truncation_threshold(const Tensor& logits_in, const std::optional<Tensor>& top_k,
                             const std::optional<Tensor>& top_p, const std::optional<Tensor>& log_min_p,
                             int64_t splits) {
@@ -470,7 +472,8 @@ Tensor qk_norm_rope_cache_fp8_meta(const Tensor& qkv, const Tensor&, const Tenso
   return at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
 }
 
-Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t, int64_t) {
+Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t, int64_t,
+                                    const std::optional<Tensor>&) {
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
 
@@ -499,7 +502,8 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("qk_norm_rope_cache_fp8(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, "
         "int num_kv_heads, int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> Tensor");
-  m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
+  m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0, "
+        "Tensor? threshold=None) -> Tensor");
   m.def("seeded_exponential_(Tensor(a!) noise, Tensor args, int offset=0) -> ()");
   m.def("truncation_threshold(Tensor logits, Tensor? top_k, Tensor? top_p, Tensor? log_min_p, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
