@@ -170,11 +170,14 @@ def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, 
 
 
 def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                                offset: int) -> torch.Tensor:
+                                offset: int, threshold: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of the kernel in numpy fp32: the same noise words, the same fp32 steps. int64 [N].
-    Half-precision logits are widened to fp32 first (exact), as the kernel does."""
+    Half-precision logits are widened to fp32 first (exact), as the kernel does; logits below their row's
+    threshold (float32 [N], optional) become -inf."""
     _check_args(logits, inv_temperature, seed, offset)
     x = logits.detach().float().cpu().numpy()
+    if threshold is not None:
+        x = np.where(x < threshold.detach().float().cpu().numpy()[:, None], np.float32(-np.inf), x)
     inv_t = inv_temperature.detach().cpu().numpy()
     n, vocab = x.shape
     out = np.empty(n, dtype=np.int64)
@@ -189,14 +192,15 @@ def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Ten
 
 
 def sample_exponential_race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                            offset: int, *, cuda: bool = False) -> torch.Tensor:
+                            offset: int, threshold: torch.Tensor | None = None, *, cuda: bool = False) -> torch.Tensor:
     """One token per row of logits [N, V] (float32, bfloat16 or float16): a draw from
     softmax(logits * inv_temperature), or the argmax where inv_temperature is 0. inv_temperature must be >= 0
-    (not checked on the device: that would sync). Returns int64 [N] on logits' device."""
+    (not checked on the device: that would sync). threshold: float32 [N] or None; a row's logits below it cannot
+    be drawn (truncation_threshold's masking, without writing the logits). Returns int64 [N] on logits' device."""
     _check_args(logits, inv_temperature, seed, offset)
     if cuda and logits.is_cuda:
-        return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset)
-    return sample_exponential_race_ref(logits, inv_temperature, seed, offset)
+        return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset, 0, threshold)
+    return sample_exponential_race_ref(logits, inv_temperature, seed, offset, threshold)
 
 
 def truncation_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

@@ -20,6 +20,9 @@ Order of operations on a batch of float32 logits [N, V] (modified in place):
   6. exponential race: token = argmax(probs / E), E ~ Exp(1), which draws exactly from probs (Gumbel-max);
      unseeded rows draw E from the sampler's generator, seeded rows from a counter-based generator keyed by
      (their seed, their output index), all seeded rows of a batch in one op.
+With the CUDA kernels, a batch without seeds or logprobs runs 3, 5 and 6 as at most three kernels: the
+division, the threshold kernel when it truncates, and the one-pass race, which skips what the threshold masks
+(its noise is the kernel's own, keyed by the sampler's seed and step).
 
 No host syncs: every decision that depends on the batch composition was made on the host by
 SamplingBatch.build. Only logprobs need one transfer (to build Python objects), done once for the batch.
@@ -72,7 +75,7 @@ class Sampler:
         _check_logits(logits, batch)
         self.nonfinite.check(logits)
         fused = self.cuda and _fused_race_applies(batch)
-        untouched = batch.penalties is None and batch.banned_rows is None and grammar is None
+        untouched = batch.penalties is None and batch.banned_rows is None and grammar is None and not batch.truncates
         if logits.dtype != torch.float32 and not (fused and untouched):
             logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
         if batch.penalties is not None:
@@ -111,8 +114,19 @@ class Sampler:
 
     def _fused_race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Temperature + exponential race + greedy rows in one pass of the CUDA kernel. Its noise is keyed by
-        (sampler seed, row, step, column), so unseeded rows stay reproducible run to run."""
+        (sampler seed, row, step, column), so unseeded rows stay reproducible run to run. Truncated batches (fp32
+        logits here) are first divided by their temperature, as on the torch path, so that the threshold kernel
+        and the race (at inverse temperature 1, or 0 on greedy rows) compare the very same values: the race then
+        skips every logit below its row's threshold instead of the torch path's mask, softmax and noise."""
         from minillm.ops.sampling_ops import sample_exponential_race
+        if batch.truncates:
+            if batch.temperature is not None:
+                logits.div_(batch.temperature)
+            threshold = truncation_threshold(logits, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k,
+                                             cuda=True).squeeze(1)
+            self._fused_steps += 1
+            return sample_exponential_race(logits, batch.unit_inverse_temperature(logits.device), self.seed,
+                                           self._fused_steps, threshold, cuda=True)
         inv_t = batch.inverse_temperature(logits.device)
         if batch.all_greedy:
             # Inverse temperature 0 on every row: the kernel's argmax (ties to the lowest column, NaN largest, as
@@ -175,12 +189,11 @@ class NonFiniteWatch:
 
 
 def _fused_race_applies(batch: SamplingBatch) -> bool:
-    """The one-pass sampling op covers plain temperature sampling and greedy rows, all-greedy batches included:
-    no truncation, no per-request seeds (their noise is keyed by their own seed: SeededRows) and no logprobs.
-    Everything else takes the torch path. (The op runs its kernel on CUDA tensors and its numpy reference
-    elsewhere; an engine only enables it with its CUDA kernels.)"""
-    if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
-        return False
+    """The one-pass sampling op covers temperature sampling, with top-k / top-p / min-p through the threshold
+    kernel, and greedy rows, all-greedy batches included: no per-request seeds (their noise is keyed by their own
+    seed: SeededRows) and no logprobs (which are taken before truncation). Everything else takes the torch path.
+    (The ops run their kernels on CUDA tensors and their references elsewhere; an engine only enables them with
+    its CUDA kernels.)"""
     return batch.seeded is None and batch.logprobs is None
 
 
