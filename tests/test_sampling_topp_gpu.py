@@ -244,3 +244,51 @@ def test_sampler_with_kernel_picks_the_torch_paths_tokens(ops, dtype):
         b = without(logits.clone(), batch).token_ids
         assert torch.equal(a[same], b[same])
         assert bool(same.float().mean() >= 0.9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 0])
+def test_race_with_threshold_is_the_race_on_masked_logits(ops, dtype, splits):
+    """The race kernel given a threshold skips what masked_fill(logits < threshold, -inf) removes: the same token
+    bit for bit as the race on the masked logits (one CTA per row, and the automatic split)."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    n, vocab = 12, 151936
+    logits = (torch.randn(n, vocab, generator=gen, device="cuda") * 3).to(dtype)
+    wide = logits.float()
+    k, p, mp, max_k = _params(n, vocab, ks=[0, 20, 1], ps=[0.9, 0.5, 1.0, 1e-6], min_ps=[0.0, 0.05])
+    thr = truncation_threshold(wide, k, p, mp, max_k, cuda=True).squeeze(1)
+    inv_t = torch.rand(n, generator=gen, device="cuda") + 0.5
+    inv_t[3] = 0.0                                           # a greedy row: the argmax of its kept logits
+    masked = wide.masked_fill(wide < thr[:, None], -float("inf"))
+    for offset in (1, 2):
+        got = ops.sample_exponential_race(logits, inv_t, 5, offset, splits, thr)
+        assert torch.equal(got, ops.sample_exponential_race(masked, inv_t, 5, offset, splits))
+        assert bool((wide.gather(1, got[:, None]).squeeze(1) >= thr).all())
+
+
+def test_fused_truncated_sampler_draws_from_the_masked_softmax(ops):
+    """Sampler(cuda=True), no seeds or logprobs: logits / T, the threshold kernel, the race with the threshold.
+    Over many rows of the same logits the draws follow softmax(logits / T) restricted to the kept set."""
+    from minillm.request import Request
+    from minillm.sampling.batch import SamplingBatch
+    from minillm.sampling.sampler import Sampler
+    from minillm.sampling_params import SamplingParams
+
+    base = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0] * 4, device="cuda")   # V = 32, ties
+    n, t = 20000, 0.8
+    sp = SamplingParams(max_tokens=8, temperature=t, top_p=0.75, top_k=20)
+    batch = SamplingBatch.build([Request(f"r{i}", [1], sp) for i in range(n)], "cuda", base.numel())
+    tokens = Sampler(3, cuda=True)(base.repeat(n, 1).bfloat16(), batch).token_ids
+    scaled = (base / t)[None]
+    thr = truncation_threshold_torch(scaled, batch.top_k[:1], batch.top_p[:1], None, batch.max_top_k)
+    kept = (scaled >= thr)[0]
+    probs = (scaled[0].softmax(-1) * kept).double()
+    probs /= probs.sum()
+    counts = torch.bincount(tokens, minlength=base.numel()).double()
+    assert counts[~kept].sum() == 0
+    expected = n * probs[kept]
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    # Kept: the 12 tokens of the top three values (ties kept; top-20 mass before the 9th token 0.746 < 0.75), so
+    # 11 degrees of freedom: chi2 > 45 has p < 1e-5.
+    assert int(kept.sum()) == 12
+    assert chi2 < 45
