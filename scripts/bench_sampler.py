@@ -3,7 +3,8 @@
 
 Rows, per batch size B:
   plain       temperature 0.7 only (the one-pass race kernel);
-  top_p       temperature 0.7, top_p 0.9 (the serve defaults), with the threshold kernel (Sampler(cuda=True));
+  top_p       temperature 0.7, top_p 0.9 (the serve defaults), Sampler(cuda=True): fp32 copy / T, the threshold
+              kernel, the race kernel with the threshold;
   top_p_sort  the same batch on the torch path's sort (Sampler(cuda=False)), what top-p cost before the kernel;
   threshold   the threshold op alone (sampling_ops.truncation_threshold, fp32 logits after temperature), and
   threshold_sort its torch path.
