@@ -16,7 +16,8 @@
 // Columns that provably cannot beat their thread's best so far skip the exact noise (and whole groups of four
 // skip Philox): the same winner for a fraction of the logarithms (group_cannot_win, column_cannot_win).
 // Variants: 16-byte loads (4 fp32 or 8 half-precision columns; vocab and row stride multiples of that,
-// aligned) or scalar loads.
+// aligned) or scalar loads; with a per-row truncation threshold (sampling_topp.cu: columns below it are read as
+// -inf) or without (the plain kernels, unchanged).
 //
 // Grid (rows, splits). With many rows, one CTA of up to 1024 threads per row (splits = 1) and nothing else.
 // With few rows (decode batches of 1-16 against 132 SMs) one CTA per row would leave most SMs idle, so each

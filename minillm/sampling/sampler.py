@@ -20,9 +20,9 @@ Order of operations on a batch of float32 logits [N, V] (modified in place):
   6. exponential race: token = argmax(probs / E), E ~ Exp(1), which draws exactly from probs (Gumbel-max);
      unseeded rows draw E from the sampler's generator, seeded rows from a counter-based generator keyed by
      (their seed, their output index), all seeded rows of a batch in one op.
-With the CUDA kernels, a batch without seeds or logprobs runs 3, 5 and 6 as at most three kernels: the
-division, the threshold kernel when it truncates, and the one-pass race, which skips what the threshold masks
-(its noise is the kernel's own, keyed by the sampler's seed and step).
+With the CUDA kernels, a truncated batch without seeds or logprobs runs 3, 5 and 6 as the fp32 copy, the
+division, the threshold kernel and the one-pass race, which skips what the threshold masks (its noise is the
+kernel's own, keyed by the sampler's seed and step); untruncated, as the race alone.
 
 No host syncs: every decision that depends on the batch composition was made on the host by
 SamplingBatch.build. Only logprobs need one transfer (to build Python objects), done once for the batch.
