@@ -1,8 +1,8 @@
-// Truncation threshold per row for top-k / top-p / min-p without sorting (the sampler's torch path sorts the
-// whole row: sampler.py's _top_k_top_p_threshold, now sampling_ops.truncation_threshold_torch, the reference).
+// Truncation threshold per row for top-k / top-p / min-p without sorting. Its reference, the torch path
+// (minillm/ops/sampling_ops.py: truncation_threshold_torch), sorts the whole row.
 //
 // Semantics, on the descending order s[0..V-1] of a row and its softmax: keep the first min(k, kept_p)
-// positions, where position i is kept by top-p when the top-k mass strictly before it is < p * (top-k mass),
+// positions, where position i is kept by top-p when the mass strictly before it is < p * (top-k mass),
 // at least one kept; the threshold is the value at the last kept position (every tie of it is kept: the caller
 // masks `logit < threshold`), -inf when all V are kept; then max(threshold, max + log(min_p)).
 // In values rather than positions: the top-k threshold is the k-th largest value; the top-p threshold is the
@@ -15,7 +15,7 @@
 // buckets from the top then picks the bucket that holds the k-th value (counts) or the top-p value (masses) and
 // narrows the prefix. Masses are exp(logit - max) in fixed point (2^40 per unit, 64-bit integer atomics): sums
 // are exact and independent of the order the atomics land in, so a row's threshold is the same on every run.
-// (A logit 28 below the max rounds to mass 0: the error is below 2e-7 of the total for a 152k vocab.)
+// (Each mass is rounded to 2^-41 of the max's: over a 152k vocab, less than 1e-7 of the total.)
 // Passes over a row: one for the max when top-p or min-p is on, three for top-k, three for top-p (restricted to
 // logits at or above the k-th value when both are on, since a smaller top-p threshold loses to it).
 // Shared-memory atomics: each thread keeps a run of equal buckets in registers and adds it at once when the
