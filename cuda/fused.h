@@ -1,8 +1,9 @@
 // Launchers of the fused elementwise kernels and the one-pass sampler (plain C++, no torch types).
 //
 // Sources: fused_norm.cu (rms_norm, fused_add_rms_norm), fused_act.cu (silu_and_mul), fused_rope.cu
-// (qk_norm_rope), sampling.cu (sample_exponential_race, seeded_exponential). fused_bindings.cpp turns tensors
-// into these arguments and registers the torch.ops.minillm.* ops. Strides and sizes are in elements. Every launcher
+// (qk_norm_rope), sampling.cu (sample_exponential_race, seeded_exponential), sampling_topp.cu
+// (truncation_threshold). fused_bindings.cpp turns tensors into these arguments and registers the
+// torch.ops.minillm.* ops. Strides and sizes are in elements. Every launcher
 // returns the launch's error code (cudaSuccess, or cudaErrorInvalidValue for arguments outside the limits
 // below, which the bindings check first with clearer messages).
 #pragma once
@@ -85,10 +86,12 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ScalarType dtype, cu
 // workspace: sample_exponential_race_workspace_bytes(rows, splits) bytes of device memory, any contents (the
 // launch zeroes what it needs on `stream`), not used by another launch until this one is done; null when that
 // size is 0.
+// threshold: fp32 [rows] or null; columns whose widened logit is below their row's threshold count as -inf (the
+// masking of top-k / top-p / min-p, launch_truncation_threshold).
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
-                                           int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
-                                           uint64_t offset, int splits, void* workspace, ScalarType logits_dtype,
-                                           cudaStream_t stream);
+                                           const float* threshold, int64_t* out, int64_t rows, int64_t vocab,
+                                           uint64_t seed, uint64_t offset, int splits, void* workspace,
+                                           ScalarType logits_dtype, cudaStream_t stream);
 
 // Seeded rows' noise: for i < listed, noise[args[i], c] = E ~ Exp(1) for every column c < vocab, from
 // Philox4x32-10 with key = args[listed + i] (the request's seed, as 64 bits) and counter = (c / 4, position low,
@@ -97,6 +100,24 @@ cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_strid
 // [0, rows) are skipped. listed <= 65535.
 cudaError_t launch_seeded_exponential(float* noise, int64_t row_stride, int64_t rows, int64_t vocab,
                                       const int64_t* args, int64_t listed, uint64_t offset, cudaStream_t stream);
+
+// The current device's SM count and compute capability (major), asked once per device (sampling.cu); 0 if the
+// query fails.
+int current_sm_count();
+int current_cc_major();
+
+// Truncation threshold per row (sampling_topp.cu): out[r] = the logit below which top-k / top-p / min-p mask
+// row r of fp32 logits (after temperature), with the semantics of the torch reference
+// (minillm/ops/sampling_ops.py: truncation_threshold_torch); -inf when nothing is masked. top_k: int64 [rows]
+// (< 1 or >= vocab: off); top_p: fp32 [rows] (1: off); log_min_p: fp32 [rows], log(min_p) (-inf: off); each
+// nullable (off on every row). The masses are summed in 64-bit fixed point, so vocab <= kMaxThresholdVocab.
+// splits: CTAs per row (a cluster, sm_90 only), 0 = the launcher's choice (several only when the rows leave SMs
+// idle); rounded down to a power of two <= 8, and 1 off sm_90. The thresholds are the same bit for bit for every
+// value (integer sums).
+constexpr int64_t kMaxThresholdVocab = 8388608;  // 2^23
+cudaError_t launch_truncation_threshold(const float* logits, int64_t row_stride, int64_t rows, int64_t vocab,
+                                        const int64_t* top_k, const float* top_p, const float* log_min_p,
+                                        float* out, int64_t splits, cudaStream_t stream);
 
 // More CTAs per row would only lengthen the merge of a row's partial results.
 constexpr int kMaxRaceSplits = 1024;

@@ -284,6 +284,19 @@ Tensor qk_norm_rope_cache_fp8(const Tensor& qkv, const Tensor& positions, const 
                          k_norm_weight, eps, k_cache, v_cache, slot_mapping, &k_scale, &v_scale);
 }
 
+// An optional per-row parameter of an op on logits [N, V]: null when absent, else its data, checked to be
+// contiguous `dtype` [N] on logits' device.
+const void* optional_row_param(const std::optional<Tensor>& t, const Tensor& logits, at::ScalarType dtype,
+                               const char* name) {
+  if (!t.has_value()) return nullptr;
+  MINILLM_CHECK(t->scalar_type() == dtype && t->dim() == 1 && t->size(0) == logits.size(0) && t->is_contiguous() &&
+                    t->device() == logits.device(),
+                name, " must be contiguous ", dtype, " [", logits.size(0), "] on logits' device, got ", t->sizes(),
+                " ", t->scalar_type(), " on ", t->device());
+  return t->data_ptr();
+}
+
+// splits: CTAs per row, 0 = the launcher's choice; the thresholds are the same for every value, which the tests use.
 // Device scratch of the sampler's split rows (partial results and tickets; none when a CTA covers each row).
 // Fresh from the caching allocator on every call rather than a persistent per-device buffer: under CUDA graph
 // capture it comes from the graph's private pool, so the captured launch and every replay own the same block,
@@ -297,8 +310,9 @@ Tensor race_workspace(const Tensor& logits, int64_t rows, int splits) {
 // logits: float32, float16 or bfloat16 (the lm_head output as it is); the kernel widens each value to fp32.
 // splits: CTAs per row, 0 = the launcher's choice (several per row only when rows are few); the tokens are the
 // same for every value, which the tests use to check the split rows against one CTA per row.
+// threshold: optional float32 [N], the truncation threshold of each row (columns below it cannot be drawn).
 Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset,
-                               int64_t splits) {
+                               int64_t splits, const std::optional<Tensor>& threshold) {
   MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
                     logits_in.sizes(), " on ", logits_in.device());
   const ScalarType dtype = act_dtype(logits_in, "logits");
@@ -315,12 +329,13 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
   MINILLM_CHECK(offset >= 0, "offset must be in [0, 2**63), got ", offset);
   MINILLM_CHECK(splits >= 0 && splits <= minillm::kMaxRaceSplits, "splits must be 0 (automatic) or in [1, ",
                     minillm::kMaxRaceSplits, "], got ", splits);
+  const auto* thr = static_cast<const float*>(optional_row_param(threshold, logits, at::kFloat, "threshold"));
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const int ctas = minillm::sample_exponential_race_splits(rows, vocab, splits);
   const Tensor workspace = race_workspace(logits, rows, ctas);
   check_launch(minillm::launch_sample_exponential_race(
-                   logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), out.data_ptr<int64_t>(),
+                   logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), thr, out.data_ptr<int64_t>(),
                    rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), ctas,
                    workspace.defined() ? workspace.data_ptr() : nullptr, dtype, at::cuda::getCurrentCUDAStream()),
                "sample_exponential_race");
@@ -346,6 +361,29 @@ void seeded_exponential_(Tensor& noise, const Tensor& args, int64_t offset) {
                                                   noise.size(1), args.data_ptr<int64_t>(), args.size(1),
                                                   static_cast<uint64_t>(offset), at::cuda::getCurrentCUDAStream()),
                "seeded_exponential_");
+}
+
+Tensor truncation_threshold(const Tensor& logits_in, const std::optional<Tensor>& top_k,
+                            const std::optional<Tensor>& top_p, const std::optional<Tensor>& log_min_p,
+                            int64_t splits) {
+  MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
+                "logits must be a float32 CUDA tensor [N, V], got ", logits_in.sizes(), " ", logits_in.scalar_type(),
+                " on ", logits_in.device());
+  const Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  MINILLM_CHECK(vocab >= 1 && vocab <= minillm::kMaxThresholdVocab, "logits: vocab size must be in [1, ",
+                minillm::kMaxThresholdVocab, "], got ", vocab);
+  const auto* k = static_cast<const int64_t*>(optional_row_param(top_k, logits, at::kLong, "top_k"));
+  const auto* p = static_cast<const float*>(optional_row_param(top_p, logits, at::kFloat, "top_p"));
+  const auto* m = static_cast<const float*>(optional_row_param(log_min_p, logits, at::kFloat, "log_min_p"));
+  MINILLM_CHECK(splits >= 0 && splits <= 8, "splits must be 0 (automatic) or in [1, 8], got ", splits);
+  MINILLM_CHECK(rows <= INT32_MAX / 8, "logits: at most ", INT32_MAX / 8, " rows, got ", rows);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  Tensor out = at::empty({rows}, logits.options());
+  check_launch(minillm::launch_truncation_threshold(logits.data_ptr<float>(), logits.stride(0), rows, vocab, k, p, m,
+                                                    out.data_ptr<float>(), splits, at::cuda::getCurrentCUDAStream()),
+               "truncation_threshold");
+  return out;
 }
 
 // x [M, K] times w [N, K]^T -> [M, N] (a decode-sized linear layer, no bias); launcher in gemm.h.
@@ -434,11 +472,17 @@ Tensor qk_norm_rope_cache_fp8_meta(const Tensor& qkv, const Tensor&, const Tenso
   return at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
 }
 
-Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t, int64_t) {
+Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t, int64_t,
+                                    const std::optional<Tensor>&) {
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
 
 void seeded_exponential_meta(Tensor&, const Tensor&, int64_t) {}
+
+Tensor truncation_threshold_meta(const Tensor& logits, const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                 const std::optional<Tensor>&, int64_t) {
+  return at::empty({logits.size(0)}, logits.options());
+}
 
 Tensor skinny_gemm_meta(const Tensor& x, const Tensor& w, int64_t) {
   return at::empty({x.size(0), w.size(0)}, x.options());
@@ -458,8 +502,10 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("qk_norm_rope_cache_fp8(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, "
         "int num_kv_heads, int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> Tensor");
-  m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0) -> Tensor");
+  m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0, "
+        "Tensor? threshold=None) -> Tensor");
   m.def("seeded_exponential_(Tensor(a!) noise, Tensor args, int offset=0) -> ()");
+  m.def("truncation_threshold(Tensor logits, Tensor? top_k, Tensor? top_p, Tensor? log_min_p, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");
   m.def("l2_prefetch(Tensor[] tensors) -> ()");
   m.def("set_pdl_launches(bool on) -> bool", &set_pdl_launches);  // no tensor: one kernel for every backend
@@ -474,6 +520,7 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8);
   m.impl("sample_exponential_race", &sample_exponential_race);
   m.impl("seeded_exponential_", &seeded_exponential_);
+  m.impl("truncation_threshold", &truncation_threshold);
   m.impl("skinny_gemm", &skinny_gemm);
   m.impl("l2_prefetch", &l2_prefetch);
 }
@@ -487,5 +534,6 @@ TORCH_LIBRARY_IMPL(minillm, Meta, m) {
   m.impl("qk_norm_rope_cache_fp8", &qk_norm_rope_cache_fp8_meta);
   m.impl("sample_exponential_race", &sample_exponential_race_meta);
   m.impl("seeded_exponential_", &seeded_exponential_meta);
+  m.impl("truncation_threshold", &truncation_threshold_meta);
   m.impl("skinny_gemm", &skinny_gemm_meta);
 }

@@ -16,7 +16,8 @@
 // Columns that provably cannot beat their thread's best so far skip the exact noise (and whole groups of four
 // skip Philox): the same winner for a fraction of the logarithms (group_cannot_win, column_cannot_win).
 // Variants: 16-byte loads (4 fp32 or 8 half-precision columns; vocab and row stride multiples of that,
-// aligned) or scalar loads.
+// aligned) or scalar loads; with a per-row truncation threshold (sampling_topp.cu: columns below it are read as
+// -inf) or without (the plain kernels, unchanged).
 //
 // Grid (rows, splits). With many rows, one CTA of up to 1024 threads per row (splits = 1) and nothing else.
 // With few rows (decode batches of 1-16 against 132 SMs) one CTA per row would leave most SMs idle, so each
@@ -186,9 +187,10 @@ __device__ __forceinline__ void race_group(const float* l, int g, int vocab, flo
 
 // This thread's best over chunks begin + threadIdx.x, + blockDim.x, ... below end of row `row` (at x).
 // Index `vocab` is past every column: any real column, even at -inf, beats that start on the tie rule.
-template <typename T, bool VEC>
+// THR: columns below `thr` (the row's truncation threshold) count as -inf, as the torch path masks them.
+template <typename T, bool VEC, bool THR>
 __device__ __forceinline__ Best scan_chunks(const T* x, int vocab, float inv_t, uint32_t row, uint2 key,
-                                            uint32_t offset_lo, uint32_t offset_hi, int begin, int end) {
+                                            uint32_t offset_lo, uint32_t offset_hi, int begin, int end, float thr) {
   constexpr int kCols = kChunkCols<T, VEC>;
   constexpr int kGroups = kCols / 4;  // Philox calls per chunk
   const bool greedy = inv_t == 0.f;
@@ -196,6 +198,10 @@ __device__ __forceinline__ Best scan_chunks(const T* x, int vocab, float inv_t, 
   for (int k = begin + static_cast<int>(threadIdx.x); k < end; k += blockDim.x) {
     float l[kCols];
     load_chunk<T, VEC>(x, k, vocab, l);
+    if constexpr (THR) {
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) l[e] = l[e] < thr ? -INFINITY : l[e];
+    }
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
       if (greedy) {
@@ -235,10 +241,11 @@ __device__ bool merge_split(Best& best, Best* partials, unsigned int* ticket) {
 
 // Grid (rows, splits): CTA (row, s) scans load chunks [s * split_chunks, (s + 1) * split_chunks) of its row.
 // partials [rows, splits] and tickets [rows] (zero at launch) are used only when splits > 1.
-template <typename T, bool VEC>
+template <typename T, bool VEC, bool THR>
 __global__ void __launch_bounds__(kThreads)
     exponential_race_kernel(const T* __restrict__ logits, int64_t row_stride,
-                            const float* __restrict__ inv_temperature, int64_t* __restrict__ out, int vocab,
+                            const float* __restrict__ inv_temperature, const float* __restrict__ threshold,
+                            int64_t* __restrict__ out, int vocab,
                             int split_chunks, Best* partials, unsigned int* tickets, uint2 key, uint32_t offset_lo,
                             uint32_t offset_hi) {
   pdl_enter();  // launch.h: before the first access to memory the kernel before it touches
@@ -246,8 +253,9 @@ __global__ void __launch_bounds__(kThreads)
   const int chunks = (vocab + kChunkCols<T, VEC> - 1) / kChunkCols<T, VEC>;
   const int begin = static_cast<int>(blockIdx.y) * split_chunks;
   const int end = min(chunks, begin + split_chunks);
-  Best best = block_argmax(scan_chunks<T, VEC>(logits + row * row_stride, vocab, inv_temperature[row], row, key,
-                                               offset_lo, offset_hi, begin, end));
+  const float thr = THR ? threshold[row] : 0.f;
+  Best best = block_argmax(scan_chunks<T, VEC, THR>(logits + row * row_stride, vocab, inv_temperature[row], row, key,
+                                                    offset_lo, offset_hi, begin, end, thr));
   if (gridDim.y > 1 && !merge_split(best, partials + static_cast<int64_t>(row) * gridDim.y, tickets + row)) return;
   if (threadIdx.x == 0) out[row] = best.i;
 }
@@ -264,8 +272,12 @@ int race_splits(int64_t rows, int64_t vocab, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min({by_width, by_grid, int64_t{kMaxRaceSplits}})));
 }
 
-// SMs of the current device, asked once per device: the sampler runs every decode step. 0 if the query fails.
-int current_sm_count() {
+}  // namespace
+
+// An attribute of the current device, asked once per device: the sampler runs every decode step. 0 if the query
+// fails (every attribute cached here is > 0).
+template <cudaDeviceAttr kAttr>
+int cached_device_attribute() {
   constexpr int kCachedDevices = 64;
   static std::atomic<int> cache[kCachedDevices];  // 0: not asked yet
   int device = 0;
@@ -274,16 +286,21 @@ int current_sm_count() {
     const int known = cache[device].load(std::memory_order_relaxed);
     if (known > 0) return known;
   }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  if (device >= 0 && device < kCachedDevices) cache[device].store(sms, std::memory_order_relaxed);
-  return sms;
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, kAttr, device) != cudaSuccess) return 0;
+  if (device >= 0 && device < kCachedDevices) cache[device].store(value, std::memory_order_relaxed);
+  return value;
 }
 
+int current_sm_count() { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(); }
+int current_cc_major() { return cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
+
+namespace {
+
 template <typename T>
-cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_temperature, int64_t* out,
-                        int64_t rows, int64_t vocab, int splits, void* workspace, uint2 key, uint32_t lo, uint32_t hi,
-                        cudaStream_t stream) {
+cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_temperature, const float* threshold,
+                        int64_t* out, int64_t rows, int64_t vocab, int splits, void* workspace, uint2 key, uint32_t lo,
+                        uint32_t hi, cudaStream_t stream) {
   constexpr int kVecCols = 16 / static_cast<int>(sizeof(T));
   const bool vec = vocab % kVecCols == 0 && row_stride % kVecCols == 0 &&
                    reinterpret_cast<uintptr_t>(logits) % 16 == 0;
@@ -302,9 +319,12 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
   }
   const dim3 grid(static_cast<unsigned int>(rows), static_cast<unsigned int>(used));
   const int v = static_cast<int>(vocab), sc = static_cast<int>(split_chunks);
-  return launch_kernel(vec ? exponential_race_kernel<T, true> : exponential_race_kernel<T, false>, grid,
-                       dim3(threads), 0, stream, logits, row_stride, inv_temperature, out, v, sc, partials, tickets,
-                       key, lo, hi);
+  // Without a threshold, the kernels of plain temperature sampling as they were (THR = false compiles it out).
+  const auto kernel = threshold != nullptr
+                          ? (vec ? exponential_race_kernel<T, true, true> : exponential_race_kernel<T, false, true>)
+                          : (vec ? exponential_race_kernel<T, true, false> : exponential_race_kernel<T, false, false>);
+  return launch_kernel(kernel, grid, dim3(threads), 0, stream, logits, row_stride, inv_temperature, threshold, out, v,
+                       sc, partials, tickets, key, lo, hi);
 }
 
 // Seeded rows' noise (sampler.py's torch path): noise[row, c] = E ~ Exp(1) for each listed row, keyed by the
@@ -365,7 +385,8 @@ int64_t sample_exponential_race_workspace_bytes(int64_t rows, int splits) {
 }
 
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
-                                           int64_t* out, int64_t rows, int64_t vocab, uint64_t seed,
+                                           const float* threshold, int64_t* out, int64_t rows, int64_t vocab,
+                                           uint64_t seed,
                                            uint64_t offset, int splits, void* workspace, ScalarType logits_dtype,
                                            cudaStream_t stream) {
   if (rows < 0 || rows > INT32_MAX || vocab <= 0 || vocab > kMaxVocab - 4) return cudaErrorInvalidValue;
@@ -375,8 +396,8 @@ cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_strid
   const uint32_t lo = static_cast<uint32_t>(offset), hi = static_cast<uint32_t>(offset >> 32);
   return fused_detail::dispatch_dtype(logits_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return launch_race(static_cast<const T*>(logits), row_stride, inv_temperature, out, rows, vocab, splits,
-                       workspace, key, lo, hi, stream);
+    return launch_race(static_cast<const T*>(logits), row_stride, inv_temperature, threshold, out, rows, vocab,
+                       splits, workspace, key, lo, hi, stream);
   });
 }
 

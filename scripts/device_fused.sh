@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine: build the fused kernels (cuda/fused*.cu, cuda/sampling.cu, cuda/fused_bindings.cpp) into
+# On a CUDA machine: build the fused kernels (cuda/fused*.cu, cuda/sampling*.cu, cuda/fused_bindings.cpp) into
 # their own library, run tests/test_fused_gpu.py against it, then time each kernel against the torch path of
 # minillm/ops/fused_ops.py at decode (T=256) and prefill (T=4096) shapes of Qwen3-0.6B.
 # Usage: scripts/device_fused.sh [out_dir] [steps]   steps: any of "build test bench" (default: all three).
@@ -23,7 +23,8 @@ import sys, time
 from pathlib import Path
 from torch.utils.cpp_extension import load
 build, std = Path(sys.argv[1]), [f"-std={sys.argv[2]}"] if sys.argv[2] else []
-srcs = sorted(Path("cuda").glob("fused_*.cu")) + [Path("cuda/sampling.cu"), Path("cuda/fused_bindings.cpp")]
+srcs = (sorted(Path("cuda").glob("fused_*.cu")) + sorted(Path("cuda").glob("sampling*.cu"))
+        + [Path("cuda/fused_bindings.cpp")])
 t0 = time.time()
 load(name="minillm_fused", sources=[str(s) for s in srcs], build_directory=str(build), is_python_module=False,
      extra_cflags=["-O3"] + std, extra_include_paths=["cuda"],

@@ -377,9 +377,10 @@ def test_half_precision_logits_give_the_fp32_tokens(dtype):
 def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(monkeypatch):
     """With the CUDA kernels chosen (Sampler(cuda=True)), plain temperature sampling and all-greedy batches hand
     the one-pass kernel the half-precision logits as they are, unless penalties or the min_tokens ban must first
-    change them (then fp32 logits); logprobs and truncation never reach it. Which dtype the op receives is
+    change them (then fp32 logits); logprobs never reach it. Which dtype the op receives is
     checked here on the CPU (where the op runs its numpy reference); the kernel's tokens against the torch path
-    are checked on a GPU in tests/test_fused_gpu.py."""
+    are checked on a GPU in tests/test_fused_gpu.py. Truncated batches without seeds reach it too, as fp32 (their
+    logits are divided by T first); seeded ones do not."""
     from minillm.ops import sampling_ops
 
     seen, op = [], sampling_ops.sample_exponential_race
@@ -394,7 +395,9 @@ def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(m
     banned = plain[:2] + [req(temperature=0.9, min_tokens=3)]
     greedy = [req(temperature=0.0), req(temperature=0.0)]
     for requests, kernel_dtype in ((plain, [torch.bfloat16]), (penalised, [torch.float32]), (banned, [torch.float32]),
-                                   (plain[:1] + [req(temperature=0.7, top_k=3)], []),
+                                   # truncation: the threshold kernel, then the race on fp32 logits / T
+                                   (plain[:1] + [req(temperature=0.7, top_k=3)], [torch.float32]),
+                                   (plain[:1] + [req(temperature=0.7, top_p=0.8, seed=3)], []),
                                    (plain[:1] + [req(temperature=0.7, logprobs=1)], []),
                                    # all greedy: the kernel too (an argmax), unless logprobs are asked for
                                    (greedy, [torch.bfloat16]),
@@ -409,3 +412,73 @@ def test_fused_path_gets_half_precision_logits_only_when_nothing_modifies_them(m
         assert seen == []       # the torch path never calls the op
 
 
+
+
+def test_truncation_threshold_op_on_cpu_is_the_torch_path():
+    """cuda=True asks for the threshold kernel, which only runs on CUDA tensors: on the CPU the op is its torch
+    path, and the sampler with the kernels chosen picks the very tokens it picks without them (the kernel against
+    this path is tests/test_sampling_topp_gpu.py)."""
+    from minillm.ops.sampling_ops import truncation_threshold, truncation_threshold_torch
+
+    requests = [req(top_p=0.9, temperature=0.7), req(top_k=5, top_p=0.5), req(top_k=3), req(min_p=0.2),
+                req(temperature=0.0), req(top_p=0.3, seed=4)]
+    logits = rand_logits(len(requests), seed=8)
+    batch = SamplingBatch.build(requests, "cpu", V)
+    args = (logits, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k)
+    assert torch.equal(truncation_threshold(*args, cuda=True), truncation_threshold_torch(*args[:4], args[4]))
+    assert truncation_threshold(logits, None, None, None, cuda=True) is None
+    for seed in range(3):
+        got = Sampler(seed, cuda=True)(logits.clone(), batch).token_ids
+        assert torch.equal(got, Sampler(seed, cuda=False)(logits.clone(), batch).token_ids)
+
+
+def test_truncation_threshold_torch_keeps_ties_and_at_least_one():
+    """The reference's edge rules the kernel must share: every tie of the last kept value stays; top-p keeps at
+    least one token however small p; k = V or p = 1 keeps everything (threshold -inf)."""
+    from minillm.ops.sampling_ops import truncation_threshold_torch
+
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, -math.inf], [5.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                           [1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [3.0, 2.0, 1.0, 0.0, -1.0, -2.0]])
+    k = torch.tensor([2, 6, 6, 6])
+    p = torch.tensor([1.0, 1e-6, 0.5, 1.0])
+    thr = truncation_threshold_torch(logits, k, p, None, 2)
+    kept = (logits >= thr).sum(dim=1).tolist()
+    assert kept == [4, 1, 6, 6]
+    assert float(thr[3]) == -math.inf
+
+
+def test_threshold_vocab_limit_matches_the_kernel():
+    """The op hands the kernel only vocabularies its fixed-point sums cover (cuda/fused.h), else its torch path."""
+    import re
+    from pathlib import Path
+
+    from minillm.ops.sampling_ops import THRESHOLD_MAX_VOCAB
+
+    header = (Path(__file__).resolve().parents[1] / "cuda" / "fused.h").read_text()
+    assert int(re.search(r"constexpr int64_t kMaxThresholdVocab = (\d+);", header).group(1)) == THRESHOLD_MAX_VOCAB
+
+
+def test_fused_truncated_path_draws_from_the_masked_softmax():
+    """Sampler(cuda=True) without seeds or logprobs: logits / T, the threshold, then the one-pass race that skips
+    what the threshold masks (here the op's numpy reference: CPU). Every token is in its row's kept set, each row's
+    token is the reference race's on the divided logits, and the draws follow the truncated softmax."""
+    from minillm.ops.sampling_ops import sample_exponential_race_ref, truncation_threshold_torch
+
+    base = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n, t, p = 6000, 0.8, 0.75   # top-6 mass before the 3rd token: 0.731, before the 4th: 0.867
+    requests = [req(temperature=t, top_p=p, top_k=6) for _ in range(n)] + [req(temperature=0.0)]
+    logits = torch.cat([base.repeat(n, 1), base[None]])
+    batch = SamplingBatch.build(requests, "cpu", 8)
+    tokens = Sampler(9, cuda=True)(logits.clone(), batch).token_ids
+    scaled = logits / batch.temperature
+    thr = truncation_threshold_torch(scaled, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k)
+    ref = sample_exponential_race_ref(scaled, batch.unit_inverse_temperature("cpu"), 9, 1, thr.squeeze(1))
+    assert torch.equal(tokens, ref)
+    assert int(tokens[-1]) == 0                                       # the greedy row
+    kept = scaled[0] >= thr[0]
+    assert kept.tolist() == [True, True, True, False, False, False, False, False]
+    probs = (base / t).softmax(-1).double() * kept
+    counts = torch.bincount(tokens[:n], minlength=8).double()
+    assert counts[~kept].sum() == 0
+    # 2 degrees of freedom: chi2 > 25 has p < 1e-5.
+    assert chi_square(counts[kept], probs[kept] / probs.sum()) < 25

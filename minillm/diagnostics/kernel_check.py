@@ -8,7 +8,7 @@ kernels the engine runs (ENGINE_PREFILL_KERNELS), also on long prompts (8k, 16k,
 chunk over a 14k cached prefix). Caches start as NaN and block tables are random permutations. Timings use CUDA
 events around CUDA-graph replays of many calls over rotating inputs larger than L2. One JSON line per case and per
 timing goes to --output. The fp8 KV cache, the megakernel and the fused MoE kernels add their own cases
-(kv_quant_check, megakernel_check, moe_check).
+(kv_quant_check, megakernel_check, moe_check); the sampler's truncation threshold adds run_threshold_cases.
 """
 from __future__ import annotations
 
@@ -162,7 +162,35 @@ def run_cases(quick: bool) -> list[dict]:
     from minillm.diagnostics.moe_check import run_moe_cases
 
     return (rows + run_long_prefill_cases(quick) + run_fp8_cases(quick) + run_megakernel_cases(quick)
-            + run_moe_cases(quick))
+            + run_moe_cases(quick) + run_threshold_cases())
+
+
+def run_threshold_cases() -> list[dict]:
+    """The sampler's truncation-threshold kernel against its sort-based torch path, on mixed top-k / top-p /
+    min-p rows (the output block NaN-poisoned first): the error is the largest difference of a row's kept count,
+    at most one token at an exact top-p boundary (tests/test_sampling_topp_gpu.py checks which)."""
+    import torch
+
+    from minillm.ops.sampling_ops import truncation_threshold, truncation_threshold_torch
+
+    rows = []
+    for vocab in (151936, 1001):
+        for label, scale in (("spread", 3.0), ("peaked", 12.0)):
+            gen = torch.Generator(device="cuda").manual_seed(vocab)
+            logits = torch.randn(64, vocab, generator=gen, device="cuda") * scale
+            n = logits.shape[0]
+            k = torch.tensor([(0, 1, 40, 1000)[i % 4] or vocab for i in range(n)], device="cuda")
+            p = torch.tensor([(0.9, 0.5, 1.0, 0.99, 1e-6)[i % 5] for i in range(n)], device="cuda")
+            min_p = torch.tensor([(0.0, 0.0, 0.05)[i % 3] for i in range(n)], device="cuda")
+            poison = [torch.full((n,), float("nan"), device="cuda") for _ in range(8)]
+            del poison   # the op's small allocations reuse these blocks: a row the kernel skips stays NaN
+            got = truncation_threshold(logits, k, p, min_p, 1000, cuda=True)
+            ref = truncation_threshold_torch(logits, k, p, min_p, 1000)
+            diff = ((logits >= got).sum(1) - (logits >= ref).sum(1)).abs().max()
+            err = float("nan") if got.isnan().any() else float(diff)
+            rows.append(dict(case=f"sampler threshold {label} V={vocab}", max_abs_err=err, tol=1.0,
+                             passed=err <= 1.0))
+    return rows
 
 
 def long_prefill_batches(quick: bool):

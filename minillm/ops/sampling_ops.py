@@ -12,8 +12,13 @@ key = seed (low 32 bits, high 32 bits) and counter = (column // 4, row, offset l
 word column % 4, turned into u = float32(word) * 2**-32 + 2**-33 and E = -log1p(-u). The reference
 recomputes those very words, so CPU and GPU pick the same tokens except where two scores tie to within
 float rounding. Callers advance `offset` every step (and keep `seed` per engine) to get fresh noise.
+
+truncation_threshold: the per-row logit below which top-k / top-p / min-p mask a row, by one radix-select kernel
+(cuda/sampling_topp.cu) with cuda=True on CUDA tensors, else by the sort-based torch path it is tested against.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -23,6 +28,8 @@ _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 _MAX_U63 = 2**63 - 1
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The threshold kernel sums masses in 64-bit fixed point: its vocab limit (kMaxThresholdVocab, cuda/fused.h).
+THRESHOLD_MAX_VOCAB = 1 << 23
 # Rows per chunk in the reference, so that its uint64 temporaries stay a few tens of MB at a 152k vocab.
 _REF_CHUNK_ELEMS = 1 << 22
 
@@ -163,11 +170,14 @@ def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, 
 
 
 def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                                offset: int) -> torch.Tensor:
+                                offset: int, threshold: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of the kernel in numpy fp32: the same noise words, the same fp32 steps. int64 [N].
-    Half-precision logits are widened to fp32 first (exact), as the kernel does."""
+    Half-precision logits are widened to fp32 first (exact), as the kernel does; logits below their row's
+    threshold (float32 [N], optional) become -inf."""
     _check_args(logits, inv_temperature, seed, offset)
     x = logits.detach().float().cpu().numpy()
+    if threshold is not None:
+        x = np.where(x < threshold.detach().float().cpu().numpy()[:, None], np.float32(-np.inf), x)
     inv_t = inv_temperature.detach().cpu().numpy()
     n, vocab = x.shape
     out = np.empty(n, dtype=np.int64)
@@ -182,11 +192,78 @@ def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Ten
 
 
 def sample_exponential_race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                            offset: int, *, cuda: bool = False) -> torch.Tensor:
+                            offset: int, threshold: torch.Tensor | None = None, *, cuda: bool = False) -> torch.Tensor:
     """One token per row of logits [N, V] (float32, bfloat16 or float16): a draw from
     softmax(logits * inv_temperature), or the argmax where inv_temperature is 0. inv_temperature must be >= 0
-    (not checked on the device: that would sync). Returns int64 [N] on logits' device."""
+    (not checked on the device: that would sync). threshold: float32 [N] or None; a row's logits below it cannot
+    be drawn (truncation_threshold's masking, without writing the logits). Returns int64 [N] on logits' device."""
     _check_args(logits, inv_temperature, seed, offset)
     if cuda and logits.is_cuda:
-        return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset)
-    return sample_exponential_race_ref(logits, inv_temperature, seed, offset)
+        return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset, 0, threshold)
+    return sample_exponential_race_ref(logits, inv_temperature, seed, offset, threshold)
+
+
+def truncation_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                         min_p: torch.Tensor | None, max_top_k: int = 0, *, cuda: bool = False
+                         ) -> torch.Tensor | None:
+    """Per-row logit threshold [N, 1] below which top-k, top-p and min-p mask fp32 logits [N, V] (after
+    temperature), or None when none of them is given. top_k: int64 [N] (V = off), top_p: [N] (1 = off), min_p:
+    [N] (0 = off); max_top_k: the largest top_k below V (the torch path's topk width). The top-p rule, on the
+    row's descending order: keep the first min(k, kept_p) tokens, where a token is kept by top-p when the
+    renormalised top-k mass strictly before it is < p (so the token that crosses p stays), at least one; ties of
+    the last kept value stay too (the caller masks `logit < threshold`). Then min-p: p >= min_p * p_max, i.e.
+    logit >= max + log(min_p).
+    With cuda=True and CUDA logits (vocab <= THRESHOLD_MAX_VOCAB) this is one kernel without a sort
+    (cuda/sampling_topp.cu); it sums masses in fixed point rather than by the sort's float32 cumsum, so at a row's
+    exact top-p boundary (a token whose preceding mass is within rounding of p) the two may keep one token more or
+    less. Elsewhere the torch path below."""
+    if top_k is None and top_p is None and min_p is None:
+        return None
+    if cuda and logits.is_cuda and logits.shape[1] <= THRESHOLD_MAX_VOCAB:
+        log_min_p = min_p.float().log().contiguous() if min_p is not None else None
+        p = top_p.float().contiguous() if top_p is not None else None
+        return torch.ops.minillm.truncation_threshold(logits, top_k, p, log_min_p).unsqueeze(1)
+    return truncation_threshold_torch(logits, top_k, top_p, min_p, max_top_k)
+
+
+def truncation_threshold_torch(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                               min_p: torch.Tensor | None, max_top_k: int = 0) -> torch.Tensor | None:
+    """truncation_threshold in torch ops (the kernel's reference): one sort when top-p is on, a topk of width
+    max_top_k for top-k alone, an amax for min-p."""
+    if top_p is not None:
+        threshold = _top_k_top_p_threshold(logits, top_k, top_p)
+    elif top_k is not None:
+        threshold = _top_k_threshold(logits, top_k, max_top_k)
+    else:
+        threshold = None
+    if min_p is not None:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p): no softmax needed (log(0) = -inf keeps all).
+        min_p_thr = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+        threshold = min_p_thr if threshold is None else torch.maximum(threshold, min_p_thr)
+    return threshold
+
+
+def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """k-th largest logit per row via one topk of the batch's largest k (no full sort)."""
+    vocab = logits.shape[1]
+    width = max(1, min(max_top_k, vocab))
+    values = logits.topk(width, dim=-1).values
+    k = top_k.unsqueeze(1)
+    kth = values.gather(1, (k.clamp(min=1, max=width) - 1))
+    return torch.where(k < vocab, kth, -math.inf)
+
+
+def _top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """One descending sort serves both: keep the first min(k, kept_p) tokens, where a token is kept by top-p
+    when the renormalised top-k mass strictly before it is < p (so the token that crosses p stays)."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    vocab = logits.shape[1]
+    k = top_k if top_k is not None else torch.full_like(top_p, vocab, dtype=torch.int64)
+    k = k.unsqueeze(1)
+    top_k_mass = cum.gather(1, k - 1)
+    kept_p = ((cum - probs) < top_p.unsqueeze(1) * top_k_mass).sum(dim=-1, keepdim=True)
+    kept = torch.where(top_p.unsqueeze(1) < 1.0, torch.minimum(kept_p, k).clamp_min(1), k)
+    threshold = sorted_logits.gather(1, kept - 1)
+    return torch.where(kept < vocab, threshold, -math.inf)

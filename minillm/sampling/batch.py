@@ -69,6 +69,7 @@ class SamplingBatch:
     any_unseeded: bool                    # some sampling row draws from the shared generator
     logprobs: list[int | None] | None     # per-row top-N request; None when no row asked
     _inv_t: torch.Tensor | None = field(default=None, repr=False, compare=False)   # inverse_temperature()
+    _unit_inv_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def inverse_temperature(self, device: torch.device) -> torch.Tensor:
         """float32 [N] on `device`: 1 / T per row, 0 on greedy rows (the one-pass kernel's input). Made once per
@@ -83,6 +84,19 @@ class SamplingBatch:
                     inv_t = inv_t.masked_fill(self.greedy_mask, 0.0)
             self._inv_t = inv_t.float().contiguous()
         return self._inv_t
+
+    @property
+    def truncates(self) -> bool:
+        """Whether some row uses top-k, top-p or min-p."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    def unit_inverse_temperature(self, device: torch.device) -> torch.Tensor:
+        """float32 [N] on `device`: 1 on sampling rows, 0 on greedy rows; the one-pass kernel's input for logits
+        already divided by their temperature (truncated batches). Made once per batch."""
+        if self._unit_inv_t is None:
+            ones = torch.ones(self.num_rows, device=device)
+            self._unit_inv_t = ones.masked_fill(self.greedy_mask, 0.0) if self.greedy_mask is not None else ones
+        return self._unit_inv_t
 
     @property
     def is_static(self) -> bool:

@@ -15,10 +15,14 @@ Order of operations on a batch of float32 logits [N, V] (modified in place):
   4. logprobs, when asked: log-softmax of the logits *after penalties and temperature, before truncation*
      (so top-N alternatives are real numbers even when top-k/top-p would have cut them);
   5. truncation: one threshold per row from top-k, then top-p on the renormalised top-k distribution
-     (the token that crosses p is kept), then min-p; everything below the threshold becomes -inf;
+     (the token that crosses p is kept), then min-p; everything below the threshold becomes -inf (with the
+     CUDA kernels, the threshold is one radix-select kernel instead of a sort: sampling_ops.truncation_threshold);
   6. exponential race: token = argmax(probs / E), E ~ Exp(1), which draws exactly from probs (Gumbel-max);
      unseeded rows draw E from the sampler's generator, seeded rows from a counter-based generator keyed by
      (their seed, their output index), all seeded rows of a batch in one op.
+With the CUDA kernels, a truncated batch without seeds or logprobs runs 3, 5 and 6 as the fp32 copy, the
+division, the threshold kernel and the one-pass race, which skips what the threshold masks (its noise is the
+kernel's own, keyed by the sampler's seed and step); untruncated, as the race alone.
 
 No host syncs: every decision that depends on the batch composition was made on the host by
 SamplingBatch.build. Only logprobs need one transfer (to build Python objects), done once for the batch.
@@ -37,7 +41,7 @@ import torch
 from minillm.contract import TokenLogprobs
 from minillm.sampling.batch import SamplingBatch
 from minillm.sampling.grammar_mask import GrammarMask, apply_grammar_mask
-from minillm.ops.sampling_ops import LOGIT_DTYPES, seeded_exponential_
+from minillm.ops.sampling_ops import LOGIT_DTYPES, seeded_exponential_, truncation_threshold
 from minillm.sampling.penalties import apply_penalties
 
 # Exp(1) draws can be exactly 0 (the uniform hit its endpoint); 0 would turn masked tokens into 0/0 = NaN,
@@ -71,7 +75,7 @@ class Sampler:
         _check_logits(logits, batch)
         self.nonfinite.check(logits)
         fused = self.cuda and _fused_race_applies(batch)
-        untouched = batch.penalties is None and batch.banned_rows is None and grammar is None
+        untouched = batch.penalties is None and batch.banned_rows is None and grammar is None and not batch.truncates
         if logits.dtype != torch.float32 and not (fused and untouched):
             logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
         if batch.penalties is not None:
@@ -89,7 +93,7 @@ class Sampler:
         if batch.temperature is not None:
             logits.div_(batch.temperature)
         lp_rows = _log_softmax_rows(logits, batch.logprobs)
-        truncate_logits(logits, batch)
+        truncate_logits(logits, batch, cuda=self.cuda)
         tokens = self._race(logits, batch)
         if greedy_tokens is not None:
             tokens = torch.where(batch.greedy_mask, greedy_tokens, tokens)
@@ -110,8 +114,19 @@ class Sampler:
 
     def _fused_race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Temperature + exponential race + greedy rows in one pass of the CUDA kernel. Its noise is keyed by
-        (sampler seed, row, step, column), so unseeded rows stay reproducible run to run."""
+        (sampler seed, row, step, column), so unseeded rows stay reproducible run to run. Truncated batches (fp32
+        logits here) are first divided by their temperature, as on the torch path, so that the threshold kernel
+        and the race (at inverse temperature 1, or 0 on greedy rows) compare the very same values: the race then
+        skips every logit below its row's threshold instead of the torch path's mask, softmax and noise."""
         from minillm.ops.sampling_ops import sample_exponential_race
+        if batch.truncates:
+            if batch.temperature is not None:
+                logits.div_(batch.temperature)
+            threshold = truncation_threshold(logits, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k,
+                                             cuda=True).squeeze(1)
+            self._fused_steps += 1
+            return sample_exponential_race(logits, batch.unit_inverse_temperature(logits.device), self.seed,
+                                           self._fused_steps, threshold, cuda=True)
         inv_t = batch.inverse_temperature(logits.device)
         if batch.all_greedy:
             # Inverse temperature 0 on every row: the kernel's argmax (ties to the lowest column, NaN largest, as
@@ -174,12 +189,11 @@ class NonFiniteWatch:
 
 
 def _fused_race_applies(batch: SamplingBatch) -> bool:
-    """The one-pass sampling op covers plain temperature sampling and greedy rows, all-greedy batches included:
-    no truncation, no per-request seeds (their noise is keyed by their own seed: SeededRows) and no logprobs.
-    Everything else takes the torch path. (The op runs its kernel on CUDA tensors and its numpy reference
-    elsewhere; an engine only enables it with its CUDA kernels.)"""
-    if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
-        return False
+    """The one-pass sampling op covers temperature sampling, with top-k / top-p / min-p through the threshold
+    kernel, and greedy rows, all-greedy batches included: no per-request seeds (their noise is keyed by their own
+    seed: SeededRows) and no logprobs (which are taken before truncation). Everything else takes the torch path.
+    (The ops run their kernels on CUDA tensors and their references elsewhere; an engine only enables them with
+    its CUDA kernels.)"""
     return batch.seeded is None and batch.logprobs is None
 
 
@@ -191,50 +205,12 @@ def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
         raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
 
 
-def truncate_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """Mask (to -inf, in place) every token that top-k, top-p or min-p removes from its row."""
-    threshold = _truncation_threshold(logits, batch)
+def truncate_logits(logits: torch.Tensor, batch: SamplingBatch, *, cuda: bool = False) -> None:
+    """Mask (to -inf, in place) every token that top-k, top-p or min-p removes from its row. cuda: the
+    threshold kernel may run (sampling_ops.truncation_threshold; its torch path elsewhere)."""
+    threshold = truncation_threshold(logits, batch.top_k, batch.top_p, batch.min_p, batch.max_top_k, cuda=cuda)
     if threshold is not None:
         logits.masked_fill_(logits < threshold, -math.inf)
-
-
-def _truncation_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-    """Per-row logit threshold [N, 1] below which tokens are masked, or None when nothing truncates."""
-    if batch.top_p is not None:
-        threshold = _top_k_top_p_threshold(logits, batch)
-    elif batch.top_k is not None:
-        threshold = _top_k_threshold(logits, batch)
-    else:
-        threshold = None
-    if batch.min_p is not None:
-        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p): no softmax needed (log(0) = -inf keeps all).
-        min_p_thr = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
-        threshold = min_p_thr if threshold is None else torch.maximum(threshold, min_p_thr)
-    return threshold
-
-
-def _top_k_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """k-th largest logit per row via one topk of the batch's largest k (no full sort)."""
-    values = logits.topk(batch.max_top_k, dim=-1).values
-    k = batch.top_k.unsqueeze(1)
-    kth = values.gather(1, (k.clamp(max=batch.max_top_k) - 1))
-    return torch.where(k < batch.vocab_size, kth, -math.inf)
-
-
-def _top_k_top_p_threshold(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """One descending sort serves both: keep the first min(k, kept_p) tokens, where a token is kept by top-p
-    when the renormalised top-k mass strictly before it is < p (so the token that crosses p stays)."""
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    probs = sorted_logits.softmax(dim=-1)
-    cum = probs.cumsum(dim=-1)
-    vocab = batch.vocab_size
-    k = batch.top_k if batch.top_k is not None else torch.full_like(batch.top_p, vocab, dtype=torch.int64)
-    k = k.unsqueeze(1)
-    top_k_mass = cum.gather(1, k - 1)
-    kept_p = ((cum - probs) < batch.top_p.unsqueeze(1) * top_k_mass).sum(dim=-1, keepdim=True)
-    kept = torch.where(batch.top_p.unsqueeze(1) < 1.0, torch.minimum(kept_p, k).clamp_min(1), k)
-    threshold = sorted_logits.gather(1, kept - 1)
-    return torch.where(kept < vocab, threshold, -math.inf)
 
 
 def _log_softmax_rows(logits: torch.Tensor, wanted: list[int | None] | None) -> torch.Tensor | None:
