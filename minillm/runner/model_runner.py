@@ -230,8 +230,8 @@ class ModelRunner:
         if len(sampled) != len(reqs):
             seq_lens = list(compress(seq_lens, so.sample))
         # Constrained rows: their bitmask, built once the previous step's tokens are known (the forward pass of
-        # this step is already queued); None when no row is constrained. A mask a worker process fills defers the
-        # sampler to complete(): the next launch or this step's resolve (minillm/structured/rows.py).
+        # this step is already queued); None when no row is constrained. It is filled beside this thread, so the
+        # sampler waits for complete(): the next launch or this step's resolve (minillm/structured/rows.py).
         mask = self.grammar.masks(sampled, seq_lens, prev)
         batch = self.sampling.get(sampled, seq_lens)
         inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled)

@@ -112,18 +112,20 @@ def _advance(st: GrammarState, before: int) -> None:
 
 
 def _ban(words: np.ndarray, rows: np.ndarray, banned: np.ndarray) -> None:
-    """Clear the banned tokens' bits in `rows` (ascending) of the uint32 bitmask `words`, except in a row left
-    with none. Rows are usually one contiguous run (all the step's constrained rows): then it works on a view."""
+    """Clear the banned tokens' bits in `rows` of the uint32 bitmask `words`, except in a row left with none.
+    Only the banned tokens' words are read, and only rows that allowed one of them are checked for emptiness
+    (mostly none: the grammar allows EOS only where it may end), so a step costs a small gather, not a pass."""
     cols = np.unique(banned >> 5)
     keep = np.full(len(cols), 0xFFFFFFFF, dtype=np.uint32)
     bits = np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32))
     np.bitwise_and.at(keep, np.searchsorted(cols, banned >> 5), ~bits)
-    contiguous = rows[-1] - rows[0] + 1 == len(rows)
-    block = words[rows[0]:rows[-1] + 1] if contiguous else words[rows]
-    saved = block[:, cols]
-    block[:, cols] = saved & keep
-    empty = ~block.any(axis=1)
+    saved = words[np.ix_(rows, cols)]
+    cleared = saved & keep
+    hit = np.flatnonzero((cleared != saved).any(axis=1))
+    if not len(hit):
+        return
+    hit_rows = rows[hit]
+    words[np.ix_(hit_rows, cols)] = cleared[hit]
+    empty = ~words[hit_rows].any(axis=1)
     if empty.any():
-        block[np.ix_(empty, cols)] = saved[empty]
-    if not contiguous:
-        words[rows] = block
+        words[np.ix_(hit_rows[empty], cols)] = saved[hit[empty]]

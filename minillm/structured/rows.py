@@ -10,23 +10,20 @@ queued first (it takes N's tokens from the device); only before N+1's sampler do
 (which the GPU finished before N+1's forward began) and hand the rows' work over. Steps without a constrained row
 never wait.
 
-Where the matchers run (`structured.mask_worker`):
-- in this process (the default): masks() advances them, fills the bitmask and returns it;
-- in a worker process (mask_worker.py): masks() sends the work and returns a PendingMask at once, and the runner
-  launches the step's sampler only when the next step is launched or this one resolved (model_runner.py). The
-  fills then run beside this process's own host work on the step before (xgrammar holds the GIL while it accepts
-  and fills, so a thread of this process could not overlap them).
+Where the matchers run: on a thread of this process (mask_thread.py, the default) or in a worker process
+(mask_worker.py, `structured.mask_worker`). Either way masks() hands the step's work over and returns a
+PendingMask at once, and the runner launches the step's sampler only when the next step is launched or this one
+resolved (model_runner.py): the accepts and fills run beside this process's own host work of that interval.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from minillm.config import StructuredConfig
 from minillm.sampling.grammar_mask import GrammarMask
-from minillm.structured.matchers import Matchers, RowWork
+from minillm.structured.matchers import RowWork
 
 
 @dataclass
@@ -47,7 +44,6 @@ class GrammarRows:
         self.model_dir, self.vocab_size, self.cfg, self.device = model_dir, vocab_size, cfg, device
         self.max_rows = max_rows
         self.sent: dict[str, int] = {}          # per live constrained request: output tokens its matcher was sent
-        self._local = None if cfg.mask_worker else Matchers(model_dir, vocab_size, cfg)
         self._worker = None
         self._host: list[torch.Tensor] = []    # two bitmask buffers used in turn (a copy may be in flight)
         self._index: list[torch.Tensor] = []   # and the constrained rows' indices
@@ -55,12 +51,14 @@ class GrammarRows:
 
     @property
     def matchers(self):
-        """Where the matchers live: Matchers here, or the MaskWorker (started with the first constrained request)."""
-        if self._local is not None:
-            return self._local
+        """Where the matchers live: MaskThread or MaskWorker, started with the first constrained request."""
         if self._worker is None:
-            from minillm.structured.mask_worker import MaskWorker
-            self._worker = MaskWorker(self.model_dir, self.vocab_size, self.cfg, self.max_rows)
+            if self.cfg.mask_worker:
+                from minillm.structured.mask_worker import MaskWorker
+                self._worker = MaskWorker(self.model_dir, self.vocab_size, self.cfg, self.max_rows)
+            else:
+                from minillm.structured.mask_thread import MaskThread
+                self._worker = MaskThread(self.model_dir, self.vocab_size, self.cfg)
         return self._worker
 
     def update(self, so) -> None:
@@ -76,7 +74,7 @@ class GrammarRows:
                 self.matchers.open(new.req_id, sp.structured, banned, tuple(sorted(new.eos_token_ids)))
                 self.sent[new.req_id] = 0
 
-    def masks(self, sampled, seq_lens, prev) -> GrammarMask | PendingMask | None:
+    def masks(self, sampled, seq_lens, prev) -> PendingMask | None:
         """The bitmask of this step's constrained rows (None when there is none: the sampler skips masking).
         sampled: the rows' request states; seq_lens: each row's length with this step's tokens; prev: the
         launched step whose tokens have not reached the host yet (async scheduling), or None."""
@@ -88,18 +86,13 @@ class GrammarRows:
         work = self._work(sampled, rows, seq_lens, prev)
         index = None if len(rows) == len(sampled) else rows
         self._turn ^= 1
-        if self._local is None:
-            self.matchers.fill(self._turn, work)
-            return PendingMask(self, self._turn, len(rows), index)
-        bitmask = self._host_buffer(self._turn, len(rows))
-        self._local.fill(work, bitmask.numpy())
-        return self._device_mask(bitmask, self._turn, index)
+        self.matchers.fill(self._turn, work, self._host_buffer(self._turn, len(rows)).numpy())
+        return PendingMask(self, self._turn, len(rows), index)
 
     def finish(self, pending: PendingMask) -> GrammarMask:
-        """A worker's bitmask, once it is filled, in a host buffer of ours and on its way to the device."""
-        filled = self._worker.wait(pending.turn, pending.n)
+        """The step's bitmask, once it is filled in a host buffer of ours, on its way to the device."""
         bitmask = self._host_buffer(pending.turn, pending.n)
-        bitmask.numpy()[:] = filled
+        self._worker.wait(pending.turn, bitmask.numpy())
         return self._device_mask(bitmask, pending.turn, pending.index)
 
     def close(self) -> None:
