@@ -40,9 +40,10 @@ class PendingMask:
 
 class GrammarRows:
     def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, device: torch.device,
-                 max_rows: int):
+                 max_rows: int, defer: bool = True):
         self.model_dir, self.vocab_size, self.cfg, self.device = model_dir, vocab_size, cfg, device
         self.max_rows = max_rows
+        self.defer = defer   # False: masks() waits for the fill (tensor parallel: rank 0 keeps its collectives' order)
         self.sent: dict[str, int] = {}          # per live constrained request: output tokens its matcher was sent
         self._worker = None
         self._host: list[torch.Tensor] = []    # two bitmask buffers used in turn (a copy may be in flight)
@@ -74,7 +75,7 @@ class GrammarRows:
                 self.matchers.open(new.req_id, sp.structured, banned, tuple(sorted(new.eos_token_ids)))
                 self.sent[new.req_id] = 0
 
-    def masks(self, sampled, seq_lens, prev) -> PendingMask | None:
+    def masks(self, sampled, seq_lens, prev) -> GrammarMask | PendingMask | None:
         """The bitmask of this step's constrained rows (None when there is none: the sampler skips masking).
         sampled: the rows' request states; seq_lens: each row's length with this step's tokens; prev: the
         launched step whose tokens have not reached the host yet (async scheduling), or None."""
@@ -87,7 +88,8 @@ class GrammarRows:
         index = None if len(rows) == len(sampled) else rows
         self._turn ^= 1
         self.matchers.fill(self._turn, work, self._host_buffer(self._turn, len(rows)).numpy())
-        return PendingMask(self, self._turn, len(rows), index)
+        pending = PendingMask(self, self._turn, len(rows), index)
+        return pending if self.defer else self.finish(pending)
 
     def finish(self, pending: PendingMask) -> GrammarMask:
         """The step's bitmask, once it is filled in a host buffer of ours, on its way to the device."""
