@@ -59,19 +59,20 @@ class Matchers:
         matcher refused a token or has terminated is left all ones (unconstrained: its token is dropped)."""
         states = [self.states[w.req_id] for w in work]
         self._advance_all(work, states)
-        live = [j for j, st in enumerate(states) if not (st.failed or st.matcher.is_terminated())]
-        if len(live) < len(work):
-            bitmask[[w.row for w in work]] = -1
-        if not live:
-            return
-        self._fill([states[j].matcher for j in live], bitmask, [work[j].row for j in live])
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for j in live:
-            if work[j].ban and states[j].banned:
-                groups.setdefault(states[j].banned, []).append(work[j].row)
+        matchers, rows, groups = [], [], {}
+        for w, st in zip(work, states):
+            if st.failed or st.matcher.is_terminated():
+                bitmask[w.row] = -1
+                continue
+            matchers.append(st.matcher)
+            rows.append(w.row)
+            if w.ban and st.banned:
+                groups.setdefault(st.banned, []).append(w.row)
+        if matchers:
+            self._fill(matchers, bitmask, rows)
         words = bitmask.view(np.uint32)
-        for banned, rows in groups.items():
-            _ban(words, np.asarray(rows), np.asarray(banned, dtype=np.int64))
+        for banned, ban_rows in groups.items():
+            _ban(words, np.asarray(ban_rows), np.asarray(banned, dtype=np.int64))
 
     def _advance_all(self, work: list[RowWork], states: list[GrammarState]) -> None:
         """The common case, one new token per row, goes to xgrammar in one batched call; rollbacks and catch-ups

@@ -105,16 +105,20 @@ class GrammarRows:
     def _work(self, sampled, rows, seq_lens, prev) -> list[RowWork]:
         pending = None
         work = []
+        sent = self.sent
         for j, i in enumerate(rows):
             r = sampled[i]
-            before = int(seq_lens[i]) - r.num_prompt_tokens
-            sent = self.sent[r.request_id]
-            if before > r.num_output_tokens and pending is None:
+            rid, ids, prompt = r.request_id, r.all_token_ids, len(r.prompt_token_ids)
+            before = int(seq_lens[i]) - prompt
+            start = min(sent[rid], before)
+            if prompt + before > len(ids) and pending is None:
                 pending = _pending_tokens(prev)
-            start = min(sent, before)
-            tokens = tuple(_output_token(r, k, pending) for k in range(start, before))
-            self.sent[r.request_id] = before
-            work.append(RowWork(j, r.request_id, start, tokens, before, before < r.sampling_params.min_tokens))
+            if start + 1 == before:   # the common case, one new token: no generator
+                tokens = (ids[prompt + start] if prompt + start < len(ids) else pending[rid],)
+            else:
+                tokens = tuple(_output_token(r, k, pending) for k in range(start, before))
+            sent[rid] = before
+            work.append(RowWork(j, rid, start, tokens, before, before < r.sampling_params.min_tokens))
         return work
 
     def _device_mask(self, bitmask: torch.Tensor, turn: int, index: list[int] | None) -> GrammarMask:
