@@ -31,6 +31,10 @@ def _requests():
     return prompts, params
 
 
+def _mask_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("minillm-grammar-masks")}
+
+
 def _run(worker: bool, **kw):
     """(token ids of every completion, the worker process's shared-memory name or None: matchers on a thread)."""
     with LLM(device="cpu", max_num_seqs=8, structured_mask_worker=worker, **kw) as llm:
@@ -43,12 +47,13 @@ def _run(worker: bool, **kw):
 
 def test_worker_gives_the_in_process_tokens_and_leaves_nothing_behind():
     before = set(_children(os.getpid()))
+    threads = _mask_threads()
     want, none = _run(False)
     got, shm = _run(True)
     assert none is None and shm is not None
     assert got == want
     assert set(_children(os.getpid())) == before   # closed: the worker is gone, and its shared memory
-    assert not [t for t in threading.enumerate() if t.name.startswith("minillm-grammar-masks")]   # the thread too
+    assert _mask_threads() == threads   # and the matchers' thread of the other engine
     assert not os.path.exists(f"/dev/shm/{shm.lstrip('/')}")
     # preemption (a pool too small for every row) and synchronous steps give the same tokens too
     small, _ = _run(True, num_kv_blocks=12, max_model_len=128, async_scheduling=False)
