@@ -120,12 +120,20 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
     sweepfp8)
       stage sweepfp8 200 python3 -m minillm bench --decode-sweep --no-progress --kv-cache-dtype fp8 \
         -o "$OUT/decode_steps.jsonl" ;;
-    structured)   # json_schema-constrained decode steps against unconstrained (scripts/structured_bench.py)
-      stage structured 150 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --profile \
+    structured)   # json_schema-constrained decode steps against unconstrained (scripts/structured_bench.py):
+      # masks on a thread beside the host work (default), waited for at once (serial: the A/B of the overlap), in a
+      # worker process, on 4 xgrammar threads, with seeds; the profiled run last (the profiler inflates host cost)
+      stage structured 100 python3 scripts/structured_bench.py --batches 16,64 --steps 64 \
+        --out "$OUT/structured.jsonl"
+      stage structured_serial 100 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --serial-masks \
         --out "$OUT/structured.jsonl"
       stage structured_worker 100 python3 scripts/structured_bench.py --batches 16,64 --steps 64 --mask-worker \
         --out "$OUT/structured.jsonl"
-      stage structured_seeded 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --seeded \
+      stage structured_threads4 80 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-threads 4 \
+        --out "$OUT/structured.jsonl"
+      stage structured_seeded 80 python3 scripts/structured_bench.py --batches 64 --steps 64 --seeded \
+        --out "$OUT/structured.jsonl"
+      stage structured_profile 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --profile \
         --out "$OUT/structured.jsonl"
       tar -C results/profiles -czf "$OUT/structured_profiles.tgz" $(cd results/profiles && ls structured_* 2>/dev/null) ;;
     structuredhost)   # the all-constrained B=64 run under cProfile: where building its masks spends host time

@@ -8,6 +8,10 @@ random weights and a synthetic byte-level vocabulary of the same size (151,936 t
 bytes; the real Qwen vocabulary is not shipped). The masks' device work depends on the vocabulary size only; the
 host fill depends on the vocabulary's strings too, so the synthetic one is an approximation of Qwen's.
 
+Where the masks are filled: on a thread of the engine's process, beside its host work (the default); with
+--mask-worker in a process of their own; with --serial-masks on that thread but waited for at once, so the fill
+sits on the host's critical path (what every step paid before the fill overlapped: the A/B of the overlap).
+
 Requests carry no seed unless --seeded: a seeded row samples with its own generator, a host cost of its own
 that would hide the masks' cost.
 
@@ -19,7 +23,7 @@ busy time / wall time (mask building on the host must not leave the GPU idle: th
 match the unconstrained one) and the top kernels, written to results/profiles/structured_B{B}_{mode}.txt.
 
 Usage: python scripts/structured_bench.py [--batches 16,64] [--steps 64] [--model DIR] [--profile]
-       [--out results/structured.jsonl]
+       [--mask-worker | --serial-masks] [--seeded] [--out results/structured.jsonl]
 """
 from __future__ import annotations
 
@@ -164,6 +168,8 @@ def main() -> None:
                     help="0 on a CPU with --stub-model: the sampler's passes over [B, V] would hide the rest")
     ap.add_argument("--mask-threads", type=int, default=None, help="structured.mask_threads (default: config)")
     ap.add_argument("--mask-worker", action="store_true", help="structured.mask_worker: the matchers in a process")
+    ap.add_argument("--serial-masks", action="store_true",
+                    help="wait for each step's masks as soon as they are handed over (no overlap with host work)")
     ap.add_argument("--stub-model", action="store_true",
                     help="a one-layer model whose forward and LM head return fixed tensors (scripts/bench_host_step.py):"
                          " the host's share of a step alone, e.g. on a CPU")
@@ -182,6 +188,8 @@ def main() -> None:
     mask_threads = llm.engine.cfg.structured.mask_threads
     if args.stub_model:
         stub_model(llm)
+    if args.serial_masks:
+        llm.engine.runner.grammar.defer = False
     spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
     llm.compile_grammar(spec).result()
     for b in batches:
@@ -202,7 +210,8 @@ def main() -> None:
             line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
                     "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
                     "seeded": args.seeded, "temperature": args.temperature, "mask_threads": mask_threads,
-                    "mask_worker": args.mask_worker, "stub_model": args.stub_model,
+                    "mask_worker": args.mask_worker,
+                    "serial_masks": args.serial_masks, "stub_model": args.stub_model,
                     "host_profiled": host,
                     "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
                     "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}

@@ -311,3 +311,44 @@ def test_min_tokens_ban_on_rows_that_are_not_contiguous():
     assert words[1].tolist() == [0xFFFFFFFF] * 3   # not a banned row
     assert words[2].tolist() == [0, 1 << 3, 0]
     assert words[3].tolist() == words[0].tolist()
+
+
+def test_mask_thread_fills_in_order_and_reports_a_failed_open_at_the_next_wait(service):
+    import xgrammar as xgr
+    from minillm.structured.mask_thread import MaskThread
+    from minillm.structured.matchers import GrammarState, RowWork
+
+    spec = from_structured_outputs({"regex": "[a-z]{1,8}"})
+    t = MaskThread(None, 4096, StructuredConfig())
+    try:
+        t.matchers.states["r"] = GrammarState(xgr.GrammarMatcher(service.compiled(spec)))
+        got = np.zeros((1, 128), dtype=np.int32)
+        t.fill(0, [RowWork(0, "r", 0, (), 0, False)], got)
+        assert t.wait(0, got) is got
+        want = xgr.allocate_token_bitmask(1, 4096)
+        xgr.GrammarMatcher(service.compiled(spec)).fill_next_token_bitmask(want)
+        assert np.array_equal(got, want.numpy())
+        t.open("bad", spec, (), ())          # no model directory: this open fails on the thread
+        t.fill(1, [], got[:0])
+        with pytest.raises(RuntimeError, match="grammar matcher open failed"):
+            t.wait(1, got[:0])
+        with pytest.raises(RuntimeError, match="no grammar mask fill is pending"):
+            t.wait(1, got[:0])
+    finally:
+        t.close()
+    assert not t._pool._threads or not any(th.is_alive() for th in t._pool._threads)
+
+
+def test_masks_waited_for_at_once_give_the_deferred_tokens(llm):
+    """defer=False (tensor parallelism: rank 0 launches its sampler in order) samples the same constrained tokens
+    as the default, where the sampler waits for the next launch."""
+    params = _json(dict(temperature=1.0, max_tokens=24, seed=3, min_tokens=4), so={"regex": "[a-z]{3,9}(-[0-9]{1,3}){2}"})
+    grammar = llm.engine.runner.grammar
+    runs = []
+    for defer in (True, False):
+        grammar.defer = defer
+        try:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(["a:", "b:"], params, use_tqdm=False)])
+        finally:
+            grammar.defer = True
+    assert runs[0] == runs[1] and all(len(t) >= 4 for t in runs[0])

@@ -1,9 +1,10 @@
 """structured.mask_worker: the grammar matchers in a process of their own, the sampler of a constrained step
-launched once its mask is filled. Token for token the in-process matchers' output (async and synchronous steps,
+launched once its mask is filled. Token for token the output of the matchers on a thread (the default) (async and synchronous steps,
 seeds, n > 1, min_tokens, preemption, an abort), no process or shared memory left after close, and a worker
 that dies fails the step with a message that names it."""
 import os
 import signal
+import threading
 
 import pytest
 
@@ -30,23 +31,29 @@ def _requests():
     return prompts, params
 
 
+def _mask_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("minillm-grammar-masks")}
+
+
 def _run(worker: bool, **kw):
-    """(token ids of every completion, the worker's shared-memory name or None)."""
+    """(token ids of every completion, the worker process's shared-memory name or None: matchers on a thread)."""
     with LLM(device="cpu", max_num_seqs=8, structured_mask_worker=worker, **kw) as llm:
         prompts, params = _requests()
         out = llm.generate(prompts, params, use_tqdm=False)
-        shm = llm.engine.runner.grammar._worker
+        where = llm.engine.runner.grammar._worker
         _run.preemptions = llm.stats().num_preemptions
-        return [[c.token_ids for c in o.outputs] for o in out], shm and shm.shm.name
+        return [[c.token_ids for c in o.outputs] for o in out], where.shm.name if worker else None
 
 
 def test_worker_gives_the_in_process_tokens_and_leaves_nothing_behind():
     before = set(_children(os.getpid()))
+    threads = _mask_threads()
     want, none = _run(False)
     got, shm = _run(True)
     assert none is None and shm is not None
     assert got == want
     assert set(_children(os.getpid())) == before   # closed: the worker is gone, and its shared memory
+    assert _mask_threads() == threads   # and the matchers' thread of the other engine
     assert not os.path.exists(f"/dev/shm/{shm.lstrip('/')}")
     # preemption (a pool too small for every row) and synchronous steps give the same tokens too
     small, _ = _run(True, num_kv_blocks=12, max_model_len=128, async_scheduling=False)

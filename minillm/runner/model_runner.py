@@ -88,7 +88,8 @@ class ModelRunner:
         self.max_num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=p.fused_ops.on)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
-        self.grammar = GrammarRows(self.model_dir, self.vocab_size, cfg.structured, self.device, sched.max_num_seqs)
+        self.grammar = GrammarRows(self.model_dir, self.vocab_size, cfg.structured, self.device, sched.max_num_seqs,
+                                   defer=cfg.parallel.tensor_parallel_size == 1)
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
         self.num_blocks = self._choose_num_blocks()
@@ -238,8 +239,8 @@ class ModelRunner:
         if len(sampled) != len(reqs):
             seq_lens = list(compress(seq_lens, so.sample))
         # Constrained rows: their bitmask, built once the previous step's tokens are known (the forward pass of
-        # this step is already queued); None when no row is constrained. A mask a worker process fills defers the
-        # sampler to complete(): the next launch or this step's resolve (minillm/structured/rows.py).
+        # this step is already queued); None when no row is constrained. It is filled beside this thread, so the
+        # sampler waits for complete(): the next launch or this step's resolve (minillm/structured/rows.py).
         mask = self.grammar.masks(sampled, seq_lens, prev)
         batch = self.sampling.get(sampled, seq_lens)
         inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled)

@@ -1,5 +1,6 @@
-"""The grammar matchers in a process of their own (`structured.mask_worker`), so that xgrammar's accepts and
-fills, which hold the GIL, run beside the engine's host work instead of inside it.
+"""The grammar matchers in a process of their own (`structured.mask_worker` true), so that a step's accepts and
+fills run beside the engine's host work. The default (mask_thread.py) runs them on a thread of the engine's
+process instead, which skips this path's pickling, pipe round trip and bitmask copy.
 
     engine process (GrammarRows)                         worker process (Matchers)
     open / drop (a request's grammar, its end)   --->    compile (its own cache), matcher / forget
@@ -46,11 +47,12 @@ class MaskWorker:
     def drop(self, req_ids) -> None:
         self._send(("drop", list(req_ids)))
 
-    def fill(self, turn: int, work) -> None:
+    def fill(self, turn: int, work, out: np.ndarray) -> None:
+        """Start filling shared buffer `turn` for `work`; wait(turn, out) copies the rows into `out`."""
         self._send(("fill", turn, work))
 
-    def wait(self, turn: int, n: int) -> np.ndarray:
-        """The first n rows of buffer `turn`, once the worker says they are filled."""
+    def wait(self, turn: int, out: np.ndarray) -> np.ndarray:
+        """`out`, once the worker says buffer `turn` is filled and its rows are copied into it."""
         if not self.conn.poll(self.timeout_s):
             raise RuntimeError(f"the grammar mask worker did not answer within {self.timeout_s:g} s")
         try:
@@ -61,7 +63,8 @@ class MaskWorker:
             raise RuntimeError(f"the grammar mask worker failed: {reply[1]}")
         if reply != ("filled", turn):
             raise RuntimeError(f"the grammar mask worker answered {reply!r}, expected buffer {turn}")
-        return self.buffers[turn, :n]
+        out[:] = self.buffers[turn, :len(out)]
+        return out
 
     def close(self) -> None:
         self._finalizer()

@@ -59,19 +59,20 @@ class Matchers:
         matcher refused a token or has terminated is left all ones (unconstrained: its token is dropped)."""
         states = [self.states[w.req_id] for w in work]
         self._advance_all(work, states)
-        live = [j for j, st in enumerate(states) if not (st.failed or st.matcher.is_terminated())]
-        if len(live) < len(work):
-            bitmask[[w.row for w in work]] = -1
-        if not live:
-            return
-        self._fill([states[j].matcher for j in live], bitmask, [work[j].row for j in live])
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for j in live:
-            if work[j].ban and states[j].banned:
-                groups.setdefault(states[j].banned, []).append(work[j].row)
+        matchers, rows, groups = [], [], {}
+        for w, st in zip(work, states):
+            if st.failed or st.matcher.is_terminated():
+                bitmask[w.row] = -1
+                continue
+            matchers.append(st.matcher)
+            rows.append(w.row)
+            if w.ban and st.banned:
+                groups.setdefault(st.banned, []).append(w.row)
+        if matchers:
+            self._fill(matchers, bitmask, rows)
         words = bitmask.view(np.uint32)
-        for banned, rows in groups.items():
-            _ban(words, np.asarray(rows), np.asarray(banned, dtype=np.int64))
+        for banned, ban_rows in groups.items():
+            _ban(words, np.asarray(ban_rows), np.asarray(banned, dtype=np.int64))
 
     def _advance_all(self, work: list[RowWork], states: list[GrammarState]) -> None:
         """The common case, one new token per row, goes to xgrammar in one batched call; rollbacks and catch-ups
@@ -112,18 +113,20 @@ def _advance(st: GrammarState, before: int) -> None:
 
 
 def _ban(words: np.ndarray, rows: np.ndarray, banned: np.ndarray) -> None:
-    """Clear the banned tokens' bits in `rows` (ascending) of the uint32 bitmask `words`, except in a row left
-    with none. Rows are usually one contiguous run (all the step's constrained rows): then it works on a view."""
+    """Clear the banned tokens' bits in `rows` of the uint32 bitmask `words`, except in a row left with none.
+    Only the banned tokens' words are read, and only rows that allowed one of them are checked for emptiness
+    (mostly none: the grammar allows EOS only where it may end), so a step costs a small gather, not a pass."""
     cols = np.unique(banned >> 5)
     keep = np.full(len(cols), 0xFFFFFFFF, dtype=np.uint32)
     bits = np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32))
     np.bitwise_and.at(keep, np.searchsorted(cols, banned >> 5), ~bits)
-    contiguous = rows[-1] - rows[0] + 1 == len(rows)
-    block = words[rows[0]:rows[-1] + 1] if contiguous else words[rows]
-    saved = block[:, cols]
-    block[:, cols] = saved & keep
-    empty = ~block.any(axis=1)
+    saved = words[np.ix_(rows, cols)]
+    cleared = saved & keep
+    hit = np.flatnonzero((cleared != saved).any(axis=1))
+    if not len(hit):
+        return
+    hit_rows = rows[hit]
+    words[np.ix_(hit_rows, cols)] = cleared[hit]
+    empty = ~words[hit_rows].any(axis=1)
     if empty.any():
-        block[np.ix_(empty, cols)] = saved[empty]
-    if not contiguous:
-        words[rows] = block
+        words[np.ix_(hit_rows[empty], cols)] = saved[hit[empty]]

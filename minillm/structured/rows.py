@@ -10,23 +10,20 @@ queued first (it takes N's tokens from the device); only before N+1's sampler do
 (which the GPU finished before N+1's forward began) and hand the rows' work over. Steps without a constrained row
 never wait.
 
-Where the matchers run (`structured.mask_worker`):
-- in this process (the default): masks() advances them, fills the bitmask and returns it;
-- in a worker process (mask_worker.py): masks() sends the work and returns a PendingMask at once, and the runner
-  launches the step's sampler only when the next step is launched or this one resolved (model_runner.py). The
-  fills then run beside this process's own host work on the step before (xgrammar holds the GIL while it accepts
-  and fills, so a thread of this process could not overlap them).
+Where the matchers run: on a thread of this process (mask_thread.py, the default) or in a worker process
+(mask_worker.py, `structured.mask_worker`). Either way masks() hands the step's work over and returns a
+PendingMask at once, and the runner launches the step's sampler only when the next step is launched or this one
+resolved (model_runner.py): the accepts and fills run beside this process's own host work of that interval.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from minillm.config import StructuredConfig
 from minillm.sampling.grammar_mask import GrammarMask
-from minillm.structured.matchers import Matchers, RowWork
+from minillm.structured.matchers import RowWork
 
 
 @dataclass
@@ -43,11 +40,11 @@ class PendingMask:
 
 class GrammarRows:
     def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, device: torch.device,
-                 max_rows: int):
+                 max_rows: int, defer: bool = True):
         self.model_dir, self.vocab_size, self.cfg, self.device = model_dir, vocab_size, cfg, device
         self.max_rows = max_rows
+        self.defer = defer   # False: masks() waits for the fill (tensor parallel: rank 0 keeps its collectives' order)
         self.sent: dict[str, int] = {}          # per live constrained request: output tokens its matcher was sent
-        self._local = None if cfg.mask_worker else Matchers(model_dir, vocab_size, cfg)
         self._worker = None
         self._host: list[torch.Tensor] = []    # two bitmask buffers used in turn (a copy may be in flight)
         self._index: list[torch.Tensor] = []   # and the constrained rows' indices
@@ -55,12 +52,14 @@ class GrammarRows:
 
     @property
     def matchers(self):
-        """Where the matchers live: Matchers here, or the MaskWorker (started with the first constrained request)."""
-        if self._local is not None:
-            return self._local
+        """Where the matchers live: MaskThread or MaskWorker, started with the first constrained request."""
         if self._worker is None:
-            from minillm.structured.mask_worker import MaskWorker
-            self._worker = MaskWorker(self.model_dir, self.vocab_size, self.cfg, self.max_rows)
+            if self.cfg.mask_worker:
+                from minillm.structured.mask_worker import MaskWorker
+                self._worker = MaskWorker(self.model_dir, self.vocab_size, self.cfg, self.max_rows)
+            else:
+                from minillm.structured.mask_thread import MaskThread
+                self._worker = MaskThread(self.model_dir, self.vocab_size, self.cfg)
         return self._worker
 
     def update(self, so) -> None:
@@ -88,18 +87,14 @@ class GrammarRows:
         work = self._work(sampled, rows, seq_lens, prev)
         index = None if len(rows) == len(sampled) else rows
         self._turn ^= 1
-        if self._local is None:
-            self.matchers.fill(self._turn, work)
-            return PendingMask(self, self._turn, len(rows), index)
-        bitmask = self._host_buffer(self._turn, len(rows))
-        self._local.fill(work, bitmask.numpy())
-        return self._device_mask(bitmask, self._turn, index)
+        self.matchers.fill(self._turn, work, self._host_buffer(self._turn, len(rows)).numpy())
+        pending = PendingMask(self, self._turn, len(rows), index)
+        return pending if self.defer else self.finish(pending)
 
     def finish(self, pending: PendingMask) -> GrammarMask:
-        """A worker's bitmask, once it is filled, in a host buffer of ours and on its way to the device."""
-        filled = self._worker.wait(pending.turn, pending.n)
+        """The step's bitmask, once it is filled in a host buffer of ours, on its way to the device."""
         bitmask = self._host_buffer(pending.turn, pending.n)
-        bitmask.numpy()[:] = filled
+        self._worker.wait(pending.turn, bitmask.numpy())
         return self._device_mask(bitmask, pending.turn, pending.index)
 
     def close(self) -> None:
@@ -110,16 +105,20 @@ class GrammarRows:
     def _work(self, sampled, rows, seq_lens, prev) -> list[RowWork]:
         pending = None
         work = []
+        sent = self.sent
         for j, i in enumerate(rows):
             r = sampled[i]
-            before = int(seq_lens[i]) - r.num_prompt_tokens
-            sent = self.sent[r.request_id]
-            if before > r.num_output_tokens and pending is None:
+            rid, ids, prompt = r.request_id, r.all_token_ids, len(r.prompt_token_ids)
+            before = int(seq_lens[i]) - prompt
+            start = min(sent[rid], before)
+            if prompt + before > len(ids) and pending is None:
                 pending = _pending_tokens(prev)
-            start = min(sent, before)
-            tokens = tuple(_output_token(r, k, pending) for k in range(start, before))
-            self.sent[r.request_id] = before
-            work.append(RowWork(j, r.request_id, start, tokens, before, before < r.sampling_params.min_tokens))
+            if start + 1 == before:   # the common case, one new token: no generator
+                tokens = (ids[prompt + start] if prompt + start < len(ids) else pending[rid],)
+            else:
+                tokens = tuple(_output_token(r, k, pending) for k in range(start, before))
+            sent[rid] = before
+            work.append(RowWork(j, rid, start, tokens, before, before < r.sampling_params.min_tokens))
         return work
 
     def _device_mask(self, bitmask: torch.Tensor, turn: int, index: list[int] | None) -> GrammarMask:

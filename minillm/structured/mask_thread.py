@@ -1,0 +1,53 @@
+"""The grammar matchers on one thread of the engine's process (the default; `structured.mask_worker` false).
+
+xgrammar releases the GIL while it accepts tokens and fills bitmask rows, so a step's fill runs on this thread
+while the engine thread goes on with its own host work (resolving the step before, scheduling, building the
+next step's inputs) and waits only when it launches the step's sampler (GrammarRows.finish). Every call to the
+matchers goes through the one thread, in the order made, so opens and drops never race a fill.
+
+Same interface as MaskWorker (mask_worker.py), without the copies: the rows are filled in place in the buffer
+the caller passes. A failed open or drop fails the next fill that is waited for, as in the worker.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from minillm.config import StructuredConfig
+from minillm.structured.matchers import Matchers
+
+
+class MaskThread:
+    def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig):
+        self.matchers = Matchers(model_dir, vocab_size, cfg)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="minillm-grammar-masks")
+        self._changes: list[tuple[str, Future]] = []   # opens and drops not yet checked
+        self._fills: dict[int, Future] = {}
+
+    def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
+        self._changes.append(("open", self._pool.submit(self.matchers.open, req_id, spec, banned, eos_ids)))
+
+    def drop(self, req_ids) -> None:
+        self._changes.append(("drop", self._pool.submit(self.matchers.drop, list(req_ids))))
+
+    def fill(self, turn: int, work, out: np.ndarray) -> None:
+        """Start filling `out` (the step's rows) for `work`; wait(turn) returns once it is done."""
+        self._fills[turn] = self._pool.submit(self.matchers.fill, work, out)
+
+    def wait(self, turn: int, out: np.ndarray) -> np.ndarray:
+        fut = self._fills.pop(turn, None)
+        if fut is None:
+            raise RuntimeError(f"no grammar mask fill is pending for buffer {turn}")
+        fut.result()
+        # The changes queued before this fill have run by now: report the first that failed.
+        done = [(kind, f) for kind, f in self._changes if f.done()]
+        self._changes = [(kind, f) for kind, f in self._changes if not f.done()]
+        for kind, f in done:
+            if f.exception() is not None:
+                e = f.exception()
+                raise RuntimeError(f"grammar matcher {kind} failed: {type(e).__name__}: {e}")
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
