@@ -61,12 +61,18 @@ class IncrementalDetokenizer:
             # NOTE: the common case, once per request per step: no tokenizer call (~8 us each at 256 rows).
             # The stream so far ends on a character boundary, so the decode of the window would be the
             # prefix's text plus this token's; an unfinished character goes the general way (it waits).
-            text = self._decode_one(token_ids[0])
+            token = token_ids[0]
+            text = self._single_texts.get(token)
+            if text is None:
+                text = self._decode_one(token)
             if not text.endswith(_REPLACEMENT):
-                ids.append(token_ids[0])
+                ids.append(token)
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(ids)
-                return self._release(text, final=False)
+                if self._stop:
+                    return self._release(text, final=False)
+                self._emitted.append(text)
+                return text
         ids.extend(token_ids)
         return self._release(self._decode_new(final=False), final=False)
 
