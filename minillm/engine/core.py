@@ -27,7 +27,8 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, self.runner.num_blocks, self.max_model_len)
         self.profile = None        # a StepProfile (minillm.engine.profile) when a caller wants the breakdown
         self.recorder = None       # callable(SchedulerOutput), called before the runner gets each step
-        self._inflight = None      # async scheduling: (requests update gave a placeholder, its output index, launched step)
+        # Async scheduling: (requests update() gave a placeholder, each one's output index, the launched step).
+        self._inflight = None
         self._pending: list[CoreOutput] = []   # resolved outside step(): returned by the next step()
         # Live requests whose sampling reads their own history on the host (penalties): they need synchronous steps.
         self._penalty_ids: set[str] = set()
