@@ -76,6 +76,14 @@ class Tokenizer:
         longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
         return longest * (4 if self._tok.normalizer is not None else 1)
 
+    @cached_property
+    def decodes_by_concatenation(self) -> bool:
+        """Whether decode(a + b) == decode(a) + decode(b) whenever decode(a) does not end in an unfinished
+        character: true of a byte-level decoder (the ids' bytes joined, then decoded as UTF-8), which the
+        incremental detokenizer then need not call per token. Other decoders (Metaspace, WordPiece) rewrite
+        text at token boundaries."""
+        return type(self._tok.decoder).__name__ == "ByteLevel"
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

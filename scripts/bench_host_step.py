@@ -10,11 +10,12 @@ With --device cuda the decode graphs replay the captured one-layer model (a few 
 wall time is the host's share of a step on that machine.
 
     python scripts/bench_host_step.py [--batch 1 8 64 256] [--steps 400] [--temperature 0] [--seed]
-                                      [--device cpu|cuda] [--profile B] [--top 25]
+                                      [--device cpu|cuda] [--profile B] [--top 25] [--phases]
 
 Prints, per batch size, the median, p10 and p90 us per step over --steps decode steps, and the torch ops a step
 dispatches (top-level ones, counted by torch.profiler over 20 more steps); --profile B also prints cProfile's
-top functions (by own time) for batch B.
+top functions (by own time) for batch B; --phases also prints the mean us per step of each phase of the engine
+core's StepProfile and of the output processing (more steps, timed with the profile attached).
 """
 from __future__ import annotations
 
@@ -108,13 +109,27 @@ def ops_per_step(llm: LLM, steps: int = 20) -> float:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None) / steps
 
 
-def run(path: Path, batch: int, args) -> tuple[list[float], float, cProfile.Profile | None]:
+def phases(llm: LLM, steps: int) -> dict[str, float]:
+    """us per step of each phase of the engine core's StepProfile (minillm/engine/profile.py) over `steps` more
+    steps, and 'outputs': the rest of LLM.step() (output processing, detokenization)."""
+    from minillm.engine.profile import StepProfile
+
+    llm.engine.core.profile = prof = StepProfile()
+    wall = sum(time_steps(llm, steps))
+    llm.engine.core.profile = None
+    out = {p: 1e6 * t / steps for p, t in prof.summary()["total_s"].items()}
+    out["outputs"] = 1e6 * wall / steps - sum(out.values())
+    return out
+
+
+def run(path: Path, batch: int, args) -> tuple[list[float], float, cProfile.Profile | None, dict | None]:
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=2 * args.steps + 64,
                             seed=1234 if args.seed else None)
     llm = make_llm(path, batch, 2 * args.steps, args.temperature, args.device)
     fill(llm, batch, params)
     times = time_steps(llm, args.steps)
     ops = ops_per_step(llm)
+    split = phases(llm, args.steps) if args.phases else None
     prof = None
     if args.profile == batch:
         prof = cProfile.Profile()
@@ -122,7 +137,7 @@ def run(path: Path, batch: int, args) -> tuple[list[float], float, cProfile.Prof
         time_steps(llm, args.steps)
         prof.disable()
     llm.close()
-    return times, ops, prof
+    return times, ops, prof, split
 
 
 def main() -> None:
@@ -134,18 +149,24 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--profile", type=int, default=None, help="also cProfile the steps of this batch size")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--phases", action="store_true",
+                    help="also print where a step goes (mean us: schedule, build, forward, sample_sync, update, "
+                         "outputs) over --steps more steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_model_dir(Path(tmp))
         for batch in args.batch:
-            times, ops, prof = run(path, batch, args)
+            times, ops, prof, split = run(path, batch, args)
             us = sorted(t * 1e6 for t in times)
             q = statistics.quantiles(us, n=10)
             print(f"B={batch:4d}: median {statistics.median(us):7.1f} us/step  p10 {q[0]:7.1f}  p90 {q[-1]:7.1f}  "
                   f"{ops:5.1f} torch ops/step ({args.device}, {args.steps} steps, T={args.temperature}, "
                   f"seeded={args.seed})",
                   flush=True)
+            if split is not None:
+                print("        phases (mean us/step): " + "  ".join(f"{k} {v:.0f}" for k, v in split.items()),
+                      flush=True)
             if prof is not None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 

@@ -150,3 +150,42 @@ def test_stop_prefix_len_matches_the_plain_definition():
         detok = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
         detok._stop = stops
         assert detok._stop_prefix_len(text) == want, (stops, text)
+
+
+class ConcatCountingTokenizer(CountingTokenizer):
+    decodes_by_concatenation = True
+
+
+def test_tokenizer_knows_its_decoder_is_byte_level(tok):
+    assert tok.decodes_by_concatenation      # the test tokenizer (and Qwen's) decode bytes joined
+
+
+@pytest.mark.parametrize("stop", [[], ["ab", "日本"]])
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_byte_level_shortcut_gives_what_the_window_decode_gives(tok, stop, skip_special):
+    """Random id streams (byte fragments of characters, special tokens, multi-token chunks): the shortcut for
+    one token on a caught-up stream returns, step by step, exactly what the general window decode returns."""
+    rng = random.Random(7)
+    vocab = tok.vocab_size
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 24))]
+        fast = IncrementalDetokenizer(tok, stop, skip_special_tokens=skip_special)
+        slow = IncrementalDetokenizer(CountingTokenizer(tok), stop, skip_special_tokens=skip_special)
+        assert fast._concat and not slow._concat
+        for piece in chunks(ids, rng) if rng.random() < 0.3 else ([i] for i in ids):
+            assert fast.add(piece) == slow.add(piece), ids
+        assert fast.flush() == slow.flush()
+        assert (fast.text, fast.stopped, fast.stop_string) == (slow.text, slow.stopped, slow.stop_string)
+
+
+def test_byte_level_shortcut_calls_the_tokenizer_once_per_distinct_token(tok):
+    ascii_ids = tok.encode(" ".join([TEXTS[2]] * 20))
+    counter = ConcatCountingTokenizer(tok)
+    pieces, tail = stream(IncrementalDetokenizer(counter, []), ascii_ids)
+    assert "".join(pieces) + tail == tok.decode(ascii_ids)
+    assert counter.window_lengths == [1] * len(set(ascii_ids))   # then each id's text comes from the cache
+    # Unfinished characters take the window path, and still cost fewer calls than the window path alone.
+    ids = tok.encode(" ".join(TEXTS * 5))
+    fast, slow = ConcatCountingTokenizer(tok), CountingTokenizer(tok)
+    assert stream(IncrementalDetokenizer(fast, []), ids) == stream(IncrementalDetokenizer(slow, []), ids)
+    assert len(fast.window_lengths) < len(slow.window_lengths)

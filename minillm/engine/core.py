@@ -14,6 +14,7 @@ from minillm.engine.scheduler import Scheduler
 from minillm.request import Request, RequestStatus
 
 PLACEHOLDER = -1   # an output token still on the device (async scheduling); never a valid token id
+_RUNNING, _WAITING = RequestStatus.RUNNING, RequestStatus.WAITING
 
 
 class EngineCore:
@@ -26,7 +27,8 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, self.runner.num_blocks, self.max_model_len)
         self.profile = None        # a StepProfile (minillm.engine.profile) when a caller wants the breakdown
         self.recorder = None       # callable(SchedulerOutput), called before the runner gets each step
-        self._inflight = None      # async scheduling: (placeholders written by update, launched step)
+        # Async scheduling: (requests update() gave a placeholder, each one's output index, the launched step).
+        self._inflight = None
         self._pending: list[CoreOutput] = []   # resolved outside step(): returned by the next step()
         # Live requests whose sampling reads their own history on the host (penalties): they need synchronous steps.
         self._penalty_ids: set[str] = set()
@@ -114,13 +116,17 @@ class EngineCore:
         """One CoreOutput per request that got a token: the token, and the finish reason if it ended."""
         lps = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else None
         outs = []
+        append = outs.append
+        # NOTE: once per request per step: Request.is_finished inlined, the common case first.
         for req in advanced:
-            reason = None
-            if req.is_finished:
-                reason = req.status.value
-                self._penalty_ids.discard(req.request_id)
-            outs.append(CoreOutput(req.request_id, [req.output_token_ids[-1]], reason,
-                                   lps.get(req.request_id) if lps else None, req.num_cached_tokens))
+            status, rid = req.status, req.request_id
+            if status is _RUNNING or status is _WAITING:
+                reason = None
+            else:
+                reason = status.value
+                self._penalty_ids.discard(rid)
+            append(CoreOutput(rid, [req.output_token_ids[-1]], reason, lps.get(rid) if lps else None,
+                              req.num_cached_tokens))
         return outs
 
     # ---- async scheduling ----------------------------------------------------------------------------------
@@ -130,13 +136,13 @@ class EngineCore:
 
     def _step_async(self) -> list[CoreOutput]:
         so = self._schedule()
-        prev = self._inflight[1] if self._inflight is not None else None
+        prev = self._inflight[-1] if self._inflight is not None else None
         launched = None if so.is_empty else self.runner.launch(so, prev, self.profile)
         outs = self._resolve()
         if launched is not None:
             placeholders = ModelRunnerOutput(launched.req_ids, [PLACEHOLDER] * len(launched.req_ids))
             advanced = self.scheduler.update(so, placeholders)
-            self._inflight = ([(r, r.num_output_tokens - 1) for r in advanced], launched)
+            self._inflight = (advanced, [len(r.output_token_ids) - 1 for r in advanced], launched)
             self._after_step()
         return outs
 
@@ -144,18 +150,16 @@ class EngineCore:
         """Wait for the step in flight, fill in its tokens (running the value-dependent stop checks), report."""
         if self._inflight is None:
             return []
-        placed, launched = self._inflight
+        placed, out_indices, launched = self._inflight
         self._inflight = None
         runner_out = self.runner.resolve(launched, self.profile)
         tokens = runner_out.sampled_token_ids
         if len(placed) != len(tokens):
             # Some rows finished between schedule and update: placed is the rest, in row order.
             token_of = dict(zip(runner_out.req_ids, tokens))
-            tokens = [token_of[req.request_id] for req, _ in placed]
-        apply = self.scheduler.apply_sampled_token
-        for (req, out_index), token in zip(placed, tokens):
-            apply(req, out_index, token)
-        return self._outputs([req for req, _ in placed], runner_out)
+            tokens = [token_of[req.request_id] for req in placed]
+        self.scheduler.apply_sampled_tokens(placed, out_indices, tokens)
+        return self._outputs(placed, runner_out)
 
     def drain(self) -> list[CoreOutput]:
         """Resolve the step in flight, if any, and return its outputs (before a synchronous step, or before an

@@ -77,29 +77,58 @@ class OutputProcessor:
     def process(self, core_outputs: list[CoreOutput]) -> Processed:
         done = Processed()
         now = time.perf_counter()
+        child, advance, outputs = self._child, self._advance, done.outputs
         for out in core_outputs:
-            entry = self._child.get(out.request_id)
-            if entry is not None:        # None: a completion already ended (stop string, abort)
-                self._advance(entry[0], entry[1], out, now, done)
+            entry = child.get(out.request_id)
+            if entry is None:            # a completion already ended (stop string, abort)
+                continue
+            group, idx = entry
+            new_ids = out.new_token_ids
+            # NOTE: the common row, once per request per step, inline: one token of a single completion that
+            # goes on, no logprobs, its first token already seen. The rest goes through _advance.
+            if (idx == 0 and len(new_ids) == 1 and out.finish_reason is None and out.logprobs is None
+                    and not group.held and group.metrics.first_token_time is not None):
+                comp = group.completions[0]
+                comp.token_ids.append(new_ids[0])
+                group.num_cached_tokens = out.num_cached_tokens
+                group.metrics.token_times.append(now)
+                detok = comp.detok
+                if detok is None:
+                    outputs.append(StepOutput(group.request_id, new_ids, "", False, None, now))
+                    continue
+                text = detok.add(new_ids)
+                if not detok.stopped:
+                    outputs.append(StepOutput(group.request_id, new_ids, text, False, None, now))
+                    continue
+                done.stopped.append(out.request_id)     # a stop string ended it
+                del child[out.request_id]
+                outputs.append(self._final(group, 0, new_ids, text, "stop", now))
+                continue
+            advance(group, idx, out, now, done)
         return done
 
     def _advance(self, group: _Group, idx: int, out: CoreOutput, now: float, done: Processed) -> None:
-        # NOTE: runs for every request every step (256 x ~1,000 in the bench): keep it to plain attribute work.
+        # NOTE: process() takes the common row inline; this is every other one (n > 1, logprobs, finishing,
+        # first token), still kept to plain attribute work.
         comp = group.completions[idx]
         new_ids = out.new_token_ids
         comp.token_ids += new_ids
+        metrics = group.metrics
         if idx == 0:
             group.num_cached_tokens = out.num_cached_tokens
             if group.held:
                 done.admit += group.held
                 group.held = []
+            if new_ids:
+                token_times = metrics.token_times
+                if len(new_ids) == 1:
+                    token_times.append(now)
+                else:
+                    token_times += [now] * len(new_ids)
         new_lps = None
         if new_ids:
-            metrics = group.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-            if idx == 0:
-                metrics.token_times += [now] * len(new_ids)
             if out.logprobs is not None and comp.logprobs is not None:
                 comp.logprobs.append(out.logprobs)
                 new_lps = [out.logprobs]
@@ -113,7 +142,7 @@ class OutputProcessor:
         if reason is None:
             if new_ids:
                 done.outputs.append(StepOutput(group.request_id, new_ids, text, False, None, now, None, idx,
-                                               logprobs=new_lps))
+                                               new_lps))
             return
         del self._child[out.request_id]
         done.outputs.append(self._final(group, idx, new_ids, text, reason, now, new_lps))

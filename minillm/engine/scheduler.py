@@ -467,6 +467,18 @@ class Scheduler:
         j = next(j for j, (a, b) in enumerate(zip(ids, expected)) if a != b)
         raise ValueError(f"runner output row {j} does not match scheduled request {expected[j]!r}")
 
+    def apply_sampled_tokens(self, reqs: list[Request], out_indices: list[int], tokens: list[int]) -> None:
+        """apply_sampled_token() over a step's rows. A row still running whose token is no stop id and that is
+        below its length limit (the screen of may_stop) only has the token written in, without the call."""
+        apply = self.apply_sampled_token
+        for req, out_index, token in zip(reqs, out_indices, tokens):
+            out, all_ids = req.output_token_ids, req.all_token_ids
+            if req.status is RUNNING and token not in req.stop_ids and len(all_ids) < req.max_num_tokens:
+                out[out_index] = token
+                all_ids[out_index - len(out)] = token     # all_token_ids ends with output_token_ids
+            else:
+                apply(req, out_index, token)
+
     def apply_sampled_token(self, req: Request, out_index: int, token: int) -> bool:
         """Async scheduling: update() appended a placeholder for a token still on the GPU; it is now known.
 
