@@ -26,6 +26,7 @@
 // makes the same pick from their sum (integers: the same in every CTA, and the same threshold as one CTA).
 // Compile-only check: nvcc -c -gencode arch=compute_90a,code=sm_90a cuda/sampling_topp.cu
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -394,6 +395,35 @@ int threshold_splits(int64_t rows, int64_t vocab, int64_t requested) {
   return splits;
 }
 
+// Sets `attr` to a cluster of `ctas` CTAs and says whether the device can run one of them at all (a GPC with
+// that many free SMs; a partitioned GPU may have none), asked once per device, kernel and size.
+template <typename K>
+bool clusters_fit(K kernel, int ctas, cudaLaunchAttribute (&attr)[1], cudaStream_t stream) {
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned int>(ctas);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices][2][kMaxSplits + 1];  // 0: not asked, 1: fits, 2: does not
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kCachedDevices) return false;
+  const int vec = kernel == truncation_threshold_kernel<true> ? 1 : 0;
+  std::atomic<int>& known = cache[device][vec][ctas];
+  if (known.load(std::memory_order_relaxed) == 0) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned int>(ctas));
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const bool fits = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+    if (!fits) (void)cudaGetLastError();  // a failed query must not surface as the next launch's error
+    known.store(fits ? 1 : 2, std::memory_order_relaxed);
+  }
+  return known.load(std::memory_order_relaxed) == 1;
+}
+
 }  // namespace
 
 cudaError_t launch_truncation_threshold(const float* logits, int64_t row_stride, int64_t rows, int64_t vocab,
@@ -404,17 +434,14 @@ cudaError_t launch_truncation_threshold(const float* logits, int64_t row_stride,
   }
   if (rows == 0) return cudaSuccess;
   const bool vec = vocab % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  const int ctas = threshold_splits(rows, vocab, splits);
-  const dim3 grid(static_cast<unsigned int>(rows * ctas));
+  const auto kernel = vec ? truncation_threshold_kernel<true> : truncation_threshold_kernel<false>;
+  int ctas = threshold_splits(rows, vocab, splits);
   cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = static_cast<unsigned int>(ctas);
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
+  while (ctas > 1 && !clusters_fit(kernel, ctas, cluster, stream)) ctas /= 2;
+  const dim3 grid(static_cast<unsigned int>(rows * ctas));
   const int v = static_cast<int>(vocab);
-  return launch_kernel_with(cluster, ctas > 1 ? 1 : 0,
-                            vec ? truncation_threshold_kernel<true> : truncation_threshold_kernel<false>, grid,
-                            dim3(kThreads), 0, stream, logits, row_stride, v, ctas, top_k, top_p, log_min_p, out);
+  return launch_kernel_with(cluster, ctas > 1 ? 1 : 0, kernel, grid, dim3(kThreads), 0, stream, logits, row_stride, v,
+                            ctas, top_k, top_p, log_min_p, out);
 }
 
 }  // namespace minillm
