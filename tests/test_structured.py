@@ -342,7 +342,8 @@ def test_mask_thread_fills_in_order_and_reports_a_failed_open_at_the_next_wait(s
 def test_masks_waited_for_at_once_give_the_deferred_tokens(llm):
     """defer=False (tensor parallelism: rank 0 launches its sampler in order) samples the same constrained tokens
     as the default, where the sampler waits for the next launch."""
-    params = _json(dict(temperature=1.0, max_tokens=24, seed=3, min_tokens=4), so={"regex": "[a-z]{3,9}(-[0-9]{1,3}){2}"})
+    params = _json(dict(temperature=1.0, max_tokens=24, seed=3, min_tokens=4),
+                   so={"regex": "[a-z]{3,9}(-[0-9]{1,3}){2}"})
     grammar = llm.engine.runner.grammar
     runs = []
     for defer in (True, False):
