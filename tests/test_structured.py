@@ -353,3 +353,12 @@ def test_masks_waited_for_at_once_give_the_deferred_tokens(llm):
         finally:
             grammar.defer = True
     assert runs[0] == runs[1] and all(len(t) >= 4 for t in runs[0])
+
+
+def test_overlap_masks_is_a_checked_config_key_that_reaches_the_runner():
+    from minillm.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="structured.overlap_masks"):
+        EngineConfig.from_kwargs(None, structured_overlap_masks="yes").validate()
+    with LLM(device="cpu", max_num_seqs=1, structured_overlap_masks=False) as serial:
+        assert serial.engine.runner.grammar.defer is False
