@@ -206,6 +206,8 @@ class StructuredConfig:
     mask_threads: int = 1                 # threads xgrammar fills a step's bitmask rows on (B=64 on the H200
                                           # host: 1 thread measured faster than 4)
     mask_worker: bool = False             # the matchers in a process of their own, filling beside the engine
+    overlap_masks: bool = True            # the sampler waits for its masks at the next launch (fills overlap the
+                                          # host work); false: at once (tensor parallelism always does)
     max_spec_bytes: int = 65536           # a schema, regex, choice list or grammar longer than this is refused
     max_grammar_bytes: int = 64 << 20     # a compiled grammar larger than this is refused
     cache_size: int = 256                 # compiled grammars kept (least recently used go first)
@@ -224,6 +226,7 @@ class StructuredConfig:
         _check(_is_int(self.mask_threads, 1, 64), "structured.mask_threads", self.mask_threads,
                "an integer in [1, 64]")
         _check(isinstance(self.mask_worker, bool), "structured.mask_worker", self.mask_worker, "true or false")
+        _check(isinstance(self.overlap_masks, bool), "structured.overlap_masks", self.overlap_masks, "true or false")
         _check(_is_int(self.max_spec_bytes, 16), "structured.max_spec_bytes", self.max_spec_bytes,
                "an integer >= 16")
         _check(_is_int(self.max_grammar_bytes, 1 << 10), "structured.max_grammar_bytes", self.max_grammar_bytes,
@@ -318,7 +321,7 @@ class EngineConfig:
         "prefill_sdpa_prefix": ("kernels", "prefill_sdpa_prefix"),
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
-                                                  "mask_threads", "mask_worker",
+                                                  "mask_threads", "mask_worker", "overlap_masks",
                                                          "max_spec_bytes", "max_grammar_bytes", "cache_size")},
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "tensor_parallel_size": ("parallel", "tensor_parallel_size"),

@@ -133,6 +133,10 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         --out "$OUT/structured.jsonl"
       stage structured_seeded 80 python3 scripts/structured_bench.py --batches 64 --steps 64 --seeded \
         --out "$OUT/structured.jsonl"
+      for m in "" --serial-masks --mask-worker; do   # the host's side alone (no engine), on this host's cores
+        stage "structured_hostpath${m//-/_}" 60 python3 scripts/structured_bench.py --batches 16,64 --host-path 0.5 \
+          $m --out "$OUT/structured.jsonl"
+      done
       stage structured_profile 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --profile \
         --out "$OUT/structured.jsonl"
       tar -C results/profiles -czf "$OUT/structured_profiles.tgz" $(cd results/profiles && ls structured_* 2>/dev/null) ;;

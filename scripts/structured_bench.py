@@ -156,6 +156,43 @@ def write_host_profile(cprof, path: Path) -> None:
     path.write_text(buf.getvalue())
 
 
+def host_path(model_dir: str, batch: int, spec, cfg, host_ms: float, serial: bool, steps: int = 64) -> list[float]:
+    """The grammar's share of the host's critical path, without an engine: every row constrained, each step
+    hands its rows over (GrammarRows.masks), does host_ms of stand-in host work that calls into torch (as the
+    engine's does, releasing the GIL), then waits for the mask. Returns the main thread's seconds per step in
+    masks() plus that wait; the sampled token is a random allowed one."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from minillm.structured.rows import GrammarRows, PendingMask
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    rows = GrammarRows(model_dir, vocab, cfg, torch.device("cpu"), batch, defer=not serial)
+    rows._to_device = lambda host: host      # a GPU's non_blocking copy costs the host next to nothing
+    reqs = [SimpleNamespace(req_id=f"r{i}", request_id=f"r{i}", prompt_token_ids=[1], all_token_ids=[1],
+                            eos_token_ids=[vocab - 1],
+                            sampling_params=SimpleNamespace(structured=spec, stop_token_ids=[], ignore_eos=False,
+                                                            min_tokens=steps + 8)) for i in range(batch)]
+    rows.update(SimpleNamespace(finished_ids=[], new_requests=reqs))
+    rng, x, times = np.random.default_rng(0), torch.zeros(4), []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            mask = rows.masks(reqs, [len(r.all_token_ids) for r in reqs], None)
+            t1 = time.perf_counter()
+            while time.perf_counter() < t1 + host_ms / 1e3:
+                x.add_(1)
+            t2 = time.perf_counter()
+            mask = mask.result() if isinstance(mask, PendingMask) else mask
+            times.append(t1 - t0 + time.perf_counter() - t2)
+            bits = np.unpackbits(mask.bitmask.numpy().view(np.uint8), bitorder="little").reshape(batch, -1)
+            for i, r in enumerate(reqs):
+                r.all_token_ids.append(int(rng.choice(np.flatnonzero(bits[i, :vocab]))))
+    finally:
+        rows.close()
+    return times[4:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="16,64")
@@ -169,27 +206,32 @@ def main() -> None:
     ap.add_argument("--mask-threads", type=int, default=None, help="structured.mask_threads (default: config)")
     ap.add_argument("--mask-worker", action="store_true", help="structured.mask_worker: the matchers in a process")
     ap.add_argument("--serial-masks", action="store_true",
-                    help="wait for each step's masks as soon as they are handed over (no overlap with host work)")
+                    help="structured.overlap_masks false: each step waits for its masks at once (no overlap)")
     ap.add_argument("--stub-model", action="store_true",
                     help="a one-layer model whose forward and LM head return fixed tensors (scripts/bench_host_step.py):"
                          " the host's share of a step alone, e.g. on a CPU")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the all-constrained run at the largest B: the host time of building its masks")
+    ap.add_argument("--host-path", type=float, default=None, metavar="MS",
+                    help="no engine: the grammar's time on the host's critical path per step, around MS ms of other"
+                         " host work (every row constrained; thread, or --mask-worker, and --serial-masks)")
     ap.add_argument("--out", default="results/structured.jsonl")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic",
                                                    tiny=args.stub_model))
+    if args.host_path is not None:
+        return main_host_path(args, batches, model)
     extra = {} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads}
     if args.mask_worker:
         extra["structured_mask_worker"] = True
+    if args.serial_masks:
+        extra["structured_overlap_masks"] = False
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
               max_model_len=1024, **extra)
     mask_threads = llm.engine.cfg.structured.mask_threads
     if args.stub_model:
         stub_model(llm)
-    if args.serial_masks:
-        llm.engine.runner.grammar.defer = False
     spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
     llm.compile_grammar(spec).result()
     for b in batches:
@@ -219,6 +261,23 @@ def main() -> None:
                 line.update(summarise(prof[0], prof[1], Path(f"results/profiles/structured_B{b}_{mode}.txt")))
             append_jsonl(args.out, line)
             print(json.dumps({k: v for k, v in line.items() if k != "profile_table"}))
+
+
+def main_host_path(args, batches, model: str) -> None:
+    from minillm.config import StructuredConfig
+
+    cfg = StructuredConfig(mask_worker=args.mask_worker,
+                           **({} if args.mask_threads is None else {"mask_threads": args.mask_threads}))
+    spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
+    for b in batches:
+        times = host_path(model, b, spec, cfg, args.host_path, args.serial_masks, args.steps)
+        where = "worker" if args.mask_worker else "serial" if args.serial_masks else "thread"
+        line = {"kind": "structured_host_path", "label": f"B{b}-all-{where}", "batch": b, "masks": where,
+                "mask_threads": cfg.mask_threads, "host_work_ms": args.host_path, "steps_timed": len(times),
+                "grammar_ms_median": statistics.median(times) * 1e3,
+                "grammar_ms_p90": sorted(times)[int(0.9 * len(times))] * 1e3}
+        append_jsonl(args.out, line)
+        print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -342,7 +342,8 @@ def test_mask_thread_fills_in_order_and_reports_a_failed_open_at_the_next_wait(s
 def test_masks_waited_for_at_once_give_the_deferred_tokens(llm):
     """defer=False (tensor parallelism: rank 0 launches its sampler in order) samples the same constrained tokens
     as the default, where the sampler waits for the next launch."""
-    params = _json(dict(temperature=1.0, max_tokens=24, seed=3, min_tokens=4), so={"regex": "[a-z]{3,9}(-[0-9]{1,3}){2}"})
+    params = _json(dict(temperature=1.0, max_tokens=24, seed=3, min_tokens=4),
+                   so={"regex": "[a-z]{3,9}(-[0-9]{1,3}){2}"})
     grammar = llm.engine.runner.grammar
     runs = []
     for defer in (True, False):
@@ -352,3 +353,12 @@ def test_masks_waited_for_at_once_give_the_deferred_tokens(llm):
         finally:
             grammar.defer = True
     assert runs[0] == runs[1] and all(len(t) >= 4 for t in runs[0])
+
+
+def test_overlap_masks_is_a_checked_config_key_that_reaches_the_runner():
+    from minillm.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="structured.overlap_masks"):
+        EngineConfig.from_kwargs(None, structured_overlap_masks="yes").validate()
+    with LLM(device="cpu", max_num_seqs=1, structured_overlap_masks=False) as serial:
+        assert serial.engine.runner.grammar.defer is False

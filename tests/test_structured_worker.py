@@ -1,7 +1,7 @@
 """structured.mask_worker: the grammar matchers in a process of their own, the sampler of a constrained step
-launched once its mask is filled. Token for token the output of the matchers on a thread (the default) (async and synchronous steps,
-seeds, n > 1, min_tokens, preemption, an abort), no process or shared memory left after close, and a worker
-that dies fails the step with a message that names it."""
+launched once its mask is filled. Token for token the output of the matchers on a thread (the default; async
+and synchronous steps, seeds, n > 1, min_tokens, preemption, an abort), no process, thread or shared memory
+left after close, and a worker that dies fails the step with a message that names it."""
 import os
 import signal
 import threading
@@ -53,7 +53,7 @@ def test_worker_gives_the_in_process_tokens_and_leaves_nothing_behind():
     assert none is None and shm is not None
     assert got == want
     assert set(_children(os.getpid())) == before   # closed: the worker is gone, and its shared memory
-    assert _mask_threads() == threads   # and the matchers' thread of the other engine
+    assert _mask_threads() <= threads   # no matchers thread of ours is left (an older one may end meanwhile)
     assert not os.path.exists(f"/dev/shm/{shm.lstrip('/')}")
     # preemption (a pool too small for every row) and synchronous steps give the same tokens too
     small, _ = _run(True, num_kv_blocks=12, max_model_len=128, async_scheduling=False)

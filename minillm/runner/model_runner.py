@@ -89,7 +89,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=p.fused_ops.on)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         self.grammar = GrammarRows(self.model_dir, self.vocab_size, cfg.structured, self.device, sched.max_num_seqs,
-                                   defer=cfg.parallel.tensor_parallel_size == 1)
+                                   defer=cfg.structured.overlap_masks and cfg.parallel.tensor_parallel_size == 1)
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
         self.num_blocks = self._choose_num_blocks()
