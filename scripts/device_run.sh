@@ -140,6 +140,14 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       stage structured_profile 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --profile \
         --out "$OUT/structured.jsonl"
       tar -C results/profiles -czf "$OUT/structured_profiles.tgz" $(cd results/profiles && ls structured_* 2>/dev/null) ;;
+    structuredquick)   # B=64 only: masks on the thread (default), waited for at once, in the worker process
+      for m in "" --serial-masks --mask-worker; do
+        stage "structured64${m//-/_}" 80 python3 scripts/structured_bench.py --batches 64 --steps 64 $m \
+          --out "$OUT/structured.jsonl"
+      done ;;
+    samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
+      stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
+        --iters 50 ;;
     structuredhost)   # the all-constrained B=64 run under cProfile: where building its masks spends host time
       stage structuredhost 100 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-threads 1 \
         --host-profile --out "$OUT/structured.jsonl"
