@@ -164,15 +164,15 @@ class KernelConfig:
     # minillm's kernels launched with programmatic dependent launch (sm_90+, minillm/ops/launch.py): each may be
     # scheduled while the kernel before it finishes. Results are the same either way.
     pdl: bool = True
-    # Prefill sequences that are a whole prompt in one chunk (no cached prefix, no earlier chunk) of at least
-    # prefill_sdpa_min_tokens tokens run on torch SDPA (flash attention) instead of minillm's paged prefill kernel,
-    # where the plan finds it covered (minillm/runner/plan.py). 4096 is the shortest whole prompt measured
-    # (results/prefill_kernels.jsonl, 27c2e6b: SDPA 1.6-1.9x faster than the wide kernel from 4096 to 32768 tokens);
-    # shorter ones are not measured. prefill_sdpa_prefix: chunks over a cached prefix (a chunked prompt's later
-    # chunks, prefix-cache hits) of at least as many queries run on flash attention's variable-length forward too
-    # (one call per step over their K/V gathered from the cache); it needs prefill_sdpa on.
+    # Prefill chunks of at least prefill_sdpa_min_tokens queries run on flash attention instead of minillm's paged
+    # prefill kernel, where the plan finds it covered (minillm/runner/plan.py): a whole prompt in one chunk (no
+    # cached prefix, no earlier chunk) on torch SDPA; with prefill_sdpa_prefix, chunks over a cached prefix on
+    # flash attention's variable-length forward (one call per step over their K/V gathered from the cache). The
+    # threshold is from engine runs on the H200 (b6899bc, against 90c00b0 without the route): with it at 4096 the
+    # long-prompt workload (6-8k prompts) ran 18% slower (137,741 -> 112,991 total tok/s), while the 32k prompt
+    # of the 8B shape (two 16k chunks) came 10% sooner (1.80 -> 1.62 s); 12288 keeps the first off the route.
     prefill_sdpa: bool = True
-    prefill_sdpa_min_tokens: int = 4096
+    prefill_sdpa_min_tokens: int = 12288
     prefill_sdpa_prefix: bool = True
 
     def validate(self) -> None:
@@ -205,12 +205,21 @@ class StructuredConfig:
     compile_threads: int = 2              # compiles run on this many threads, never on the engine's
     mask_threads: int = 1                 # threads xgrammar fills a step's bitmask rows on (B=64 on the H200
                                           # host: 1 thread measured faster than 4)
-    mask_worker: bool = False             # the matchers in a process of their own, filling beside the engine
+    mask_worker: str | bool = "auto"      # the matchers in a process of their own, filling beside the engine;
+                                          # auto: on CUDA with one rank (B=64 all constrained on the H200: +36%
+                                          # a step against +72% on a thread of the engine's process, b6899bc)
     overlap_masks: bool = True            # the sampler waits for its masks at the next launch (fills overlap the
                                           # host work); false: at once (tensor parallelism always does)
     max_spec_bytes: int = 65536           # a schema, regex, choice list or grammar longer than this is refused
     max_grammar_bytes: int = 64 << 20     # a compiled grammar larger than this is refused
     cache_size: int = 256                 # compiled grammars kept (least recently used go first)
+
+    def matchers_in_worker(self, device_type: str, tensor_parallel_size: int) -> bool:
+        """Whether the grammar matchers run in a worker process (else on a thread of the engine's process). On a
+        CPU the engine's own math wants the cores; with TP the deferred sampler would reorder rank 0's collectives."""
+        if self.mask_worker == "auto":
+            return device_type == "cuda" and tensor_parallel_size == 1
+        return self.mask_worker
 
     def validate(self) -> None:
         check_types("structured", self)
@@ -225,7 +234,8 @@ class StructuredConfig:
                "an integer in [1, 64]")
         _check(_is_int(self.mask_threads, 1, 64), "structured.mask_threads", self.mask_threads,
                "an integer in [1, 64]")
-        _check(isinstance(self.mask_worker, bool), "structured.mask_worker", self.mask_worker, "true or false")
+        _check(self.mask_worker in ("auto", True, False), "structured.mask_worker", self.mask_worker,
+               "auto, true or false")
         _check(isinstance(self.overlap_masks, bool), "structured.overlap_masks", self.overlap_masks, "true or false")
         _check(_is_int(self.max_spec_bytes, 16), "structured.max_spec_bytes", self.max_spec_bytes,
                "an integer >= 16")
@@ -289,7 +299,7 @@ class EngineConfig:
         if self.kernels.backend == "torch" and self.runtime.attention == "cuda":
             raise ConfigError("runtime.attention='cuda' is not allowed with kernels.backend='torch' (no minillm "
                               "kernel runs then): use runtime.attention auto or torch, or kernels.backend auto")
-        if self.structured.mask_worker and self.parallel.tensor_parallel_size > 1:
+        if self.structured.mask_worker is True and self.parallel.tensor_parallel_size > 1:
             # Its deferred sampler launch would reorder rank 0's collectives against the other ranks'.
             raise ConfigError("structured.mask_worker=true is not allowed with parallel.tensor_parallel_size > 1")
         return self

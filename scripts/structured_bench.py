@@ -167,7 +167,8 @@ def host_path(model_dir: str, batch: int, spec, cfg, host_ms: float, serial: boo
     from minillm.structured.rows import GrammarRows, PendingMask
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    rows = GrammarRows(model_dir, vocab, cfg, torch.device("cpu"), batch, defer=not serial)
+    rows = GrammarRows(model_dir, vocab, cfg, torch.device("cpu"), batch, defer=not serial,
+                       worker=cfg.mask_worker is True)
     rows._to_device = lambda host: host      # a GPU's non_blocking copy costs the host next to nothing
     reqs = [SimpleNamespace(req_id=f"r{i}", request_id=f"r{i}", prompt_token_ids=[1], all_token_ids=[1],
                             eos_token_ids=[vocab - 1],
@@ -223,8 +224,7 @@ def main() -> None:
     if args.host_path is not None:
         return main_host_path(args, batches, model)
     extra = {} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads}
-    if args.mask_worker:
-        extra["structured_mask_worker"] = True
+    extra["structured_mask_worker"] = args.mask_worker   # explicit: "auto" would pick the worker on CUDA
     if args.serial_masks:
         extra["structured_overlap_masks"] = False
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),

@@ -93,6 +93,20 @@ def test_the_worker_is_refused_with_tensor_parallelism():
         EngineConfig.from_kwargs(None, structured_mask_worker=True, tensor_parallel_size=2).validate()
 
 
+def test_auto_puts_the_matchers_in_a_worker_on_cuda_with_one_rank_only():
+    from minillm.config import StructuredConfig
+    auto = StructuredConfig()
+    assert auto.mask_worker == "auto"
+    assert auto.matchers_in_worker("cuda", 1) is True
+    assert auto.matchers_in_worker("cpu", 1) is False
+    assert auto.matchers_in_worker("cuda", 2) is False
+    assert StructuredConfig(mask_worker=False).matchers_in_worker("cuda", 1) is False
+    assert StructuredConfig(mask_worker=True).matchers_in_worker("cpu", 1) is True
+    EngineConfig.from_kwargs(None, tensor_parallel_size=2).validate()   # auto with TP: served, on the thread
+    with pytest.raises(ConfigError, match="structured.mask_worker"):
+        EngineConfig.from_kwargs(None, structured_mask_worker="sometimes").validate()
+
+
 def test_all_then_mixed_batches_on_one_engine_equal_the_in_process_matchers():
     """The mask buffers first filled from a launch (inside inference mode), then from a resolve: both work."""
     def run(worker):

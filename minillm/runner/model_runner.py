@@ -88,8 +88,10 @@ class ModelRunner:
         self.max_num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=p.fused_ops.on)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
+        tp = cfg.parallel.tensor_parallel_size
         self.grammar = GrammarRows(self.model_dir, self.vocab_size, cfg.structured, self.device, sched.max_num_seqs,
-                                   defer=cfg.structured.overlap_masks and cfg.parallel.tensor_parallel_size == 1)
+                                   defer=cfg.structured.overlap_masks and tp == 1,
+                                   worker=cfg.structured.matchers_in_worker(self.device.type, tp))
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
         self.num_blocks = self._choose_num_blocks()

@@ -40,9 +40,10 @@ class PendingMask:
 
 class GrammarRows:
     def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, device: torch.device,
-                 max_rows: int, defer: bool = True):
+                 max_rows: int, defer: bool = True, worker: bool = False):
         self.model_dir, self.vocab_size, self.cfg, self.device = model_dir, vocab_size, cfg, device
         self.max_rows = max_rows
+        self.worker = worker   # the matchers in a process of their own (StructuredConfig.matchers_in_worker)
         self.defer = defer   # False: masks() waits for the fill (tensor parallel: rank 0 keeps its collectives' order)
         self.sent: dict[str, int] = {}          # per live constrained request: output tokens its matcher was sent
         self._worker = None
@@ -54,7 +55,7 @@ class GrammarRows:
     def matchers(self):
         """Where the matchers live: MaskThread or MaskWorker, started with the first constrained request."""
         if self._worker is None:
-            if self.cfg.mask_worker:
+            if self.worker:
                 from minillm.structured.mask_worker import MaskWorker
                 self._worker = MaskWorker(self.model_dir, self.vocab_size, self.cfg, self.max_rows)
             else:
