@@ -6,10 +6,9 @@ What must agree: the kept set (logit >= threshold) of every row. Top-k and min-p
 value, a max plus a logarithm). Top-p sums probabilities in another order than the sort's cumsum, so a token may
 differ only where its preceding mass (in float64, renormalised over the top-k mass) lies within BOUNDARY of p.
 The extension is the project build, or the library named by MINILLM_FUSED_EXT_LIB (scripts/device_fused.sh)."""
-import os
-
 import pytest
 import torch
+from test_fused_gpu import ops  # noqa: F401 - the fixture: the project build or MINILLM_FUSED_EXT_LIB
 
 from minillm.ops.sampling_ops import truncation_threshold, truncation_threshold_torch
 
@@ -20,15 +19,6 @@ VOCABS = [151936, 1001]
 PS = [1e-6, 0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    lib = os.environ.get("MINILLM_FUSED_EXT_LIB")
-    if lib:
-        torch.ops.load_library(lib)
-    else:
-        from minillm.ops.build import load_extension
-        load_extension()
-    return torch.ops.minillm
 
 
 def _params(n, vocab, ks=None, ps=None, min_ps=None):
