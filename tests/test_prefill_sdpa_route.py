@@ -340,3 +340,23 @@ def test_a_top_left_varlen_op_would_fail_the_backend_test(monkeypatch):
     ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, ctx, b.query_start_list, 0.2)
     chunk = slice(b.query_start_list[3], b.query_start_list[4])
     assert fake.launches and (out[chunk] - ref[chunk]).abs().max() > 0.1
+
+
+def test_the_benchmark_times_the_route_on_the_engines_inputs():
+    """prefill_bench's "sdpa engine route" row: q a strided view of qkv rows, k/v read back through the block
+    table; on the CPU its output equals SDPA on the contiguous, gathered inputs."""
+    import torch.nn.functional as F
+
+    from minillm.diagnostics.kernel_check import _sdpa_route_impls
+
+    t, hq, hkv, d, bs = 40, 4, 2, 16, 16
+    nb = -(-t // bs)
+    q, kc = torch.randn(t, hq, d), torch.randn(nb, bs, hkv, d)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(nb).to(torch.int32).view(1, -1)
+    out = torch.full_like(q, float("nan"))
+    (route,) = _sdpa_route_impls(out, q, kc, vc, bt, d ** -0.5).values()
+    route()
+    k4, v4 = (c[bt[0].long()].reshape(1, nb * bs, hkv, d)[:, :t].transpose(1, 2) for c in (kc, vc))
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k4, v4, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1))

@@ -364,8 +364,11 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
     base = ms.get("sdpa causal")
     if not sdpa_too:
         ms.clear()
-    elif ops.flash_varlen_available():
-        for name, fn in _flash_varlen_impls(out, q, kc, vc, bt, lens, q_len, ctx, scale).items():
+    else:
+        impls = _sdpa_route_impls(out, q, kc, vc, bt, scale) if q_len == ctx else {}
+        if ops.flash_varlen_available():
+            impls.update(_flash_varlen_impls(out, q, kc, vc, bt, lens, q_len, ctx, scale))
+        for name, fn in impls.items():
             fn()
             err = _max_err(out, ref)
             t, how = _time_graph_or_eager(fn)
@@ -380,6 +383,28 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
     bench = f"prefill {what} H{hq}/{hkv} D{d} bs{bs}"
     return [dict(bench=bench, impl=name, ms=t, tflops=flops / t / 1e9, ratio_vs_sdpa=base / t if base else None,
                  max_abs_err_vs_sdpa=errs.get(name)) for name, t in ms.items()]
+
+
+def _sdpa_route_impls(out, q, kc, vc, bt, scale: float) -> dict:
+    """The whole-prompt SDPA route as the engine calls it (cuda_backend._prefill): q a view of a step's qkv rows
+    (the q, k and v heads of a token side by side, so its token stride is not Hq * D) and k/v read back from the
+    paged cache, where the fused KV write stored them. "sdpa causal" above times contiguous [1, H, T, D] inputs
+    instead, which SDPA may serve with another backend."""
+    import torch
+
+    from minillm.ops import attention_ops as ops
+    from minillm.ops.reference import gather_kv_batch
+
+    t, hq, d = q.shape
+    qkv = torch.empty(t, (hq + 2 * kc.shape[2]) * d, device=q.device, dtype=q.dtype)
+    qkv[:, :hq * d] = q.reshape(t, hq * d)
+    q_rows = qkv[:, :hq * d].view(t, hq, d)
+
+    def route():
+        k, v = (gather_kv_batch(c, bt, t)[0] for c in (kc, vc))
+        out.copy_(ops.prefill_sdpa(q_rows, k, v, scale))
+
+    return {"sdpa engine route (qkv views, K/V read back)": route}
 
 
 def _flash_varlen_impls(out, q, kc, vc, bt, lens, q_len: int, ctx: int, scale: float) -> dict:
