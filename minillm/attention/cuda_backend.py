@@ -38,6 +38,7 @@ so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -185,7 +186,7 @@ class VarlenBatch:
     def of(cls, seqs: list[int], qsl: list[int], seq_lens: list[int], device) -> "VarlenBatch":
         q_lens = [qsl[s + 1] - qsl[s] for s in seqs]
         k_lens = [seq_lens[s] for s in seqs]
-        host = torch.tensor([*seqs, *_prefix_sums(q_lens), *_prefix_sums(k_lens)], dtype=torch.int32)
+        host = torch.tensor([*seqs, *accumulate(q_lens, initial=0), *accumulate(k_lens, initial=0)], dtype=torch.int32)
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
         dev = host.to(device, non_blocking=True)
@@ -197,13 +198,6 @@ class VarlenBatch:
     def adjacent(self) -> bool:
         """The sequences' query rows are one contiguous range of the step's rows (one view, no copy)."""
         return all(a[1] == b[0] for a, b in zip(self.rows, self.rows[1:]))
-
-
-def _prefix_sums(xs: list[int]) -> list[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
 
 
 def flash_varlen_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

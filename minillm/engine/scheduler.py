@@ -468,14 +468,13 @@ class Scheduler:
         raise ValueError(f"runner output row {j} does not match scheduled request {expected[j]!r}")
 
     def apply_sampled_tokens(self, reqs: list[Request], out_indices: list[int], tokens: list[int]) -> None:
-        """apply_sampled_token() over a step's rows. A row still running whose token is no stop id and that is
-        below its length limit (the screen of may_stop) only has the token written in, without the call."""
+        """apply_sampled_token() over a step's rows. A row still running that its token cannot end (may_stop)
+        only has the token written in, without the call."""
         apply = self.apply_sampled_token
         for req, out_index, token in zip(reqs, out_indices, tokens):
-            out, all_ids = req.output_token_ids, req.all_token_ids
-            if req.status is RUNNING and token not in req.stop_ids and len(all_ids) < req.max_num_tokens:
-                out[out_index] = token
-                all_ids[out_index - len(out)] = token     # all_token_ids ends with output_token_ids
+            if req.status is RUNNING and not may_stop(req, token):
+                req.output_token_ids[out_index] = token
+                req.all_token_ids[req.num_prompt_tokens + out_index] = token
             else:
                 apply(req, out_index, token)
 

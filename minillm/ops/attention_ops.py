@@ -198,7 +198,6 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return o[0].transpose(0, 1)
 
 
-
 def flash_varlen_available() -> bool:
     """Whether this torch build registers ATen's variable-length flash-attention forward (the plan asks once)."""
     return hasattr(torch.ops.aten, "_flash_attention_forward")
