@@ -109,13 +109,13 @@ class GrammarRows:
         sent = self.sent
         for j, i in enumerate(rows):
             r = sampled[i]
-            rid, ids, prompt = r.request_id, r.all_token_ids, len(r.prompt_token_ids)
+            rid, ids, prompt = r.request_id, r.all_token_ids, r.num_prompt_tokens
             before = int(seq_lens[i]) - prompt
             start = min(sent[rid], before)
             if prompt + before > len(ids) and pending is None:
                 pending = _pending_tokens(prev)
             if start + 1 == before:   # the common case, one new token: no generator
-                tokens = (ids[prompt + start] if prompt + start < len(ids) else pending[rid],)
+                tokens = (_output_token(r, start, pending),)
             else:
                 tokens = tuple(_output_token(r, k, pending) for k in range(start, before))
             sent[rid] = before
