@@ -164,15 +164,13 @@ class KernelConfig:
     # minillm's kernels launched with programmatic dependent launch (sm_90+, minillm/ops/launch.py): each may be
     # scheduled while the kernel before it finishes. Results are the same either way.
     pdl: bool = True
-    # Prefill chunks of at least prefill_sdpa_min_tokens queries run on flash attention instead of minillm's paged
-    # prefill kernel, where the plan finds it covered (minillm/runner/plan.py): a whole prompt in one chunk (no
-    # cached prefix, no earlier chunk) on torch SDPA; with prefill_sdpa_prefix, chunks over a cached prefix on
-    # flash attention's variable-length forward (one call per step over their K/V gathered from the cache). The
-    # threshold is from engine runs on the H200 (b6899bc, against 90c00b0 without the route): with it at 4096 the
-    # long-prompt workload (6-8k prompts) ran 18% slower (137,741 -> 112,991 total tok/s), while the 32k prompt
-    # of the 8B shape (two 16k chunks) came 10% sooner (1.80 -> 1.62 s); 12288 keeps the first off the route.
+    # Prefill chunks of at least prefill_sdpa_min_tokens queries run on cuDNN's fused attention instead of
+    # minillm's paged prefill kernel, where the plan finds it covered (minillm/runner/plan.py): a whole prompt in one
+    # chunk (no cached prefix, no earlier chunk), and with prefill_sdpa_prefix a chunk over a cached prefix too
+    # (attention_ops.prefill_cudnn: one call per chunk over its K/V read back from the cache, call shapes rounded so
+    # that cuDNN's per-shape plans are few).
     prefill_sdpa: bool = True
-    prefill_sdpa_min_tokens: int = 12288
+    prefill_sdpa_min_tokens: int = 2048
     prefill_sdpa_prefix: bool = True
 
     def validate(self) -> None:

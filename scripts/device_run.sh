@@ -242,10 +242,10 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
             --model $model --output "$OUT/bench.jsonl"
         done
       done ;;
-    ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel, T=4096 causal, 16/8 heads
-      stage ncuprefill 200 ncu --clock-control none --set full -k regex:paged_prefill_wide --launch-count 1 -f \
-        -o "$LOG/prefill_wide" python3 scripts/prefill_bench.py --out /dev/null --lengths 4096
-      ncu -i "$LOG/prefill_wide.ncu-rep" --page details --print-details all > "$OUT/ncu_prefill_wide.txt" 2>&1 ;;
+    ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel on sm_90, T=4096 causal, 16/8 heads
+      stage ncuprefill 200 ncu --clock-control none --set full -k regex:paged_prefill_wgmma --launch-count 1 -f \
+        -o "$LOG/prefill_wgmma" python3 scripts/prefill_bench.py --out /dev/null --lengths 4096
+      ncu -i "$LOG/prefill_wgmma.ncu-rep" --page details --print-details all > "$OUT/ncu_prefill_wgmma.txt" 2>&1 ;;
     checks)
       stage checks 300 python3 -m minillm check-kernels --quick --output "$OUT/kernels.jsonl" ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;

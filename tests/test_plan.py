@@ -66,7 +66,7 @@ def test_record_keeps_the_former_keys_and_adds_every_verdict():
     assert (rec["cuda_ops"], rec["attention"], rec["megakernel_max_batch"], rec["pdl"]) == (True, "cuda", 16, True)
     assert set(rec["plan"]) == set(PATHS) | {"skinny_gemm", "decode_gemm", "moe", "prefill_kernel"}
     assert set(rec["plan"]["skinny_gemm"]) == set(rec["plan"]["decode_gemm"]) == set(LINEAR_LAYERS)
-    assert rec["plan"]["prefill_kernel"] == "wide"
+    assert rec["plan"]["prefill_kernel"] == "wgmma"   # H200
     assert all(v["reason"] for k, v in rec["plan"].items() if k not in ("skinny_gemm", "decode_gemm",
                                                                         "prefill_kernel"))
     assert all(set(v) == {"on", "reason", "max_rows"} and v["reason"] for v in rec["plan"]["decode_gemm"].values())

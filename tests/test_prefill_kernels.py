@@ -1,7 +1,7 @@
 """The paged prefill kernels (attention_ops.PREFILL_KERNELS): which one a case runs on, their declarations against
 their launchers, and on a GPU each against the fp32 reference over random ragged batches with prefix offsets,
 random block tables and NaN-poisoned caches, both head dims, GQA groups 1-16, both dtypes, both block sizes and
-prompts up to 8k tokens. The engine's two kernels first; the opt-in wgmma kernel (sm_90) last."""
+prompts up to 8k tokens. The wide and narrow kernels first; the wgmma kernels (sm_90, the engine's there) last."""
 import random
 import re
 import types
@@ -17,13 +17,16 @@ from minillm.ops.reference import kv_write_ref, make_paged_batch, paged_attentio
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def test_wide_is_chosen_for_native_caches_and_narrow_for_fp8():
+def test_wgmma_on_sm90_else_wide_is_chosen_for_native_caches_and_narrow_for_fp8():
     for dt in ("bfloat16", "float16"):
         for d in (64, 128):
-            assert ops.prefill_kernel(dt, dt, d) == "wide"
-            assert ops.prefill_kernel(dt, "float8_e4m3fn", d) == "narrow"
-            assert ops.prefill_kernel(dt, "float8_e5m2", d) == "narrow"
-    assert ops.prefill_kernel("bfloat16", "bfloat16", 96) == "narrow"   # outside both: the launcher refuses it
+            assert ops.prefill_kernel(dt, dt, d, (9, 0)) == "wgmma"
+            for cap in ((8, 0), (8, 9), (10, 0), None):
+                assert ops.prefill_kernel(dt, dt, d, cap) == "wide"
+            for cap in ((9, 0), (8, 0), None):
+                assert ops.prefill_kernel(dt, "float8_e4m3fn", d, cap) == "narrow"
+                assert ops.prefill_kernel(dt, "float8_e5m2", d, cap) == "narrow"
+    assert ops.prefill_kernel("bfloat16", "bfloat16", 96, (9, 0)) == "narrow"   # outside all: the launcher refuses
 
 
 def test_the_plan_names_the_prefill_kernel_and_the_backend_runs_it(monkeypatch):
@@ -32,9 +35,11 @@ def test_the_plan_names_the_prefill_kernel_and_the_backend_runs_it(monkeypatch):
 
     monkeypatch.setattr(build, "load_extension", lambda: object())   # as tests/test_plan.py: no GPU here
 
+    from test_plan import A100
+
     native, fp8 = plan(), plan(kv_cache_dtype="fp8")
-    assert (native.prefill_kernel, fp8.prefill_kernel) == ("wide", "narrow")
-    assert native.record()["plan"]["prefill_kernel"] == "wide" and "prefill=wide" in native.describe()
+    assert (native.prefill_kernel, fp8.prefill_kernel, plan(device=A100).prefill_kernel) == ("wgmma", "narrow", "wide")
+    assert native.record()["plan"]["prefill_kernel"] == "wgmma" and "prefill=wgmma" in native.describe()
     assert plan(device=CPU, dtype="float32").prefill_kernel is None   # attention on the torch path
     assert CudaAttentionBackend(prefill_kernel="narrow").prefill_kernel == "narrow"
     assert CudaAttentionBackend().prefill_kernel is None   # standalone: chosen per call from the tensors
@@ -51,7 +56,7 @@ def test_an_unknown_kernel_or_an_fp8_cache_on_wide_is_refused_before_launch():
 def test_the_kernels_a_gpu_runs():
     assert ops.prefill_kernels_on((9, 0)) == ("wide", "narrow", "wgmma", "wgmma1")
     assert ops.prefill_kernels_on((8, 0)) == ops.prefill_kernels_on((10, 0)) == ("wide", "narrow")
-    assert ops.prefill_kernel("bfloat16", "bfloat16", 128) == "wide"   # the wgmma kernels: opt-in until measured
+    assert ops.prefill_kernel("bfloat16", "bfloat16", 128, (9, 0)) == "wgmma"   # wgmma1: its one-warpgroup twin
 
 
 def _launcher_checks(name: str) -> str:
@@ -92,7 +97,7 @@ def ext():
     load_extension()
 
 
-ENGINE_KERNELS = ("wide", "narrow")   # what attention_ops.prefill_kernel may pick; wgmma is tested last, apart
+ENGINE_KERNELS = ("wide", "narrow")   # the kernels every GPU runs; the wgmma ones (sm_90) are tested last, apart
 
 
 def _check(ctx, ql, d, hq, hkv, bs, dtype, seed, kernels=ENGINE_KERNELS, seq_begin=0, ref_fn=None):
@@ -193,7 +198,7 @@ def test_the_chunked_reference_equals_the_reference():
     assert torch.allclose(prefill_ref_chunked(b, 0.3, rows=7), ref, atol=1e-6)
 
 
-# ---- the opt-in wgmma kernel, last: a fault in it (it had not run on a GPU when written) must not hide the others
+# ---- the wgmma kernels (sm_90), last: a fault in them must not hide the others
 
 WGMMA = ("wgmma", "wgmma1")
 

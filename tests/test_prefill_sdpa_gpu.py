@@ -1,10 +1,10 @@
-"""On a GPU: long prefill chunks on flash attention (the plan's prefill_sdpa route for whole prompts, its
-prefill_flash_varlen route for chunks over a cached prefix) against the paged prefill kernel and the fp32
+"""On a GPU: long prefill chunks on cuDNN attention (the plan's prefill_sdpa route for whole prompts, its
+prefill_sdpa_prefix route for chunks over a cached prefix) against the paged prefill kernel and the fp32
 reference, on mixed steps (decode rows, long whole prompts, long chunks over prefixes of different lengths, short
 prompts and chunks; ragged, block tables permuted), with the KV write fused (the routes read the blocks back) and
-not; the varlen op is bottom-right aligned (a top-left reference must differ); SDPA's flash path takes the layouts
-the backend hands it; and the engine's greedy tokens with the routes on and off on a tiny random model, over
-chunked prefills and prefix-cache hits.
+not; attention_ops.prefill_cudnn alone over contexts whose lengths are and are not whole quanta, both dtypes and
+head dims; and the engine's greedy tokens with the routes on and off on a tiny random model, over chunked
+prefills and prefix-cache hits.
 """
 import random
 
@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.attention.cuda_backend import CudaAttentionBackend, VarlenBatch, flash_varlen_prefill
+from minillm.attention.cuda_backend import CudaAttentionBackend
 from minillm.diagnostics import paged_meta
 from minillm.diagnostics.kernel_check import prefill_ref_chunked
 from minillm.ops import attention_ops as ops
-from minillm.ops.reference import gather_kv, kv_write_ref, make_paged_batch
+from minillm.ops.reference import attend, kv_write_ref, make_paged_batch
 from test_prefill_kernels import TOL
-from test_prefill_sdpa_route import varlen_ref
 from tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -68,17 +67,27 @@ def test_a_mixed_step_with_the_route_equals_the_kernel_and_the_reference(ext, fu
     assert torch.equal(routed[mid], kernel[mid])
 
 
-def test_the_routes_sdpa_call_runs_on_flash(ext):
-    """The views the backend passes (the [L, H, D] rows seen as [1, H, L, D], GQA not expanded) are what SDPA's
-    flash path takes: with only flash allowed it must run, and equal the reference."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _attention_ref(q, k, v, scale):
+    """Causal attention in fp32 of q's n rows as the last n of k/v's L rows."""
+    n, length = q.shape[0], k.shape[0]
+    mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + length - n
+    return attend(q[None], k[None], v[None], mask[None], scale)[0]
 
-    b = make_paged_batch([2048], [2048], 16, 8, 128, 16, torch.bfloat16, "cuda", seed=3)
-    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        out = ops.prefill_sdpa(b.q, b.k, b.v, 128 ** -0.5)
-    err = (out.float() - prefill_ref_chunked(b, 128 ** -0.5)).abs().max().item()
-    assert err < TOL[torch.bfloat16], err
+
+@pytest.mark.parametrize("n,ctx", [(300, 300), (2048, 2048), (100, 5000), (256, 4352), (1000, 4000),
+                                   (1100, 20000), (4096, 12288)])
+@pytest.mark.parametrize("d,hq,hkv,dtype", [(128, 16, 8, torch.bfloat16), (64, 12, 4, torch.float16),
+                                            (128, 8, 1, torch.float16)])
+def test_prefill_cudnn_equals_the_reference(ext, n, ctx, d, hq, hkv, dtype):
+    """Whole prompts and chunks over prefixes of whole and broken quanta: the rounded calls, the placeholder
+    queries and the merge of the two calls give causal attention over the context."""
+    g = torch.Generator(device="cuda").manual_seed(n + ctx)
+    q = torch.randn(n, hq, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(ctx, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    out = ops.prefill_cudnn(q, k, v, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    err = (out.float() - _attention_ref(q, k, v, d ** -0.5)).abs().max().item()
+    assert err < TOL[dtype], err
 
 
 # decode rows, a long whole prompt, a long chunk over a 2,800-token prefix, a short prompt, a long chunk over a
@@ -94,15 +103,16 @@ FLASH_P = [3, 5, 7]
 def test_a_mixed_step_with_chunks_over_prefixes_equals_the_kernel_and_the_reference(ext, monkeypatch, fused, d, hq,
                                                                                      hkv, dtype):
     calls = []
-    real = ops.prefill_flash_varlen
-    monkeypatch.setattr(ops, "prefill_flash_varlen", lambda q, k, v, cq, ck, mq, mk, sc:
-                        calls.append(cq.tolist()) or real(q, k, v, cq, ck, mq, mk, sc))
+    real = ops.prefill_cudnn
+    monkeypatch.setattr(ops, "prefill_cudnn", lambda q, k, v, sc: calls.append((q.shape[0], k.shape[0])) or
+                        real(q, k, v, sc))
     b = make_paged_batch(CTX_P, QL_P, hq, hkv, d, 16, dtype, "cuda", seed=d + hq + 1)
     meta, scale = paged_meta(b, num_decodes=2), d ** -0.5
     if fused:
         kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
     routed = _forward(b, meta, fused, MIN_TOKENS, scale, MIN_TOKENS)
-    assert calls == [[0, 1200, 2700, 3800]]   # the three long chunks over a prefix, one call
+    # the two long whole prompts and the three long chunks over a prefix, one call each
+    assert sorted(calls) == [(1100, 1500), (1200, 4000), (1500, 5000), (2500, 2500), (3000, 3000)]
     kernel = _forward(b, meta, fused, 0, scale)
     kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
     ref = prefill_ref_chunked(b, scale)
@@ -119,41 +129,6 @@ def test_a_mixed_step_with_chunks_over_prefixes_equals_the_kernel_and_the_refere
         assert torch.equal(routed[qs[s]:qs[s + 1]], kernel[qs[s]:qs[s + 1]]), s
 
 
-def test_the_varlen_op_is_bottom_right_aligned_not_top_left(ext):
-    """Two chunks over prefixes and a whole prompt in one call, against the bottom-right reference and a
-    deliberately top-left one: the op must match the first and, on the chunks' rows, differ from the second by far
-    more than the tolerance (a top-left op would pass only the whole prompt)."""
-    ctx, ql = [2048, 777, 1300], [512, 777, 1000]
-    b = make_paged_batch(ctx, ql, 16, 4, 128, 16, torch.bfloat16, "cuda", seed=21)
-    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
-    k = torch.cat([gather_kv(b.k_cache, b.block_tables[s], n) for s, n in enumerate(ctx)]).to(torch.bfloat16)
-    v = torch.cat([gather_kv(b.v_cache, b.block_tables[s], n) for s, n in enumerate(ctx)]).to(torch.bfloat16)
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-                  for xs in (ql, ctx))
-    args = (b.q, k, v, cu_q, cu_k, max(ql), max(ctx), 128 ** -0.5)
-    out = ops.prefill_flash_varlen(*args).float()
-    right, left = varlen_ref(*args), varlen_ref(*args, top_left=True)
-    assert (out - right).abs().max().item() < TOL[torch.bfloat16]
-    qs = b.query_start_list
-    for s in (0, 2):
-        rows = slice(qs[s], qs[s + 1])
-        assert (out[rows] - left[rows]).abs().max().item() > 10 * TOL[torch.bfloat16], s
-    assert (out[qs[1]:qs[2]] - left[qs[1]:qs[2]]).abs().max().item() < TOL[torch.bfloat16]   # whole: the same
-
-
-def test_the_backends_varlen_call_reads_the_paged_cache(ext):
-    """flash_varlen_prefill as the benchmark times it (VarlenBatch built once): the ragged gather through permuted
-    block tables, the op, the rows written back; equal to the fp32 reference."""
-    ctx, ql = [3000, 1800], [1024, 1800]
-    b = make_paged_batch(ctx, ql, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=22)
-    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
-    out = torch.full_like(b.q, float("nan"))
-    batch = VarlenBatch.of([0, 1], b.query_start_list, ctx, "cuda")
-    flash_varlen_prefill(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, batch, 128 ** -0.5)
-    err = (out.float() - prefill_ref_chunked(b, 128 ** -0.5)).abs().max().item()
-    assert err < TOL[torch.bfloat16], err
-
-
 # ---- end to end
 
 VOCAB, NEW_TOKENS, ROUTE_MIN = 1024, 12, 512
@@ -167,8 +142,9 @@ def ckpt(tmp_path_factory):
 
 
 def _prompts() -> list[list[int]]:
-    """A 1,500-token prompt (whole, on SDPA); a 1,200-token one sharing 1,024 tokens with it, which the 2,048-token
-    budget splits into a first chunk of 548 (SDPA) and the rest over that prefix (kernel); short prompts."""
+    """A 1,500-token prompt (whole, on cuDNN); a 1,200-token one sharing 1,024 tokens with it, which the 2,048-token
+    budget splits into a first chunk of 548 (cuDNN) and 652 queries over that prefix (the prefix route); short
+    prompts."""
     rng = random.Random(3)
     a = [rng.randrange(VOCAB) for _ in range(1500)]
     b = a[:1024] + [rng.randrange(VOCAB) for _ in range(176)]
@@ -177,7 +153,7 @@ def _prompts() -> list[list[int]]:
 
 def _hit_prompts(first: list[list[int]]) -> list[list[int]]:
     """Run after _prompts() finished, so their blocks are cached: a prompt sharing the 1,500-token one's first
-    1,024 tokens (a prefix-cache hit, then 700 queries over it: the varlen route) and one sharing the 1,200-token
+    1,024 tokens (a prefix-cache hit, then 700 queries over it: the prefix route) and one sharing the 1,200-token
     one's whole prompt plus 40 tokens (a hit with a short chunk: the kernel)."""
     rng = random.Random(4)
     return [first[0][:1024] + [rng.randrange(VOCAB) for _ in range(700)],
@@ -185,32 +161,32 @@ def _hit_prompts(first: list[list[int]]) -> list[list[int]]:
 
 
 def _run(ckpt, monkeypatch, **kw):
-    calls, varlen = [], []
-    real, real_varlen = ops.prefill_sdpa, ops.prefill_flash_varlen
-    monkeypatch.setattr(ops, "prefill_sdpa", lambda q, k, v, scale: calls.append(q.shape[0]) or real(q, k, v, scale))
-    monkeypatch.setattr(ops, "prefill_flash_varlen", lambda q, k, v, cq, ck, mq, mk, sc:
-                        varlen.append(q.shape[0]) or real_varlen(q, k, v, cq, ck, mq, mk, sc))
+    calls, prefixed = [], []
+    real = ops.prefill_cudnn
+    monkeypatch.setattr(ops, "prefill_cudnn", lambda q, k, v, scale: (calls if q.shape[0] == k.shape[0] else
+                                                                       prefixed).append(q.shape[0]) or
+                        real(q, k, v, scale))
     llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", kernels="cuda", max_model_len=2100, num_kv_blocks=1024,
               max_num_batched_tokens=2048, max_num_seqs=8, prefill_sdpa_min_tokens=ROUTE_MIN, **kw)
     assert llm.engine.runner.graphs is not None   # decode graphs captured as before
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS, logprobs=5)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     outs += llm.generate(_hit_prompts(_prompts()), params, use_tqdm=False)
-    return llm, outs, (calls, varlen)
+    return llm, outs, (calls, prefixed)
 
 
 @pytest.mark.parametrize("off_kw", [dict(prefill_sdpa=False), dict(prefill_sdpa_prefix=False)])
 def test_greedy_tokens_with_the_route_on_and_off(ext, ckpt, monkeypatch, off_kw):
-    on_llm, on, (on_calls, on_varlen) = _run(ckpt, monkeypatch)
+    on_llm, on, (on_calls, on_prefixed) = _run(ckpt, monkeypatch)
     plan = on_llm.engine.runner.plan
     assert plan.prefill_sdpa_min_tokens == ROUTE_MIN and plan.prefill_prefix_min_tokens == ROUTE_MIN
     assert on_calls and min(on_calls) >= ROUTE_MIN and 1500 in on_calls, on_calls
     # the 1,200-token prompt's second chunk (652 over 548), and the prefix hit's 700 queries over 1,024 (without
-    # the hit that prompt would be a whole one, on SDPA)
-    assert on_varlen and min(on_varlen) >= ROUTE_MIN and 652 in on_varlen and 700 in on_varlen, on_varlen
+    # the hit that prompt would be a whole one)
+    assert on_prefixed and min(on_prefixed) >= ROUTE_MIN and 652 in on_prefixed and 700 in on_prefixed, on_prefixed
     del on_llm
-    off_llm, off, (off_calls, off_varlen) = _run(ckpt, monkeypatch, **off_kw)
-    assert off_varlen == [] and not off_llm.engine.runner.plan.prefill_flash_varlen.on
+    off_llm, off, (off_calls, off_prefixed) = _run(ckpt, monkeypatch, **off_kw)
+    assert off_prefixed == [] and not off_llm.engine.runner.plan.prefill_sdpa_prefix.on
     assert (off_calls == []) == ("prefill_sdpa" in off_kw)
     same = 0
     for i, (x, y) in enumerate(zip(on, off)):

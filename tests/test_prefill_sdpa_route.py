@@ -1,9 +1,8 @@
-"""Long prefill chunks on flash attention: whole prompts on torch SDPA (the plan's prefill_sdpa verdict,
-kernels.prefill_sdpa / prefill_sdpa_min_tokens) and chunks over a cached prefix on the varlen flash op
-(prefill_flash_varlen, kernels.prefill_sdpa_prefix): what the plan records and why, the config checks, the ragged
-K/V gather, and which rows of a step the CUDA backend sends where. The backend tests run on the CPU with the paged
-kernels and the varlen op replaced by their references (varlen_ref: the op's semantics, bottom-right causal);
-tests/test_prefill_sdpa_gpu.py runs the real ones."""
+"""Long prefill chunks on cuDNN attention: whole prompts (the plan's prefill_sdpa verdict, kernels.prefill_sdpa /
+prefill_sdpa_min_tokens) and chunks over a cached prefix (prefill_sdpa_prefix, kernels.prefill_sdpa_prefix): what
+the plan records and why, the config checks, attention_ops.prefill_cudnn's rounded calls and their merge (cuDNN
+replaced by a reference of its op), and which rows of a step the CUDA backend sends where (the paged kernels and
+prefill_cudnn replaced by references). tests/test_prefill_sdpa_gpu.py runs the real ones."""
 import dataclasses
 import re
 
@@ -17,8 +16,7 @@ from minillm.config_loader import load_config
 from minillm.diagnostics import paged_meta
 from minillm.model.loader import resolve_arch
 from minillm.ops import attention_ops as ops
-from minillm.ops.reference import (attend, gather_kv, gather_kv_ragged, kv_write_ref, make_paged_batch,
-                                   paged_attention_ref, paged_decode_ref, ragged_kv_slots)
+from minillm.ops.reference import attend, kv_write_ref, make_paged_batch, paged_attention_ref, paged_decode_ref
 from test_plan import A100, CPU, plan
 
 
@@ -39,47 +37,46 @@ def test_the_plan_records_the_route_and_its_threshold():
     assert "whole prompts" in rec["reason"] and "prefill_sdpa=on" in p.describe()
     q = plan(prefill_sdpa_min_tokens=300)
     assert q.prefill_sdpa_min_tokens == 300 and ">= 300 tokens" in q.prefill_sdpa.reason
-    assert plan(device=A100).prefill_sdpa.on    # flash runs on sm_80
+    assert plan(device=A100).prefill_sdpa.on    # cuDNN attention runs on sm_80
 
 
-def test_the_plan_records_chunks_over_a_prefix_on_the_varlen_op():
+def test_the_plan_records_chunks_over_a_prefix_on_cudnn():
     p = plan()
-    assert p.prefill_flash_varlen.on and p.prefill_prefix_min_tokens == p.prefill_sdpa_min_tokens
-    rec = p.record()["plan"]["prefill_flash_varlen"]
-    assert rec == {"on": True, "reason": p.prefill_flash_varlen.reason, "min_tokens": p.prefill_sdpa_min_tokens}
-    assert "over a cached prefix" in rec["reason"] and "prefill_flash_varlen=on" in p.describe()
-    assert "varlen flash op" in p.prefill_sdpa.reason
+    assert p.prefill_sdpa_prefix.on and p.prefill_prefix_min_tokens == p.prefill_sdpa_min_tokens
+    rec = p.record()["plan"]["prefill_sdpa_prefix"]
+    assert rec == {"on": True, "reason": p.prefill_sdpa_prefix.reason, "min_tokens": p.prefill_sdpa_min_tokens}
+    assert "over a cached prefix" in rec["reason"] and "prefill_sdpa_prefix=on" in p.describe()
+    assert "chunks over a prefix on cuDNN" in p.prefill_sdpa.reason
     assert plan(prefill_sdpa_min_tokens=300).prefill_prefix_min_tokens == 300
-    assert plan(device=A100).prefill_flash_varlen.on
+    assert plan(device=A100).prefill_sdpa_prefix.on
 
 
 @pytest.mark.parametrize("kw,why", [
     (dict(prefill_sdpa_prefix=False), "kernels.prefill_sdpa_prefix=false"),
-    (dict(prefill_sdpa=False), "whole prompts on SDPA, which is off (kernels.prefill_sdpa=false)"),
+    (dict(prefill_sdpa=False), "whole prompts on cuDNN, which is off (kernels.prefill_sdpa=false)"),
     (dict(kv_cache_dtype="fp8"), "quantized"),
     (dict(attention_mode="unified"), "unified"),
     (dict(kernels="torch"), "prefill kernel, which is off"),
 ])
 def test_the_prefix_route_is_off_where_it_does_not_apply_and_says_why(kw, why):
     p = plan(**kw)
-    assert not p.prefill_flash_varlen.on and why in p.prefill_flash_varlen.reason
-    assert p.prefill_prefix_min_tokens == 0 and p.record()["plan"]["prefill_flash_varlen"]["on"] is False
-    if kw == dict(prefill_sdpa_prefix=False):   # whole prompts keep SDPA; its reason says where chunks go
+    assert not p.prefill_sdpa_prefix.on and why in p.prefill_sdpa_prefix.reason
+    assert p.prefill_prefix_min_tokens == 0 and p.record()["plan"]["prefill_sdpa_prefix"]["on"] is False
+    if kw == dict(prefill_sdpa_prefix=False):   # whole prompts keep cuDNN; its reason says where chunks go
         assert p.prefill_sdpa.on and "chunks over a prefix on the prefill kernel" in p.prefill_sdpa.reason
 
 
-def test_without_the_op_in_torch_chunks_over_a_prefix_stay_on_the_kernel(monkeypatch):
-    monkeypatch.setattr(ops, "flash_varlen_available", lambda: False)
+def test_without_cudnn_attention_in_torch_every_prefill_row_stays_on_the_kernel(monkeypatch):
+    monkeypatch.setattr(ops, "cudnn_attention_available", lambda: False)
     p = plan()
-    assert p.prefill_sdpa.on and not p.prefill_flash_varlen.on
-    assert "no aten::_flash_attention_forward" in p.prefill_flash_varlen.reason
+    assert not p.prefill_sdpa.on and not p.prefill_sdpa_prefix.on
+    assert "no cuDNN attention" in p.prefill_sdpa.reason and p.prefill_sdpa_min_tokens == 0
 
 
-def test_the_op_is_in_this_torch_and_takes_the_varlen_arguments():
-    assert ops.flash_varlen_available()
-    args = [a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments]
-    assert args[:10] == ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
-                         "is_causal", "return_debug_mask"] and "scale" in args
+def test_the_op_is_in_this_torch_and_takes_the_arguments_prefill_cudnn_passes():
+    args = [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments]
+    assert args[:8] == ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+                        "return_debug_mask"] and "scale" in args
 
 
 @pytest.mark.parametrize("kw,why", [
@@ -151,7 +148,7 @@ def test_split_prefill(ctx, ql, begin, want_sdpa, want_runs):
 
 
 def _covers_each_once(route, begin, end):
-    covered = sorted(route.sdpa + route.flash + [s for a, b, _ in route.runs for s in range(a, b)])
+    covered = sorted(route.whole + route.prefixed + [s for a, b, _ in route.runs for s in range(a, b)])
     assert covered == list(range(begin, end))   # every prefill sequence exactly once
 
 
@@ -164,91 +161,89 @@ def _covers_each_once(route, begin, end):
     ([90, 20, 80], [40, 20, 50], 30, 30, ([], [0, 2], [(1, 2, 20)])),   # chunks apart, a short prompt between
     ([64], [64], 0, 30, ([], [], [(0, 1, 64)])),                        # a whole prompt is not a prefix chunk
 ])
-def test_split_prefill_sends_long_chunks_over_a_prefix_to_the_varlen_op(ctx, ql, whole, prefix, want):
+def test_split_prefill_sends_long_chunks_over_a_prefix_to_cudnn(ctx, ql, whole, prefix, want):
     begin = 2 if len(ctx) == 6 else 0
     route = split_prefill(_qsl(ql), ctx, begin, len(ctx), whole, prefix)
     assert route == PrefillRoute(*want)
     _covers_each_once(route, begin, len(ctx))
 
 
-# ---- the varlen op's semantics and the ragged gather
+# ---- prefill_cudnn: rounded call shapes, and the merge of its two calls
 
-def varlen_ref(q, k, v, cu_q, cu_k, max_q, max_k, scale, *, top_left=False):
-    """FlashAttention-2's varlen forward with is_causal, in fp32: sequence s's queries q[cu_q[s]:cu_q[s+1]] over its
-    keys k[cu_k[s]:cu_k[s+1]], the causal mask aligned to the bottom-right corner (query i of n sees keys
-    [0, L - n + i]). top_left=True aligns it to the top-left instead (query i sees [0, i]): the wrong alignment, for
-    the tests that must tell the two apart. Checks the bounds and layouts the real op needs."""
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    nq = [b - a for a, b in zip(cq, cq[1:])]
-    nk = [b - a for a, b in zip(ck, ck[1:])]
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
-    assert max_q == max(nq) and max_k == max(nk) and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
-    assert k.is_contiguous() and v.is_contiguous() and q.stride(-1) == 1
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for s, (n, length) in enumerate(zip(nq, nk)):
-        first = torch.arange(n, device=q.device)[:, None] + (0 if top_left else length - n)
-        mask = torch.arange(length, device=q.device)[None, :] <= first
-        out[cq[s]:cq[s + 1]] = attend(q[None, cq[s]:cq[s + 1]], k[None, ck[s]:ck[s + 1]], v[None, ck[s]:ck[s + 1]],
-                                      mask[None], scale)[0]
-    return out
+def attention_ref(q, k, v, scale):
+    """Causal attention in fp32 of q's n rows as the last n of k/v's L (query i sees keys [0, L - n + i])."""
+    n, length = q.shape[0], k.shape[0]
+    mask = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+    return attend(q[None], k[None], v[None], mask[None], scale)[0]
 
 
-def _cu(xs):
-    return torch.tensor(_qsl(xs), dtype=torch.int32)
+class FakeCudnn:
+    """aten's cuDNN op as prefill_cudnn calls it, in fp32 (top-left causal, as cuDNN's is_causal), recording each
+    call's (query rows, key rows, causal): their lengths must be the rounded ones, their layouts one per shape."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(ops, "_cudnn_call", self)
+
+    def __call__(self, q, k, v, causal, scale):
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        rows, keys = q.shape[0], k.shape[0]
+        self.calls.append((rows, keys, causal))
+        mask = torch.arange(keys)[None, :] <= torch.arange(rows)[:, None] if causal else torch.ones(rows, keys,
+                                                                                                      dtype=torch.bool)
+        g = q.shape[1] // k.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(g, 1)) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        out = torch.einsum("hqk,khd->hqd", torch.exp(s - lse), v.float().repeat_interleave(g, 1))
+        return out.to(q.dtype), lse
 
 
-def test_varlen_ref_is_the_paged_reference_of_chunks_over_a_prefix_and_top_left_is_not():
-    ctx, ql = [70, 33, 120], [20, 33, 64]   # a chunk over 50 tokens, a whole prompt, a chunk over 56
-    b = make_paged_batch(ctx, ql, 8, 2, 32, 16, torch.float32, "cpu", seed=5)
-    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
-    k = torch.cat([gather_kv(b.k_cache, b.block_tables[s], n) for s, n in enumerate(ctx)])
-    v = torch.cat([gather_kv(b.v_cache, b.block_tables[s], n) for s, n in enumerate(ctx)])
-    args = (b.q, k, v, _cu(ql), _cu(ctx), max(ql), max(ctx), 0.3)
-    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, ctx, b.query_start_list, 0.3)
-    assert torch.allclose(varlen_ref(*args), ref, atol=1e-5)
-    wrong = varlen_ref(*args, top_left=True)
-    s1 = slice(b.query_start_list[1], b.query_start_list[2])   # whole prompt: the alignments agree
-    assert torch.allclose(wrong[s1], ref[s1], atol=1e-5)
-    for s in (0, 2):
-        rows = slice(b.query_start_list[s], b.query_start_list[s + 1])
-        assert (wrong[rows] - ref[rows]).abs().max() > 0.1, s
+@pytest.mark.parametrize("n,ctx,want", [
+    (300, 300, [(512, 512, True)]),                               # a whole prompt: one causal call, padded
+    (40, 100, [(256, 256, True)]),                                # a prefix under one quantum: folded in whole
+    (100, 5000, [(256, 256, True), (256, 4864, False)]),          # 4864 prefix rows apart, 36 folded in
+    (256, 4352, [(256, 256, True), (256, 4096, False)]),          # the prefix a whole number of quanta
+    (1100, 20000, [(1792, 1792, True), (1280, 18432, False)]),    # 18 quanta of 1024 apart, 468 + 1100 folded
+])
+def test_prefill_cudnn_is_causal_attention_over_the_context_in_rounded_calls(monkeypatch, n, ctx, want):
+    fake = FakeCudnn(monkeypatch)
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(rows, heads, 16, generator=g) for rows, heads in ((n, 4), (ctx, 2), (ctx, 2)))
+    out = ops.prefill_cudnn(q, k, v, 0.25)
+    assert fake.calls == want
+    assert all(r % 256 == 0 and c % 256 == 0 for r, c, _ in fake.calls)
+    torch.testing.assert_close(out, attention_ref(q, k, v, 0.25), atol=1e-5, rtol=1e-5)
 
 
-def test_the_ragged_gather_is_each_sequences_context_back_to_back():
-    """Permuted block tables, a NaN-filled cache, contexts ending mid-block, sequences picked out of order: the
-    gathered rows equal each sequence's own gather and no NaN (an unowned slot) comes along."""
-    ctx = [37, 16, 100, 5, 64]
-    b = make_paged_batch(ctx, [1] * len(ctx), 4, 2, 8, 16, torch.bfloat16, "cpu", seed=9)
-    kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
-    pick = [4, 0, 2, 3]
-    lens = torch.tensor([ctx[s] for s in pick], dtype=torch.int32)
-    cu = _cu(lens.tolist())
-    slots = ragged_kv_slots(b.block_tables[pick], lens, cu, int(cu[-1]), 16)
-    for cache in (b.k_cache, b.v_cache):
-        got = gather_kv_ragged(cache, slots)
-        assert got.dtype == cache.dtype and got.is_contiguous() and not got.isnan().any()
-        want = torch.cat([gather_kv(cache, b.block_tables[s], ctx[s]) for s in pick]).to(cache.dtype)
-        assert torch.equal(got, want)
+def test_the_check_can_fail_a_merge_that_drops_the_prefix_share(monkeypatch):
+    FakeCudnn(monkeypatch)
+    monkeypatch.setattr(ops.torch, "sigmoid", lambda x: torch.zeros_like(x))
+    q, k, v = torch.randn(100, 4, 16), torch.randn(5000, 2, 16), torch.randn(5000, 2, 16)
+    assert (ops.prefill_cudnn(q, k, v, 0.25) - attention_ref(q, k, v, 0.25)).abs().max() > 0.01
+
+
+@pytest.mark.parametrize("n,step", [(1, 256), (4095, 256), (4096, 256), (8191, 256), (8192, 512), (40000, 2048),
+                                    (131072, 8192)])
+def test_cudnn_quantum_is_a_sixteenth_of_the_octave_and_at_least_256(n, step):
+    assert ops.cudnn_quantum(n) == step
 
 
 class FakeKernels:
     """The CUDA ops the backend launches, as their references (fp32 math, output in q's dtype), recording each
-    prefill launch's (first sequence, end, max_query_len) and each SDPA call's row count."""
+    prefill launch's (first sequence, end, max_query_len) and each cuDNN call's (query rows, context rows)."""
 
     def __init__(self, monkeypatch):
-        self.launches, self.sdpa_rows, self.varlen_calls = [], [], []
-        real_sdpa = ops.prefill_sdpa
+        self.launches, self.cudnn_calls = [], []
         monkeypatch.setattr(ops, "kv_write", lambda k, v, kc, vc, slots, ks=None, vs=None:
                             kv_write_ref(k, v, kc, vc, slots))
         monkeypatch.setattr(ops, "paged_decode", self.decode)
         monkeypatch.setattr(ops, "paged_prefill", self.prefill)
-        monkeypatch.setattr(ops, "prefill_sdpa", lambda q, k, v, scale: self.sdpa_rows.append(q.shape[0]) or
-                            real_sdpa(q, k, v, scale))
-        monkeypatch.setattr(ops, "prefill_flash_varlen", self.varlen)
+        monkeypatch.setattr(ops, "prefill_cudnn", self.cudnn)
 
-    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        self.varlen_calls.append((cu_q.tolist(), cu_k.tolist()))
-        return varlen_ref(q, k, v, cu_q, cu_k, max_q, max_k, scale).to(q.dtype)
+    def cudnn(self, q, k, v, scale):
+        self.cudnn_calls.append((q.shape[0], k.shape[0]))
+        return attention_ref(q, k, v, scale).to(q.dtype)
 
     def decode(self, out, q, kc, vc, bt, lens, scale, max_seq_len, **kw):
         out.copy_(paged_decode_ref(q, kc, vc, bt, lens.tolist(), scale))
@@ -267,9 +262,9 @@ MIXED = ([40, 70, 200, 300, 20, 150], [1, 1, 200, 90, 20, 150])
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_the_backend_sends_long_whole_prompts_to_sdpa_and_the_rest_to_the_kernels(monkeypatch, fused):
-    """fused: the cache already holds the step's k/v (qk_norm_rope wrote it) and SDPA reads the prompt's blocks
-    back; else forward() gets k/v, writes them and SDPA reads them directly. Either way: the reference's output."""
+def test_the_backend_sends_long_whole_prompts_to_cudnn_and_the_rest_to_the_kernels(monkeypatch, fused):
+    """fused: the cache already holds the step's k/v (qk_norm_rope wrote it) and the prompt's blocks are read back;
+    else forward() gets k/v, writes them and cuDNN reads them directly. Either way: the reference's output."""
     fake = FakeKernels(monkeypatch)
     ctx, ql = MIXED
     b = make_paged_batch(ctx, ql, 8, 2, 32, 16, torch.float32, "cpu", seed=11)
@@ -278,7 +273,7 @@ def test_the_backend_sends_long_whole_prompts_to_sdpa_and_the_rest_to_the_kernel
         kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
     k, v = (None, None) if fused else (b.k, b.v)
     out = CudaAttentionBackend(prefill_sdpa_min_tokens=100).forward(b.q, k, v, b.k_cache, b.v_cache, meta, 0.2)
-    assert fake.sdpa_rows == [200, 150]
+    assert fake.cudnn_calls == [(200, 200), (150, 150)]
     assert fake.launches == [(3, 5, 90)]   # the chunk over a prefix and the short prompt, in one launch
     if not fused:
         kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)   # the reference reads the written cache
@@ -293,7 +288,7 @@ def test_without_a_threshold_the_backend_launches_the_kernel_once_as_before(monk
     # without its host lists: the backend must not need them (nor sync for them) when the route is off
     meta = dataclasses.replace(paged_meta(b, num_decodes=2), query_start_loc_cpu=None, seq_lens_cpu=None)
     CudaAttentionBackend().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, meta, 0.2)
-    assert fake.sdpa_rows == [] and fake.launches == [(2, 6, 200)]
+    assert fake.cudnn_calls == [] and fake.launches == [(2, 6, 200)]
 
 
 
@@ -304,9 +299,9 @@ MIXED_PREFIX = ([40, 70, 200, 300, 20, 250, 60, 150], [1, 1, 200, 90, 20, 120, 3
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("adjacent", [False, True])
-def test_the_backend_sends_long_chunks_over_a_prefix_to_one_varlen_call(monkeypatch, fused, adjacent):
-    """Chunks apart (a short prompt between: their query rows are copied together) or adjacent (one view); the
-    K/V the op gets are their whole contexts from the cache, this step's rows included. The reference's output."""
+def test_the_backend_sends_long_chunks_over_a_prefix_to_cudnn(monkeypatch, fused, adjacent):
+    """Chunks apart (a short prompt between) or adjacent; the K/V each call gets are the chunk's whole context from
+    the cache, this step's rows included. The reference's output."""
     fake = FakeKernels(monkeypatch)
     ctx, ql = MIXED_PREFIX
     if adjacent:   # the short prompt moves after the second chunk
@@ -319,8 +314,7 @@ def test_the_backend_sends_long_chunks_over_a_prefix_to_one_varlen_call(monkeypa
     k, v = (None, None) if fused else (b.k, b.v)
     backend = CudaAttentionBackend(prefill_sdpa_min_tokens=100, prefill_prefix_min_tokens=80)
     out = backend.forward(b.q, k, v, b.k_cache, b.v_cache, meta, 0.2)
-    assert fake.sdpa_rows == [200, 150]
-    assert fake.varlen_calls == [([0, 90, 210], [0, 300, 550])]
+    assert sorted(fake.cudnn_calls) == [(90, 300), (120, 250), (150, 150), (200, 200)]
     assert fake.launches == ([(4, 5, 20), (6, 7, 30)] if not adjacent else [(5, 7, 30)])
     if not fused:
         kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
@@ -328,11 +322,12 @@ def test_the_backend_sends_long_chunks_over_a_prefix_to_one_varlen_call(monkeypa
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
 
 
-def test_a_top_left_varlen_op_would_fail_the_backend_test(monkeypatch):
-    """The check above can fail: with the op aligned top-left the chunks' rows are wrong."""
+def test_a_top_left_route_would_fail_the_backend_test(monkeypatch):
+    """The check above can fail: with the chunks' queries aligned to the start of their contexts the rows are
+    wrong."""
     fake = FakeKernels(monkeypatch)
-    monkeypatch.setattr(ops, "prefill_flash_varlen", lambda q, k, v, cq, ck, mq, mk, scale:
-                        varlen_ref(q, k, v, cq, ck, mq, mk, scale, top_left=True).to(q.dtype))
+    monkeypatch.setattr(ops, "prefill_cudnn", lambda q, k, v, scale: attention_ref(q, k[:q.shape[0]], v[:q.shape[0]],
+                                                                                   scale).to(q.dtype))
     ctx, ql = MIXED_PREFIX
     b = make_paged_batch(ctx, ql, 8, 2, 32, 16, torch.float32, "cpu", seed=13)
     out = CudaAttentionBackend(prefill_sdpa_min_tokens=100, prefill_prefix_min_tokens=80).forward(
@@ -342,21 +337,21 @@ def test_a_top_left_varlen_op_would_fail_the_backend_test(monkeypatch):
     assert fake.launches and (out[chunk] - ref[chunk]).abs().max() > 0.1
 
 
-def test_the_benchmark_times_the_route_on_the_engines_inputs():
-    """prefill_bench's "sdpa engine route" row: q a strided view of qkv rows, k/v read back through the block
-    table; on the CPU its output equals SDPA on the contiguous, gathered inputs."""
-    import torch.nn.functional as F
+@pytest.mark.parametrize("q_len", [40, 25])
+def test_the_benchmark_times_the_route_on_the_engines_inputs(monkeypatch, q_len):
+    """prefill_bench's "cudnn engine route" row: q a strided view of qkv rows, k/v read back through the block
+    table (a whole prompt, and a chunk over a prefix); on the CPU, with cuDNN's reference, its output equals
+    causal attention on the contiguous, gathered inputs."""
+    from minillm.diagnostics.kernel_check import _cudnn_route_impls
 
-    from minillm.diagnostics.kernel_check import _sdpa_route_impls
-
+    FakeCudnn(monkeypatch)
     t, hq, hkv, d, bs = 40, 4, 2, 16, 16
     nb = -(-t // bs)
-    q, kc = torch.randn(t, hq, d), torch.randn(nb, bs, hkv, d)
+    q, kc = torch.randn(q_len, hq, d), torch.randn(nb, bs, hkv, d)
     vc = torch.randn_like(kc)
     bt = torch.randperm(nb).to(torch.int32).view(1, -1)
     out = torch.full_like(q, float("nan"))
-    (route,) = _sdpa_route_impls(out, q, kc, vc, bt, d ** -0.5).values()
+    (route,) = _cudnn_route_impls(out, q, kc, vc, bt, t, d ** -0.5).values()
     route()
-    k4, v4 = (c[bt[0].long()].reshape(1, nb * bs, hkv, d)[:, :t].transpose(1, 2) for c in (kc, vc))
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k4, v4, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(out, ref[0].transpose(0, 1))
+    k, v = (c[bt[0].long()].reshape(nb * bs, hkv, d)[:t] for c in (kc, vc))
+    torch.testing.assert_close(out, attention_ref(q, k, v, d ** -0.5), atol=1e-5, rtol=1e-5)

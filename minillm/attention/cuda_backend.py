@@ -14,31 +14,24 @@ bind_kv_cache refuses a cache outside the coverage once, at start-up; the C++ la
 An fp8 cache (the KVCacheSpec's dtype): the KV write (fused or not) quantizes and the decode and prefill kernels
 read fp8, all with the layer's scales from the spec (minillm/ops/kv_quant.py FP8_KERNEL_COVERAGE).
 
-Long prefill chunks leave the paged kernel for flash attention (the plan's prefill_sdpa and prefill_flash_varlen
-verdicts, one threshold: kernels.prefill_sdpa_min_tokens queries; split_prefill routes each prefill sequence):
+Long prefill chunks leave the paged kernel for cuDNN's fused attention (the plan's prefill_sdpa and
+prefill_sdpa_prefix verdicts, one threshold: kernels.prefill_sdpa_min_tokens queries; split_prefill routes each
+prefill sequence), one attention_ops.prefill_cudnn call per such sequence over its context:
   a whole prompt (its query count equals its context length: a whole prompt, or a chunked prompt's first chunk; no
-      prefix hit) runs on torch SDPA (flash), one call per such prompt, over its own k/v: this step's k/v where the
-      write is not fused, else its blocks read back from the cache (qk_norm_rope stored them there);
-  a chunk over a cached prefix (a later chunk of a chunked prompt, or a prefix-cache hit) runs on FlashAttention-2's
-      variable-length forward (attention_ops.prefill_flash_varlen), all such chunks of the step in one call: their
-      contexts are gathered from the paged cache into one contiguous K and V (FA2's paged mode needs pages of a
-      multiple of 256 tokens, ours are 16 or 32), and FA2 aligns each chunk's causal mask to the bottom-right corner
-      (query i of n sees the first L - n + i + 1 of its L keys), which is a chunk's position after its prefix;
+      prefix hit) over its own k/v: this step's k/v where the write is not fused, else its blocks read back from
+      the cache (qk_norm_rope stored them there);
+  a chunk over a cached prefix (a later chunk of a chunked prompt, or a prefix-cache hit) over its whole context
+      read back from the paged cache (which already holds this step's k/v);
   every other prefill sequence (short chunks, short prompts) runs on the paged kernel, one launch per run of
       adjacent ones (the launcher takes a range of sequences with contiguous rows; a step holds few chunks this long).
-Flash measured 1.6-1.9x faster than the wide kernel on whole prompts of 4k-32k tokens; on chunks over a prefix an
-SDPA call with an explicit mask over expanded K/V measured only 1.15x, hence the varlen op, which takes GQA and the
-bottom-right mask natively (its speed there: scripts/prefill_bench.py). An fp8 cache never takes either route
-(attention_ops.PREFILL_SDPA_COVERAGE, PREFILL_FLASH_VARLEN_COVERAGE): later chunks and decode steps read the
-quantized k/v, so a prompt's own rows read them too. The cache write is unchanged either way.
+Why cuDNN and how fast: attention_ops.PREFILL_SDPA_COVERAGE. An fp8 cache never takes it: later chunks and decode
+steps read the quantized k/v, so a prompt's own rows read them too. The cache write is unchanged either way.
 
 The decode path does no host sync and sizes its split-K workspace from host-side maxima (meta.max_seq_len),
 so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -46,7 +39,7 @@ import torch
 from minillm.attention.metadata import AttentionMetadata
 from minillm.ops import attention_ops as ops
 from minillm.ops.kv_quant import is_fp8
-from minillm.ops.reference import gather_kv_batch, gather_kv_ragged, ragged_kv_slots
+from minillm.ops.reference import gather_kv_batch
 
 MODES = ("split", "unified")
 
@@ -66,7 +59,7 @@ class CudaAttentionBackend:
         self.kv_spec = None
         self.prefill_kernel = prefill_kernel   # the plan's choice for the engine's cache; None: per call
         self.prefill_sdpa_min_tokens = prefill_sdpa_min_tokens   # the plan's prefill_sdpa threshold; 0: off
-        self.prefill_prefix_min_tokens = prefill_prefix_min_tokens   # the plan's prefill_flash_varlen threshold
+        self.prefill_prefix_min_tokens = prefill_prefix_min_tokens   # the plan's prefill_sdpa_prefix threshold
 
     def bind_kv_cache(self, spec) -> None:
         """The engine's KVCacheSpec (minillm/cache/spec.py). A layout or shape the kernels do not read is refused
@@ -80,8 +73,8 @@ class CudaAttentionBackend:
         if reason is not None:
             raise ValueError(f"the CUDA attention kernels do not cover this KV cache: {reason}")
         if (self.prefill_sdpa_min_tokens or self.prefill_prefix_min_tokens) and is_fp8(spec.dtype):
-            raise ValueError("prefill on flash attention reads native caches only, not fp8 ones "
-                             "(PREFILL_SDPA_COVERAGE, PREFILL_FLASH_VARLEN_COVERAGE)")
+            raise ValueError("prefill on cuDNN attention reads native caches only, not fp8 ones "
+                             "(PREFILL_SDPA_COVERAGE)")
         self.kv_spec = spec
 
     def fused_kv_write_target(self, qkv: torch.Tensor, num_heads: int, head_dim: int, k_cache: torch.Tensor,
@@ -116,24 +109,25 @@ class CudaAttentionBackend:
         return out
 
     def _prefill(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, nd: int, ks, vs):
-        """Prefill sequences [nd, num_seqs): long whole prompts on SDPA, long chunks over a prefix on the varlen
-        flash op (one call), the rest on the paged kernel."""
+        """Prefill sequences [nd, num_seqs): long whole prompts and long chunks over a prefix on cuDNN, one call
+        each, the rest on the paged kernel."""
         if not (self.prefill_sdpa_min_tokens or self.prefill_prefix_min_tokens):
             route = PrefillRoute([], [], [(nd, meta.num_seqs, meta.max_query_len)])
         else:
             qsl, lens = meta.host_lists()
             route = split_prefill(qsl, lens, nd, meta.num_seqs, self.prefill_sdpa_min_tokens,
                                   self.prefill_prefix_min_tokens)
-        for s in route.sdpa:
+        for s in route.whole:
             lo, hi = qsl[s], qsl[s + 1]
             if k is not None:   # the write was not fused: this step's k/v are at hand
                 kp, vp = k[lo:hi], v[lo:hi]
             else:               # qk_norm_rope stored them straight into the cache: read the prompt's blocks back
                 kp, vp = (gather_kv_batch(c, meta.block_tables[s:s + 1], hi - lo)[0] for c in (k_cache, v_cache))
-            out[lo:hi] = ops.prefill_sdpa(q[lo:hi], kp, vp, scale)
-        if route.flash:
-            batch = VarlenBatch.of(route.flash, qsl, lens, q.device)
-            flash_varlen_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, batch, scale)
+            out[lo:hi] = ops.prefill_cudnn(q[lo:hi], kp, vp, scale)
+        for s in route.prefixed:
+            lo, hi = qsl[s], qsl[s + 1]
+            kp, vp = (gather_kv_batch(c, meta.block_tables[s:s + 1], lens[s])[0] for c in (k_cache, v_cache))
+            out[lo:hi] = ops.prefill_cudnn(q[lo:hi], kp, vp, scale)
         for begin, end, max_query_len in route.runs:
             ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               scale, max_query_len, seq_begin=begin, num_seqs=end - begin, k_scale=ks, v_scale=vs,
@@ -141,23 +135,23 @@ class CudaAttentionBackend:
 
 
 class PrefillRoute(NamedTuple):
-    sdpa: list[int]                     # whole prompts, one SDPA call each
-    flash: list[int]                    # chunks over a prefix, one varlen flash call for all
+    whole: list[int]                    # whole prompts, one cuDNN call each
+    prefixed: list[int]                 # chunks over a cached prefix, one cuDNN call each
     runs: list[tuple[int, int, int]]    # (first, last + 1, longest query): one paged-kernel launch each
 
 
 def split_prefill(qsl: list[int], seq_lens: list[int], begin: int, end: int, min_tokens: int,
                   prefix_min_tokens: int = 0) -> PrefillRoute:
     """Route prefill sequences [begin, end) of a step (host query_start_loc and seq_lens): whole prompts of at
-    least min_tokens tokens to SDPA, chunks over a prefix of at least prefix_min_tokens queries to the varlen flash
-    op (0 turns either off), the runs of adjacent other sequences to the paged kernel, each run sized by its own
-    longest query rather than the step's."""
+    least min_tokens tokens and chunks over a prefix of at least prefix_min_tokens queries to cuDNN (0 turns either
+    off), the runs of adjacent other sequences to the paged kernel, each run sized by its own longest query rather
+    than the step's."""
     route, first, longest = PrefillRoute([], [], []), begin, 0
     for s in range(begin, end):
         n = qsl[s + 1] - qsl[s]
         whole = n == seq_lens[s]
-        to = route.sdpa if whole and min_tokens and n >= min_tokens else \
-            route.flash if not whole and prefix_min_tokens and n >= prefix_min_tokens else None
+        to = route.whole if whole and min_tokens and n >= min_tokens else \
+            route.prefixed if not whole and prefix_min_tokens and n >= prefix_min_tokens else None
         if to is None:
             longest = max(longest, n)
             continue
@@ -168,53 +162,3 @@ def split_prefill(qsl: list[int], seq_lens: list[int], begin: int, end: int, min
     if end > first:
         route.runs.append((first, end, longest))
     return route
-
-
-@dataclass(frozen=True)
-class VarlenBatch:
-    """The sequences of one varlen flash call: their indices in the step, their query rows, and the device offsets
-    the op and the K/V gather read (one small host-to-device copy from pinned memory, so nothing syncs)."""
-    seqs: torch.Tensor          # int64 [S]: the sequences' indices in the step's block_tables / seq_lens
-    cu_q: torch.Tensor          # int32 [S + 1]: query offsets within the call
-    cu_k: torch.Tensor          # int32 [S + 1]: key offsets within the gathered K/V
-    rows: list[tuple[int, int]]   # host: each sequence's query rows in the step
-    max_q: int
-    max_k: int
-    total_k: int                # host: the gathered K/V rows (the sum of the sequences' context lengths)
-
-    @classmethod
-    def of(cls, seqs: list[int], qsl: list[int], seq_lens: list[int], device) -> "VarlenBatch":
-        q_lens = [qsl[s + 1] - qsl[s] for s in seqs]
-        k_lens = [seq_lens[s] for s in seqs]
-        host = torch.tensor([*seqs, *accumulate(q_lens, initial=0), *accumulate(k_lens, initial=0)], dtype=torch.int32)
-        if torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
-        n = len(seqs)
-        return cls(dev[:n].long(), dev[n:2 * n + 1], dev[2 * n + 1:], [(qsl[s], qsl[s + 1]) for s in seqs],
-                   max(q_lens), max(k_lens), sum(k_lens))
-
-    @property
-    def adjacent(self) -> bool:
-        """The sequences' query rows are one contiguous range of the step's rows (one view, no copy)."""
-        return all(a[1] == b[0] for a, b in zip(self.rows, self.rows[1:]))
-
-
-def flash_varlen_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: VarlenBatch,
-                         scale: float) -> None:
-    """out[rows] = causal attention of the batch's query rows over their whole contexts, read from the paged
-    cache (which already holds this step's k/v): the contexts gathered into one contiguous K and V, one call."""
-    slots = ragged_kv_slots(block_tables.index_select(0, batch.seqs), seq_lens.index_select(0, batch.seqs),
-                            batch.cu_k, batch.total_k, k_cache.shape[1])
-    kg, vg = gather_kv_ragged(k_cache, slots), gather_kv_ragged(v_cache, slots)
-    lo, hi = batch.rows[0][0], batch.rows[-1][1]
-    qv = q[lo:hi] if batch.adjacent else torch.cat([q[a:b] for a, b in batch.rows])
-    o = ops.prefill_flash_varlen(qv, kg, vg, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, scale)
-    if batch.adjacent:
-        out[lo:hi] = o
-        return
-    at = 0
-    for a, b in batch.rows:
-        out[a:b] = o[at:at + b - a]
-        at += b - a

@@ -3,8 +3,8 @@ against torch. (The command itself is minillm/commands/check_kernels.py.)
 
 Cases: KV write (whole cache compared bit-exact, untouched NaN slots unchanged), ragged prefill, prefix hits,
 chunked prefill, tile/block-boundary lengths incl. 1, decode v1 / split-K / dispatched at small, long and mixed
-batches, the backend's split and unified modes, over every head dim, GQA group, block size and dtype; both prefill
-kernels the engine runs (ENGINE_PREFILL_KERNELS), also on long prompts (8k, 16k, 32k tokens and a 2,048-query
+batches, the backend's split and unified modes, over every head dim, GQA group, block size and dtype; the prefill
+kernels the engine runs on the GPU (engine_kernels), also on long prompts (8k, 16k, 32k tokens and a 2,048-query
 chunk over a 14k cached prefix). Caches start as NaN and block tables are random permutations. Timings use CUDA
 events around CUDA-graph replays of many calls over rotating inputs larger than L2. One JSON line per case and per
 timing goes to --output. The fp8 KV cache, the megakernel and the fused MoE kernels add their own cases
@@ -19,9 +19,8 @@ from pathlib import Path
 
 
 TOL = {"bfloat16": 2e-2, "float16": 4e-3}
-# The prefill kernels the engine may run (attention_ops.prefill_kernel); the opt-in wgmma kernel has its own
-# tests and benchmark pass, so a fault there cannot take these checks down with it.
-ENGINE_PREFILL_KERNELS = ("wide", "narrow")
+# The prefill kernels the engine may run (attention_ops.prefill_kernel), those of them the GPU runs: engine_kernels().
+ENGINE_PREFILL_KERNELS = ("wgmma", "wide", "narrow")
 KINDS = ("kv_write", "prefill", "decode", "backend")
 
 
@@ -216,7 +215,7 @@ def run_long_prefill_cases(quick: bool, hq=16, hkv=8, d=128, bs=16, dt="bfloat16
         b = make_paged_batch(ctx, ql, hq, hkv, d, bs, getattr(torch, dt), "cuda", seed)
         kv_write_ref(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
         ref = prefill_ref_chunked(b, scale)
-        for kernel in ENGINE_PREFILL_KERNELS:
+        for kernel in engine_kernels():
             out = torch.full_like(b.q, float("nan"))
             ops.paged_prefill(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
                               scale, max(ql), kernel=kernel)
@@ -315,14 +314,24 @@ def prefill_flops(ctx: int, q_len: int, hq: int, d: int) -> float:
     return 4 * hq * d * keys
 
 
+def engine_kernels() -> tuple[str, ...]:
+    """ENGINE_PREFILL_KERNELS this GPU runs."""
+    import torch
+
+    from minillm.ops import attention_ops as ops
+
+    on = ops.prefill_kernels_on(torch.cuda.get_device_capability())
+    return tuple(k for k in ENGINE_PREFILL_KERNELS if k in on)
+
+
 def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=16,
-                    kernels=ENGINE_PREFILL_KERNELS, sdpa_too: bool = True) -> list[dict]:
-    """Prefill kernels (and SDPA on contiguous K/V) on one sequence: q_len queries (default ctx, a whole prompt)
-    at the end of a ctx-token context, bf16. A chunk over a cached prefix is compared with SDPA's lower-right
-    causal mask over K/V expanded to the query heads (SDPA's GQA path takes no such mask). With sdpa_too, also the
-    varlen flash route as the engine runs it over the paged cache ("flash varlen gather+op": the slot index, the
-    K/V gather, the op and the rows written back; cuda_backend.flash_varlen_prefill, its VarlenBatch built once as
-    the engine does per layer) and the op alone over K/V already contiguous (what the gather costs)."""
+                    kernels=None, sdpa_too: bool = True) -> list[dict]:
+    """Prefill kernels (default: engine_kernels()) and SDPA on contiguous K/V on one sequence: q_len queries
+    (default ctx, a whole prompt) at the end of a ctx-token context, bf16. A chunk over a cached prefix is compared
+    with SDPA's lower-right causal mask over K/V expanded to the query heads (SDPA's GQA path takes no such mask).
+    With sdpa_too, also the cuDNN route as the engine runs it (cuda_backend._prefill: q a view of a step's qkv rows,
+    K/V read back from the paged cache, attention_ops.prefill_cudnn). Every row also gives the first call's time
+    (first_call_ms: for the cuDNN route, its plan build for a shape not seen before)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
@@ -330,6 +339,7 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
     from minillm.ops import attention_ops as ops
 
     q_len = q_len or ctx
+    kernels = engine_kernels() if kernels is None else kernels
     dev, dt, scale = "cuda", torch.bfloat16, d ** -0.5
     nb = -(-ctx // bs)
     q = torch.randn(q_len, hq, d, device=dev, dtype=dt)
@@ -356,7 +366,7 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
         return lambda: ops.paged_prefill(out, q, kc, vc, bt, lens, qsl, scale, q_len, kernel=kernel)
 
     ref = sdpa()[0].transpose(0, 1).float()
-    ms, errs = {}, {}
+    ms, errs, first = {}, {}, {}
     try:
         ms["sdpa causal"] = _time_graph([sdpa])
     except RuntimeError:   # its masked path may refuse graph capture in some torch builds: time the kernels alone
@@ -365,31 +375,28 @@ def prefill_timings(ctx: int, q_len: int | None = None, hq=16, hkv=8, d=128, bs=
     if not sdpa_too:
         ms.clear()
     else:
-        impls = _sdpa_route_impls(out, q, kc, vc, bt, scale) if q_len == ctx else {}
-        if ops.flash_varlen_available():
-            impls.update(_flash_varlen_impls(out, q, kc, vc, bt, lens, q_len, ctx, scale))
+        impls = _cudnn_route_impls(out, q, kc, vc, bt, ctx, scale) if ops.cudnn_attention_available() else {}
         for name, fn in impls.items():
-            fn()
+            first[name] = _first_call_ms(fn)
             err = _max_err(out, ref)
             t, how = _time_graph_or_eager(fn)
             name += "" if how == "graph" else " (eager)"
             ms[name], errs[name] = t, err
     for kernel in kernels:
-        ours(kernel)()
+        first[f"minillm prefill {kernel}"] = _first_call_ms(ours(kernel))
         errs[f"minillm prefill {kernel}"] = _max_err(out, ref)
         ms[f"minillm prefill {kernel}"] = _time_graph([ours(kernel)])
     flops = prefill_flops(ctx, q_len, hq, d)
     what = f"T={ctx} causal" if q_len == ctx else f"{q_len} queries over a {ctx - q_len}-token prefix"
     bench = f"prefill {what} H{hq}/{hkv} D{d} bs{bs}"
     return [dict(bench=bench, impl=name, ms=t, tflops=flops / t / 1e9, ratio_vs_sdpa=base / t if base else None,
-                 max_abs_err_vs_sdpa=errs.get(name)) for name, t in ms.items()]
+                 max_abs_err_vs_sdpa=errs.get(name), first_call_ms=first.get(name)) for name, t in ms.items()]
 
 
-def _sdpa_route_impls(out, q, kc, vc, bt, scale: float) -> dict:
-    """The whole-prompt SDPA route as the engine calls it (cuda_backend._prefill): q a view of a step's qkv rows
-    (the q, k and v heads of a token side by side, so its token stride is not Hq * D) and k/v read back from the
-    paged cache, where the fused KV write stored them. "sdpa causal" above times contiguous [1, H, T, D] inputs
-    instead, which SDPA may serve with another backend."""
+def _cudnn_route_impls(out, q, kc, vc, bt, ctx: int, scale: float) -> dict:
+    """The cuDNN route as the engine calls it (cuda_backend._prefill): q a view of a step's qkv rows (the q, k and v
+    heads of a token side by side, so its token stride is not Hq * D) and the context's k/v read back from the paged
+    cache, where the fused KV write stored them."""
     import torch
 
     from minillm.ops import attention_ops as ops
@@ -401,30 +408,23 @@ def _sdpa_route_impls(out, q, kc, vc, bt, scale: float) -> dict:
     q_rows = qkv[:, :hq * d].view(t, hq, d)
 
     def route():
-        k, v = (gather_kv_batch(c, bt, t)[0] for c in (kc, vc))
-        out.copy_(ops.prefill_sdpa(q_rows, k, v, scale))
+        k, v = (gather_kv_batch(c, bt, ctx)[0] for c in (kc, vc))
+        out.copy_(ops.prefill_cudnn(q_rows, k, v, scale))
 
-    return {"sdpa engine route (qkv views, K/V read back)": route}
+    return {"cudnn engine route (qkv views, K/V read back)": route}
 
 
-def _flash_varlen_impls(out, q, kc, vc, bt, lens, q_len: int, ctx: int, scale: float) -> dict:
-    """The varlen flash route on one sequence: through the paged cache as the engine runs it, and the op alone."""
+def _first_call_ms(fn) -> float:
+    """Wall milliseconds of one call of fn until the GPU is done (the first call of a shape: plans, module loads)."""
+    import time
+
     import torch
 
-    from minillm.attention.cuda_backend import VarlenBatch, flash_varlen_prefill
-    from minillm.ops import attention_ops as ops
-    from minillm.ops.reference import gather_kv_ragged
-
-    batch = VarlenBatch.of([0], [0, q_len], [ctx], q.device)
-    slots = torch.arange(ctx, device=q.device)
-    slots = bt[0].long()[slots // kc.shape[1]] * kc.shape[1] + slots % kc.shape[1]
-    kg, vg = gather_kv_ragged(kc, slots), gather_kv_ragged(vc, slots)
-
-    def alone():
-        out.copy_(ops.prefill_flash_varlen(q, kg, vg, batch.cu_q, batch.cu_k, q_len, ctx, scale))
-
-    return {"flash varlen gather+op": lambda: flash_varlen_prefill(out, q, kc, vc, bt, lens, batch, scale),
-            "flash varlen op alone (K/V contiguous)": alone}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _time_graph_or_eager(fn) -> tuple[float, str]:

@@ -8,11 +8,9 @@ decode path can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
 from minillm.ops.build import load_extension
 from minillm.ops.coverage import KernelCoverage
@@ -27,8 +25,9 @@ COVERAGE = KernelCoverage("paged_attention", dtypes=("bfloat16", "float16"), hea
 # The prefill kernels, one contract: "wide" (cuda/prefill_wide.cu: 128-query tiles, 32 rows per warp) reads
 # caches in the activation dtype; "narrow" (cuda/paged_prefill.cu: 64-query tiles, 16 rows per warp) reads those
 # and the fp8 caches; "wgmma" and "wgmma1" (cuda/prefill_wgmma.cu: 2 warpgroups per CTA or 1, sm_90 only, native
-# caches) are opt-in until measured: the engine never runs them. prefill_kernel() picks the one a case runs on: wide
-# wherever it covers the case.
+# caches). prefill_kernel() picks the one a case runs on: wgmma on sm_90 (measured 1-7% faster than wide on every
+# shape of scripts/prefill_bench.py, 4k-32k tokens and chunks over 14k-16k prefixes, b6899bc), else wide wherever
+# its coverage holds, else narrow.
 PREFILL_KERNELS = ("wide", "narrow", "wgmma", "wgmma1")
 _WGMMA_WARPGROUPS = {"wgmma": 2, "wgmma1": 1}
 PREFILL_WIDE_COVERAGE = KernelCoverage("paged_prefill_wide", dtypes=COVERAGE.dtypes, head_dims=COVERAGE.head_dims,
@@ -39,22 +38,19 @@ PREFILL_WGMMA_COVERAGE = dataclasses.replace(PREFILL_WIDE_COVERAGE, family="page
 _PREFILL_COVERAGE = {"wide": PREFILL_WIDE_COVERAGE, "narrow": COVERAGE, "wgmma": PREFILL_WGMMA_COVERAGE,
                      "wgmma1": PREFILL_WGMMA_COVERAGE}
 
-# Whole prompts (one chunk, no cached prefix) of at least kernels.prefill_sdpa_min_tokens tokens run on torch SDPA,
-# which dispatches to flash attention for these dtypes on sm_80+: measured 1.6-1.9x faster than the wide kernel from
-# 4096 to 32768 tokens (results/prefill_kernels.jsonl, 27c2e6b). Native caches only: over an fp8 cache every later
+# Long prefill chunks on cuDNN's fused attention (torch.ops.aten._scaled_dot_product_cudnn_attention, what torch
+# SDPA dispatches to on sm_90): whole prompts of at least kernels.prefill_sdpa_min_tokens tokens, and with
+# kernels.prefill_sdpa_prefix chunks of that many queries over a cached prefix (prefill_cudnn). On the H200 it ran
+# causal 4k-16k at 450-660 TFLOP/s against 290-340 for the wgmma kernel, and 16k queries over a 16k prefix in
+# 10.2 ms against 19.2 for FA2's varlen forward (8B heads, 2cf2517). cuDNN builds an execution plan per call shape
+# (~40 ms on the H200, and ~0.5-1 s the first time a kernel variant is compiled), so call shapes are rounded to
+# CUDNN_STEPS_PER_OCTAVE steps per power of two (cudnn_quantum). Native caches only: over an fp8 cache every later
 # chunk and decode step reads the quantized k/v, so the prompt's own rows read them too (the narrow kernel). Not
 # graph-safe (per-sequence shapes from host lists); only prefill steps, which run eagerly, take it.
-PREFILL_SDPA_COVERAGE = KernelCoverage("prefill_sdpa", dtypes=COVERAGE.dtypes, head_dims=COVERAGE.head_dims,
-                                       graph_safe=False)
-
-# Prefill chunks over a cached prefix (a later chunk of a chunked prompt, a prefix-cache hit) of at least that many
-# queries run on FlashAttention-2's variable-length forward through ATen (torch.ops.aten._flash_attention_forward),
-# all of a step's such chunks in one call, over their K/V gathered from the paged cache into one contiguous buffer
-# (FA2's own paged mode needs pages of a multiple of 256 tokens). FA2 aligns a chunk's causal mask to the
-# bottom-right corner when it has fewer queries than keys: query i of n sees keys [0, L - n + i]. Same dtypes, head
-# dims and native caches as PREFILL_SDPA_COVERAGE (FA2 itself takes head dims up to 256; the paged kernels that
-# write the cache cover 64 and 128); the op must exist in the torch build (flash_varlen_available). Not graph-safe.
-PREFILL_FLASH_VARLEN_COVERAGE = dataclasses.replace(PREFILL_SDPA_COVERAGE, family="prefill_flash_varlen")
+PREFILL_SDPA_COVERAGE = KernelCoverage("prefill_cudnn", dtypes=COVERAGE.dtypes, head_dims=COVERAGE.head_dims,
+                                       min_capability=(8, 0), graph_safe=False)
+CUDNN_MIN_QUANTUM = 256
+CUDNN_STEPS_PER_OCTAVE = 16
 
 PARTITION_QUANTUM = 256   # fixed split-K partitions are multiples of this (a whole number of chunks per warp)
 # Equal split-K policy: cut every sequence into as many partitions as fit the grid into CTAS_PER_SM_TARGET CTAs per
@@ -135,12 +131,15 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 @lru_cache(maxsize=32)
-def prefill_kernel(dtype: str, kv_dtype: str, head_dim: int) -> str:
+def prefill_kernel(dtype: str, kv_dtype: str, head_dim: int, capability: tuple[int, int] | None = None) -> str:
     """The prefill kernel (PREFILL_KERNELS) for activations of `dtype` over a cache of `kv_dtype` (torch names
-    without "torch."): the wide one wherever its coverage holds, else the narrow one."""
-    wide = PREFILL_WIDE_COVERAGE.reason(dtype=dtype, capability=PREFILL_WIDE_COVERAGE.min_capability,
-                                        head_dim=head_dim, kv_dtype=kv_dtype)
-    return "narrow" if wide else "wide"
+    without "torch.") on a GPU of `capability` (None: any the wide kernel runs on): wgmma where it covers the case,
+    else the wide one wherever its coverage holds, else the narrow one."""
+    case = dict(dtype=dtype, head_dim=head_dim, kv_dtype=kv_dtype)
+    if capability is not None and PREFILL_WGMMA_COVERAGE.reason(capability=tuple(capability), **case) is None:
+        return "wgmma"
+    return "narrow" if PREFILL_WIDE_COVERAGE.reason(capability=PREFILL_WIDE_COVERAGE.min_capability, **case) \
+        else "wide"
 
 
 def prefill_kernels_on(capability: tuple[int, int]) -> tuple[str, ...]:
@@ -163,12 +162,13 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
     Rows of sequence s are q[query_start_loc[s]:query_start_loc[s+1]] and sit at the last positions of its
     seq_lens[s]-token context (prefix hits and later prefill chunks attend to the cached tokens before them).
     k_scale / v_scale (fp32 [Hkv]): the caches are fp8, read as stored * scale.
-    kernel: one of PREFILL_KERNELS; None lets prefill_kernel() choose (what the engine runs).
+    kernel: one of PREFILL_KERNELS; None lets prefill_kernel() choose for q's GPU (what the engine runs).
     """
     if num_seqs is None:
         num_seqs = seq_lens.shape[0] - seq_begin
     if kernel is None:
-        kernel = prefill_kernel(_dtype_name(q.dtype), _dtype_name(k_cache.dtype), q.shape[-1])
+        kernel = prefill_kernel(_dtype_name(q.dtype), _dtype_name(k_cache.dtype), q.shape[-1],
+                                torch.cuda.get_device_capability(q.device) if q.is_cuda else None)
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"prefill kernel must be one of {PREFILL_KERNELS}, got {kernel!r}")
     if kernel != "narrow":
@@ -190,25 +190,67 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
     return out
 
 
-def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one whole prompt: q [L, Hq, D], k/v [L, Hkv, D] (its own keys, no prefix) ->
-    [L, Hq, D]. The [1, H, L, D] views SDPA takes are the [L, H, D] rows unchanged (flash reads that layout)."""
-    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                       v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
+def cudnn_attention_available() -> bool:
+    """Whether this torch build registers cuDNN's fused attention op (the plan asks once; CUDA builds of torch
+    ship cuDNN with it)."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
 
 
-def flash_varlen_available() -> bool:
-    """Whether this torch build registers ATen's variable-length flash-attention forward (the plan asks once)."""
-    return hasattr(torch.ops.aten, "_flash_attention_forward")
+def cudnn_quantum(n: int) -> int:
+    """The length step of cuDNN call shapes near n tokens: 1/CUDNN_STEPS_PER_OCTAVE of the power of two below n,
+    at least CUDNN_MIN_QUANTUM. Rounding up to it pads at most 1/16 of the rows; every shape is a multiple of 256."""
+    return max(CUDNN_MIN_QUANTUM, (1 << (max(n, 1).bit_length() - 1)) // CUDNN_STEPS_PER_OCTAVE)
 
 
-def prefill_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                         max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """Causal attention of several sequences in one call: q [total_q, Hq, D] (rows cu_q[s]:cu_q[s+1] are sequence
-    s's queries), k/v [total_k, Hkv, D] (rows cu_k[s]:cu_k[s+1] its whole context, GQA not expanded), cu_q / cu_k
-    int32 [S + 1] on the device, max_q / max_k host bounds of the per-sequence counts -> [total_q, Hq, D].
-    A sequence's queries are the last of its context (bottom-right causal alignment: query i of n sees its first
-    L - n + i + 1 keys), which is what FA2 does for is_causal with fewer queries than keys."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, True, False,
-                                                   scale=float(scale))[0]
+def _round_up(n: int) -> int:
+    step = cudnn_quantum(n)
+    return -(-n // step) * step
+
+
+def prefill_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's n newest tokens over its whole context: q [n, Hq, D], k/v [L, Hkv, D]
+    (L >= n; the first L - n rows are the cached prefix) -> [n, Hq, D].
+
+    Two cuDNN calls of rounded shapes, merged by their log-sum-exps: the queries over the prefix's first P' rows
+    (P' the prefix rounded down to its quantum; no mask), and a causal square over the rest of the context whose
+    first r = L - n - P' rows (the prefix's remainder) get placeholder queries, so that query i sees exactly the
+    remainder and its own first i + 1 keys. Both are zero-padded at the end to a rounded length: under a causal
+    mask padding rows see only what comes before them, and padded query rows are dropped."""
+    n, ctx = q.shape[0], k.shape[0]
+    prefix = ctx - n
+    split = prefix // cudnn_quantum(prefix) * cudnn_quantum(prefix) if prefix else 0
+    r = prefix - split
+    rows = _round_up(r + n)
+    own, lse_own = _cudnn_call(_padded(q, rows, r), _padded(k[split:], rows), _padded(v[split:], rows), True, scale)
+    own, lse_own = own[:, r:r + n], lse_own[:, r:r + n]
+    if not split:
+        return own.transpose(0, 1)
+    rows = _round_up(n)
+    pre, lse_pre = _cudnn_call(_padded(q, rows), k[:split], v[:split], False, scale)
+    # softmax over both parts: each part's output weighted by its share of the total mass, exp(lse) of each
+    share = torch.sigmoid(lse_pre[:, :n] - lse_own).to(own.dtype)
+    return torch.lerp(own, pre[:, :n], share).transpose(0, 1)
+
+
+def _padded(x: torch.Tensor, rows: int, at: int = 0) -> torch.Tensor:
+    """x [m, H, D] copied to rows [at, at + m) of a zeroed contiguous [rows, H, D] (one layout per shape, so every
+    call of a shape finds the same cuDNN plan)."""
+    out = x.new_zeros(rows, *x.shape[1:])
+    out[at:at + x.shape[0]] = x
+    return out
+
+
+def _cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """cuDNN attention of [rows, H, D] tensors (GQA not expanded) -> (out [Hq, rows, D], lse fp32 [Hq, rows, 1])."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, True,
+        0.0, causal, False, scale=float(scale))[:2]
+    return out[0], lse[0].reshape(out.shape[1], out.shape[2], 1)
+
+
+def warm_up_cudnn(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    """One chunk over a prefix through prefill_cudnn, so that both of its kernel variants (causal and not) are
+    compiled at start-up rather than in the first long prompt's time to first token."""
+    q = torch.zeros(CUDNN_MIN_QUANTUM, num_q_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(2 * CUDNN_MIN_QUANTUM, num_kv_heads, head_dim, dtype=dtype, device=device)
+    prefill_cudnn(q, kv, kv, head_dim ** -0.5)

@@ -69,24 +69,6 @@ def gather_kv_batch(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens:
     return blocks.reshape(b, nb * bs, h, d)[:, :num_tokens]
 
 
-def ragged_kv_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seq_lens: torch.Tensor, total: int,
-                    block_size: int) -> torch.Tensor:
-    """Flat cache slots (block_id * block_size + offset) of the first seq_lens[s] tokens of every sequence s,
-    sequence after sequence: int64 [total]. block_tables [S, max_blocks], seq_lens [S], cu_seq_lens [S + 1] (its
-    prefix sums) on the device; total = cu_seq_lens[-1] as a host int, so nothing waits for the device."""
-    dev = block_tables.device
-    seq = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=dev), seq_lens.long(), output_size=total)
-    pos = torch.arange(total, device=dev) - cu_seq_lens.long()[seq]
-    return block_tables.long()[seq, pos // block_size] * block_size + pos % block_size
-
-
-def gather_kv_ragged(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The cache rows at `slots` (ragged_kv_slots) in one index_select: [len(slots), H, D] in the cache dtype,
-    contiguous (several sequences' K or V back to back, the layout a variable-length attention call reads)."""
-    h, d = cache.shape[2], cache.shape[3]
-    return _typed(_bytes(cache).reshape(-1, h, d).index_select(0, slots), cache)
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Tq, Hq, D], k/v [B, L, Hkv, D], mask [B, Tq, L] (True = may attend) -> [B, Tq, Hq, D] in fp32.
 

@@ -4,14 +4,15 @@ model's architecture, the KV-cache spec, the dtype and the device, and recorded 
 Each path has a verdict (on or off) and a reason a person can read:
   fused_ops       the fused norms, RoPE, SwiGLU and the one-pass sampler (or their torch twins)
   attention       the CUDA paged-attention kernels (or the torch backend); prefill_kernel names the prefill kernel
-                  that covers the cache (attention_ops.prefill_kernel: "wide", or "narrow" for an fp8 cache)
+                  that covers the cache and GPU (attention_ops.prefill_kernel: "wgmma" on sm_90, "wide" elsewhere,
+                  "narrow" for an fp8 cache)
   fused_kv_write  k/v stored into the cache by the RoPE kernel (or by a separate KV write)
-  prefill_sdpa    prefill sequences that are a whole prompt in one chunk, of at least min_tokens tokens, on torch
-                  SDPA (flash attention) instead of the prefill kernel (attention_ops.PREFILL_SDPA_COVERAGE,
+  prefill_sdpa    prefill sequences that are a whole prompt in one chunk, of at least min_tokens tokens, on cuDNN's
+                  fused attention instead of the prefill kernel (attention_ops.PREFILL_SDPA_COVERAGE,
                   kernels.prefill_sdpa, kernels.prefill_sdpa_min_tokens); the backend splits a step's rows by it
-  prefill_flash_varlen  prefill chunks over a cached prefix of at least min_tokens queries (the same threshold) on
-                  flash attention's variable-length forward, over K/V gathered from the cache
-                  (attention_ops.PREFILL_FLASH_VARLEN_COVERAGE, flash_varlen_available; kernels.prefill_sdpa_prefix)
+  prefill_sdpa_prefix  prefill chunks over a cached prefix of at least min_tokens queries (the same threshold) on
+                  cuDNN too, over K/V read back from the cache (attention_ops.prefill_cudnn,
+                  cudnn_attention_available; kernels.prefill_sdpa_prefix)
   skinny_gemm     per linear layer (qkv_proj, o_proj, gate_up_proj, down_proj): the skinny GEMM for decode-sized
                   products (or cuBLAS); the row count is the only question left for the call
   decode_gemm     per linear layer: the decode GEMM up to its measured-win row count (minillm/ops/decode_gemm.py
@@ -56,7 +57,7 @@ from minillm.ops.choice import KernelLoad, ModelKernels, load_cuda_kernels
 
 LINEAR_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PATHS = ("fused_ops", "attention", "fused_kv_write", "megakernel", "cuda_graphs", "pdl", "prefill_sdpa",
-         "prefill_flash_varlen")
+         "prefill_sdpa_prefix")
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class ExecutionPlan:
     moe: RowsVerdict = RowsVerdict(False, "plain torch")
     prefill_kernel: str | None = None      # the CUDA prefill kernel (attention_ops.PREFILL_KERNELS); None: torch
     prefill_sdpa: TokensVerdict = TokensVerdict(False, "plain torch")
-    prefill_flash_varlen: TokensVerdict = TokensVerdict(False, "plain torch")
+    prefill_sdpa_prefix: TokensVerdict = TokensVerdict(False, "plain torch")
 
     # ---- what the runner and the model ask ----
     @property
@@ -146,8 +147,8 @@ class ExecutionPlan:
 
     @property
     def prefill_prefix_min_tokens(self) -> int:
-        """The threshold for chunks over a prefix on the varlen flash op; 0: those chunks on the kernel."""
-        return self.prefill_flash_varlen.min_tokens if self.prefill_flash_varlen.on else 0
+        """The threshold for chunks over a prefix on cuDNN; 0: those chunks on the kernel."""
+        return self.prefill_sdpa_prefix.min_tokens if self.prefill_sdpa_prefix.on else 0
 
     def model_kernels(self) -> ModelKernels:
         return ModelKernels(cuda=self.fused_ops.on,
@@ -222,15 +223,17 @@ def resolve_plan(cfg: EngineConfig, arch, kv_spec, dtype: torch.dtype, device: D
         decode_ctas_per_sm=k.decode_ctas_per_sm, megakernel_rows=case.megakernel_rows(),
         megakernel_max_tokens=k.megakernel_max_tokens, megakernel_min_chunks=k.megakernel_min_chunks,
         unavailable=loaded.unavailable, notices=_notices(device, attention, graphs), decode_gemm=decode, moe=moe,
-        prefill_kernel=_prefill_kernel(attention, kv_spec, dtype), prefill_sdpa=sdpa,
-        prefill_flash_varlen=case.prefill_flash_varlen(sdpa))
+        prefill_kernel=_prefill_kernel(attention, kv_spec, dtype, device), prefill_sdpa=sdpa,
+        prefill_sdpa_prefix=case.prefill_sdpa_prefix(sdpa))
 
 
-def _prefill_kernel(attention: Verdict, kv_spec, dtype: torch.dtype) -> str | None:
-    """Which CUDA prefill kernel covers this cache (attention_ops.prefill_kernel), when attention runs on CUDA."""
+def _prefill_kernel(attention: Verdict, kv_spec, dtype: torch.dtype, device: DeviceInfo) -> str | None:
+    """Which CUDA prefill kernel covers this cache on this GPU (attention_ops.prefill_kernel), when attention runs
+    on CUDA."""
     if not attention.on:
         return None
-    return attention_ops.prefill_kernel(_name(dtype), _name(kv_spec.dtype), kv_spec.head_dim)
+    return attention_ops.prefill_kernel(_name(dtype), _name(kv_spec.dtype), kv_spec.head_dim,
+                                        tuple(device.capability))
 
 
 def torch_plan(cfg: EngineConfig | None = None) -> ExecutionPlan:
@@ -317,34 +320,25 @@ class _Case:
         reason = attention_ops.PREFILL_SDPA_COVERAGE.reason(dtype=self.dtype, capability=self.device.capability,
                                                             head_dim=a.head_dim, kv_dtype=_name(spec.dtype))
         if reason is not None:
-            return TokensVerdict(False, f"SDPA's flash path is not declared for {reason}")
+            return TokensVerdict(False, f"cuDNN attention is not declared for {reason}")
+        if not attention_ops.cudnn_attention_available():
+            return TokensVerdict(False, "this torch build has no cuDNN attention "
+                                        "(aten::_scaled_dot_product_cudnn_attention)")
         n = k.prefill_sdpa_min_tokens
-        prefix = "the varlen flash op (prefill_flash_varlen)" if self._prefix_reason() is None else "the prefill kernel"
-        return TokensVerdict(True, f"whole prompts of >= {n} tokens in one chunk on torch SDPA (flash); chunks over "
-                                   f"a prefix on {prefix}; shorter ones on the prefill kernel", n)
+        prefix = "cuDNN" if k.prefill_sdpa_prefix else "the prefill kernel (kernels.prefill_sdpa_prefix=false)"
+        return TokensVerdict(True, f"whole prompts of >= {n} tokens in one chunk on cuDNN attention; chunks over a "
+                                   f"prefix on {prefix}; shorter ones on the prefill kernel", n)
 
-    def prefill_flash_varlen(self, sdpa: TokensVerdict) -> TokensVerdict:
-        """Chunks over a prefix on FA2's varlen forward: where whole prompts take SDPA (the same dtypes, caches and
-        mode), the op exists in this torch build, and kernels.prefill_sdpa_prefix leaves it on."""
+    def prefill_sdpa_prefix(self, sdpa: TokensVerdict) -> TokensVerdict:
+        """Chunks over a prefix on cuDNN: where whole prompts take it (the same dtypes, caches, mode and torch
+        build), and kernels.prefill_sdpa_prefix leaves it on."""
         if not sdpa.on:
-            return TokensVerdict(False, f"it goes with whole prompts on SDPA, which is off ({sdpa.reason})")
-        reason = self._prefix_reason()
-        if reason is not None:
-            return TokensVerdict(False, reason)
-        n = sdpa.min_tokens
-        return TokensVerdict(True, f"prefill chunks over a cached prefix of >= {n} queries on flash attention's "
-                                   "varlen forward, over K/V gathered from the cache, one call per step", n)
-
-    def _prefix_reason(self) -> str | None:
-        """Why chunks over a prefix stay on the kernel where whole prompts take SDPA, or None."""
+            return TokensVerdict(False, f"it goes with whole prompts on cuDNN, which is off ({sdpa.reason})")
         if not self.cfg.kernels.prefill_sdpa_prefix:
-            return "kernels.prefill_sdpa_prefix=false"
-        if not attention_ops.flash_varlen_available():
-            return "this torch build has no aten::_flash_attention_forward (the varlen flash op)"
-        reason = attention_ops.PREFILL_FLASH_VARLEN_COVERAGE.reason(
-            dtype=self.dtype, capability=self.device.capability, head_dim=self.arch.head_dim,
-            kv_dtype=_name(self.kv_spec.dtype))
-        return None if reason is None else f"the varlen flash op is not declared for {reason}"
+            return TokensVerdict(False, "kernels.prefill_sdpa_prefix=false")
+        n = sdpa.min_tokens
+        return TokensVerdict(True, f"prefill chunks over a cached prefix of >= {n} queries on cuDNN attention, over "
+                                   "K/V read back from the cache, one call per chunk", n)
 
     def skinny_gemm(self) -> dict[str, Verdict]:
         if not self.cfg.kernels.skinny_gemm:

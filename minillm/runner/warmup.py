@@ -4,7 +4,8 @@ The first time a GEMM shape comes up, cuBLAS may pick a kernel whose module is n
 modules lazily) and the caching allocator may have to cudaMalloc new segments: a one-off stall of tens of
 milliseconds inside some step, which every running request then sees as one long inter-token gap (the
 latency sweep's itl_worst_s). Running each token count once at start-up moves those costs out of serving.
-Decode-only steps replay CUDA graphs captured beforehand and need none of this.
+Decode-only steps replay CUDA graphs captured beforehand and need none of this. Long prefill chunks on cuDNN
+compile a kernel variant the first time (~0.5-1 s on the H200): one chunk over a prefix compiles both.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 
 import torch
 
+from minillm.ops import attention_ops
 from minillm.runner.kv_sizing import prefill_batch
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,10 @@ def warm_up_shapes(runner) -> float:
     """One eager forward per token count (writing nothing to the cache) and one lm_head per row count.
     Returns the seconds it took."""
     t0 = time.perf_counter()
+    plan, arch = runner.plan, runner.arch
+    if plan.prefill_sdpa_min_tokens or plan.prefill_prefix_min_tokens:
+        attention_ops.warm_up_cudnn(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, runner.dtype,
+                                    runner.device)
     for n in token_counts(runner.max_num_tokens):
         ids, positions, meta, _ = prefill_batch(runner, n, write=False)
         runner.model(ids, positions, runner.kv_caches, meta)
