@@ -164,14 +164,17 @@ class KernelConfig:
     # minillm's kernels launched with programmatic dependent launch (sm_90+, minillm/ops/launch.py): each may be
     # scheduled while the kernel before it finishes. Results are the same either way.
     pdl: bool = True
-    # Prefill chunks of at least prefill_sdpa_min_tokens queries run on cuDNN's fused attention instead of
-    # minillm's paged prefill kernel, where the plan finds it covered (minillm/runner/plan.py): a whole prompt in one
-    # chunk (no cached prefix, no earlier chunk), and with prefill_sdpa_prefix a chunk over a cached prefix too
-    # (attention_ops.prefill_cudnn: one call per chunk over its K/V read back from the cache, call shapes rounded so
-    # that cuDNN's per-shape plans are few).
+    # Long prefill chunks run on cuDNN's fused attention instead of minillm's paged prefill kernel, where the plan
+    # finds it covered (minillm/runner/plan.py; attention_ops.prefill_cudnn): a whole prompt in one chunk (no cached
+    # prefix, no earlier chunk) of at least prefill_sdpa_min_tokens queries, and with prefill_sdpa_prefix a chunk
+    # over a cached prefix of at least prefill_sdpa_prefix_min_tokens. From the H200 (scripts/prefill_bench.py,
+    # 72767c5): whole prompts were slower on cuDNN than on the wgmma kernel at 2,048 tokens (0.096 vs 0.069 ms on the
+    # 0.6B shape) and faster from 4,096 (0.22 vs 0.24; 8B 0.36 vs 0.46); 1,024 queries over a 7k prefix were faster
+    # (0.18 vs 0.24 ms), and 2,048 over 14k 1.6x.
     prefill_sdpa: bool = True
-    prefill_sdpa_min_tokens: int = 2048
+    prefill_sdpa_min_tokens: int = 4096
     prefill_sdpa_prefix: bool = True
+    prefill_sdpa_prefix_min_tokens: int = 1024
 
     def validate(self) -> None:
         check_types("kernels", self)
@@ -187,8 +190,9 @@ class KernelConfig:
                "kernels.megakernel_max_tokens", self.megakernel_max_tokens, "an integer >= 1")
         _check(isinstance(self.megakernel_min_chunks, int) and 1 <= self.megakernel_min_chunks <= 64,
                "kernels.megakernel_min_chunks", self.megakernel_min_chunks, "an integer in [1, 64]")
-        _check(_is_int(self.prefill_sdpa_min_tokens, 1, 1 << 24), "kernels.prefill_sdpa_min_tokens",
-               self.prefill_sdpa_min_tokens, "an integer in [1, 16777216] (queries of a prefill chunk)")
+        for key in ("prefill_sdpa_min_tokens", "prefill_sdpa_prefix_min_tokens"):
+            _check(_is_int(getattr(self, key), 1, 1 << 24), f"kernels.{key}", getattr(self, key),
+                   "an integer in [1, 16777216] (queries of a prefill chunk)")
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -327,6 +331,7 @@ class EngineConfig:
         "megakernel_min_chunks": ("kernels", "megakernel_min_chunks"), "pdl": ("kernels", "pdl"),
         "prefill_sdpa": ("kernels", "prefill_sdpa"), "prefill_sdpa_min_tokens": ("kernels", "prefill_sdpa_min_tokens"),
         "prefill_sdpa_prefix": ("kernels", "prefill_sdpa_prefix"),
+        "prefill_sdpa_prefix_min_tokens": ("kernels", "prefill_sdpa_prefix_min_tokens"),
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
                                                   "mask_threads", "mask_worker", "overlap_masks",

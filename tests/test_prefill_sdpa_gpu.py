@@ -167,8 +167,11 @@ def _run(ckpt, monkeypatch, **kw):
                                                                        prefixed).append(q.shape[0]) or
                         real(q, k, v, scale))
     llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", kernels="cuda", max_model_len=2100, num_kv_blocks=1024,
-              max_num_batched_tokens=2048, max_num_seqs=8, prefill_sdpa_min_tokens=ROUTE_MIN, **kw)
+              max_num_batched_tokens=2048, max_num_seqs=8, prefill_sdpa_min_tokens=ROUTE_MIN,
+              prefill_sdpa_prefix_min_tokens=ROUTE_MIN, **kw)
     assert llm.engine.runner.graphs is not None   # decode graphs captured as before
+    calls.clear()
+    prefixed.clear()   # the warm-up's call (attention_ops.warm_up_cudnn) is not a prompt's
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS, logprobs=5)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     outs += llm.generate(_hit_prompts(_prompts()), params, use_tqdm=False)

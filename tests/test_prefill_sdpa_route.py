@@ -42,12 +42,14 @@ def test_the_plan_records_the_route_and_its_threshold():
 
 def test_the_plan_records_chunks_over_a_prefix_on_cudnn():
     p = plan()
-    assert p.prefill_sdpa_prefix.on and p.prefill_prefix_min_tokens == p.prefill_sdpa_min_tokens
+    assert p.prefill_sdpa_prefix.on
+    assert p.prefill_prefix_min_tokens == EngineConfig().kernels.prefill_sdpa_prefix_min_tokens
     rec = p.record()["plan"]["prefill_sdpa_prefix"]
-    assert rec == {"on": True, "reason": p.prefill_sdpa_prefix.reason, "min_tokens": p.prefill_sdpa_min_tokens}
+    assert rec == {"on": True, "reason": p.prefill_sdpa_prefix.reason, "min_tokens": p.prefill_prefix_min_tokens}
     assert "over a cached prefix" in rec["reason"] and "prefill_sdpa_prefix=on" in p.describe()
     assert "chunks over a prefix on cuDNN" in p.prefill_sdpa.reason
-    assert plan(prefill_sdpa_min_tokens=300).prefill_prefix_min_tokens == 300
+    assert plan(prefill_sdpa_prefix_min_tokens=300).prefill_prefix_min_tokens == 300
+    assert ">= 300 queries" in plan(prefill_sdpa_prefix_min_tokens=300).prefill_sdpa_prefix.reason
     assert plan(device=A100).prefill_sdpa_prefix.on
 
 
@@ -94,12 +96,13 @@ def test_the_route_is_off_where_it_does_not_apply_and_says_why(kw, why):
     assert p.record()["plan"]["prefill_sdpa"]["on"] is False
 
 
+@pytest.mark.parametrize("key", ["prefill_sdpa_min_tokens", "prefill_sdpa_prefix_min_tokens"])
 @pytest.mark.parametrize("bad", [0, -1, 1 << 25])
-def test_a_bad_threshold_is_a_config_error_naming_the_key(bad):
-    with pytest.raises(ConfigError, match=re.escape(f"kernels.prefill_sdpa_min_tokens={bad} is not allowed")):
-        EngineConfig.from_kwargs(prefill_sdpa_min_tokens=bad)
-    with pytest.raises(ConfigError, match=re.escape("kernels.prefill_sdpa_min_tokens")):
-        load_config(None, [f"kernels.prefill_sdpa_min_tokens={bad}"])
+def test_a_bad_threshold_is_a_config_error_naming_the_key(bad, key):
+    with pytest.raises(ConfigError, match=re.escape(f"kernels.{key}={bad} is not allowed")):
+        EngineConfig.from_kwargs(**{key: bad})
+    with pytest.raises(ConfigError, match=re.escape(f"kernels.{key}")):
+        load_config(None, [f"kernels.{key}={bad}"])
     with pytest.raises(ConfigError, match=re.escape("kernels.prefill_sdpa=")):
         load_config(None, ["kernels.prefill_sdpa=7"])
 

@@ -10,9 +10,9 @@ Each path has a verdict (on or off) and a reason a person can read:
   prefill_sdpa    prefill sequences that are a whole prompt in one chunk, of at least min_tokens tokens, on cuDNN's
                   fused attention instead of the prefill kernel (attention_ops.PREFILL_SDPA_COVERAGE,
                   kernels.prefill_sdpa, kernels.prefill_sdpa_min_tokens); the backend splits a step's rows by it
-  prefill_sdpa_prefix  prefill chunks over a cached prefix of at least min_tokens queries (the same threshold) on
-                  cuDNN too, over K/V read back from the cache (attention_ops.prefill_cudnn,
-                  cudnn_attention_available; kernels.prefill_sdpa_prefix)
+  prefill_sdpa_prefix  prefill chunks over a cached prefix of at least min_tokens queries on cuDNN too, over K/V
+                  read back from the cache (attention_ops.prefill_cudnn, cudnn_attention_available;
+                  kernels.prefill_sdpa_prefix, kernels.prefill_sdpa_prefix_min_tokens)
   skinny_gemm     per linear layer (qkv_proj, o_proj, gate_up_proj, down_proj): the skinny GEMM for decode-sized
                   products (or cuBLAS); the row count is the only question left for the call
   decode_gemm     per linear layer: the decode GEMM up to its measured-win row count (minillm/ops/decode_gemm.py
@@ -336,7 +336,7 @@ class _Case:
             return TokensVerdict(False, f"it goes with whole prompts on cuDNN, which is off ({sdpa.reason})")
         if not self.cfg.kernels.prefill_sdpa_prefix:
             return TokensVerdict(False, "kernels.prefill_sdpa_prefix=false")
-        n = sdpa.min_tokens
+        n = self.cfg.kernels.prefill_sdpa_prefix_min_tokens
         return TokensVerdict(True, f"prefill chunks over a cached prefix of >= {n} queries on cuDNN attention, over "
                                    "K/V read back from the cache, one call per chunk", n)
 
