@@ -100,6 +100,9 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         tests/test_prefill_kernels.py | tee $OUT/wgmma.log" ;;
     moebench)   # the Qwen3-30B-A3B MoE layer: fused kernels against torch._grouped_mm at 1-256 tokens
       stage moebench 120 python3 scripts/moe_bench.py --out "$OUT/moe_kernels.jsonl" ;;
+    moecross)   # the same at prefill sizes: where the fused kernels stop beating grouped_mm
+      stage moecross 120 python3 scripts/moe_bench.py --tokens 256,512,1024,2048,4096,16384 --layers 2 \
+        --replays 10 --out "$OUT/moe_kernels.jsonl" ;;
     prefillbench)   # the prefill kernels against SDPA at 4k-32k tokens
       stage prefillbench 150 python3 scripts/prefill_bench.py --out "$OUT/prefill_kernels.jsonl" ;;
     abfp8)   # the offline reference with an fp8 cache, then this tree against .old/ with bf16 (one round each)

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """One MoE layer of the Qwen3-30B-A3B shape (hidden 2048, 128 experts, top-8, moe_intermediate 768, bf16, random
-weights): minillm's fused kernels against the torch path (torch._grouped_mm), at 1, 8, 64 and 256 tokens.
+weights): minillm's fused kernels against the torch path (torch._grouped_mm), at 1, 8, 64 and 256 tokens (and at
+prefill sizes with --tokens, where the question is the crossover: moe_ops.FUSED_MAX_TOKENS).
 
 Per token count and path: the router GEMM (fp32, as the model runs it), the routing and the experts, captured in
 one CUDA graph over `--layers` layers with their own weights and inputs (about 1.2 GB of experts each, so a replay
 reads from HBM, not L2), launched with PDL as the engine launches them. Reported per layer: the median over
 replays (CUDA events) of the whole layer and of the routing alone, the experts the step touched (from the
 routing), their weight bytes (+ the router's), and the effective rate bytes / layer time. A correctness column:
-the fused layer's largest error relative to the torch path's largest value.
+the fused layer's largest error relative to the torch path's largest value; and the experts' tensor rate,
+2 * tokens * top_k * 3 * hidden * intermediate FLOPs over the layer time.
 
 One JSON line per (tokens, path) is appended to --out, stamped with the commit and the GPU fingerprint.
 Usage: python scripts/moe_bench.py [--out results/moe_kernels.jsonl] [--tokens 1,8,64,256] [--layers 4]
@@ -95,7 +97,7 @@ def main() -> int:
     layers = make_layers(args.layers, dev)
     expert_bytes = 3 * H * I * torch.tensor([], dtype=DTYPE).element_size()
     print(f"{'tokens':>6} {'path':>6} {'layer us':>9} {'route us':>9} {'experts':>7} {'MB':>7} {'TB/s':>6} "
-          f"{'rel err':>8}")
+          f"{'TFLOP/s':>7} {'rel err':>8}")
     for t in [int(v) for v in args.tokens.split(",")]:
         xs = [torch.randn(t, H, device=dev).to(DTYPE) for _ in layers]
         touched = [int((moe_ops.route(F.linear(x.float(), L["router"]), K, True).counts > 0).sum())
@@ -112,11 +114,12 @@ def main() -> int:
             line = dict(kind="moe_layer", impl=path, tokens=t, hidden=H, experts=E, top_k=K, intermediate=I,
                         dtype="bfloat16", layers=args.layers, pdl=pdl, layer_us=us, route_us=route_us,
                         touched_experts=statistics.mean(touched), touched_bytes=nbytes,
-                        tb_s=nbytes / us / 1e6, rel_err_vs_torch=err if path == "fused" else 0.0,
+                        tb_s=nbytes / us / 1e6, tflops=2 * t * K * 3 * H * I / us / 1e6,
+                        rel_err_vs_torch=err if path == "fused" else 0.0,
                         speedup_vs_torch=results["torch"][0] / us)
             append_jsonl(args.out, line)
             print(f"{t:>6} {path:>6} {us:>9.1f} {route_us:>9.1f} {line['touched_experts']:>7.1f} "
-                  f"{nbytes / 1e6:>7.1f} {line['tb_s']:>6.2f} {line['rel_err_vs_torch']:>8.1e}")
+                  f"{nbytes / 1e6:>7.1f} {line['tb_s']:>6.2f} {line['tflops']:>7.1f} {line['rel_err_vs_torch']:>8.1e}")
     print(f"-> {args.out}")
     return 0
 
