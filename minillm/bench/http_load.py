@@ -212,7 +212,8 @@ async def _sweep(target: str, workload: Workload, rates, time_scale, show_progre
                     "load_s": None, "warmup_s": warmup_s, **server, **_row(outcomes, workload, rate)})
 
 
-_SERVER_SERIES = {"ttft": "minillm_time_to_first_token_seconds", "itl": "minillm_inter_token_latency_seconds"}
+_SERVER_SERIES = {"ttft": "minillm_time_to_first_token_seconds", "itl": "minillm_inter_token_latency_seconds",
+                  "admission": "minillm_admission_seconds"}
 
 
 async def _server_latency(client) -> dict | None:
@@ -233,7 +234,8 @@ async def _server_latency(client) -> dict | None:
 
 def _server_means(before: dict | None, after: dict | None) -> dict:
     """Mean TTFT and ITL over one replay as the server measured them (when its engine loop saw the tokens),
-    next to the client's percentiles: what the server adds is told apart from what the client and HTTP add."""
+    next to the client's percentiles: what the server adds is told apart from what the client and HTTP add. And
+    minillm's admission time (arrival to the engine taking the request): the server's hops before engine work."""
     out = {}
     for key, series in _SERVER_SERIES.items():
         if not before or not after or f"{series}_count" not in after:
