@@ -22,9 +22,9 @@ _JSON = msgspec.json.Encoder()
 
 
 def sse(obj: dict) -> str:
-    # msgspec writes the same compact UTF-8 JSON as json.dumps(ensure_ascii=False, separators=(",", ":")) about
-    # ten times faster: every chunk of every stream goes through here on the event loop, and the first one of a
-    # completion with return_token_ids carries the whole prompt.
+    # msgspec writes the compact UTF-8 JSON of json.dumps(ensure_ascii=False, separators=(",", ":")) (a float may be
+    # spelled otherwise, 0.00001 for 1e-05: the same number) about ten times faster. Every chunk of every stream is
+    # encoded here on the event loop, and the first one of a completion with return_token_ids carries the prompt.
     return f"data: {_JSON.encode(obj).decode()}\n\n"
 
 
