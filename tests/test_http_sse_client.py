@@ -55,7 +55,7 @@ def test_events_split_anywhere_are_reassembled_and_the_connection_is_reused():
     for a in answers:
         assert a.status == 200 and [d for _, d in a.events] == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
         (t1, _), (t2, _), (t3, _) = a.events
-        assert t1 < t2 == t3   # each stamped when the bytes completing it arrived
+        assert 0 < a.sent < t1 < t2 == t3   # each stamped when the bytes completing it arrived
 
 
 def test_an_error_answer_keeps_its_status_and_body():

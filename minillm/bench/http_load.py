@@ -57,7 +57,7 @@ def _body(model: str, prompt: list[int], max_tokens: int, temperature: float, st
 
 
 async def _stream_one(client: SSEClient, body: bytes, out: _Outcome) -> _Outcome:
-    out.send_lag = time.perf_counter() - out.timeline.arrival
+    out.send_lag = time.perf_counter() - out.timeline.arrival   # until the request is written, below
     try:
         # NOTE: the client's own work per chunk delays the next chunk's timestamp, so events are only stamped and
         # kept while the replay runs, and parsed after it.
@@ -65,6 +65,7 @@ async def _stream_one(client: SSEClient, body: bytes, out: _Outcome) -> _Outcome
     except StreamError as e:
         out.error = f"StreamError: {e}"
         return out
+    out.send_lag = answer.sent - out.timeline.arrival
     if answer.status != 200:
         out.error = f"HTTP {answer.status}: {answer.body[:300]!r}"
     else:

@@ -26,6 +26,7 @@ class StreamError(Exception):
 @dataclass
 class Answer:
     status: int = 0
+    sent: float = 0.0                             # time.perf_counter() once the request was handed to the socket
     events: list = field(default_factory=list)   # (arrival time, data of one SSE event as bytes), in order
     body: bytes = b""                             # the body of an answer that is not 200
 
@@ -102,6 +103,7 @@ class _Connection(asyncio.Protocol):
         self._answer, self._pending, self._got_bytes = Answer(), b"", False
         self._done = asyncio.get_running_loop().create_future()
         self.transport.write(request)
+        self._answer.sent = time.perf_counter()
         return self._done
 
     @property
