@@ -129,6 +129,24 @@ def _side_by_side(path: Path, label: str, since: int) -> None:
     for r in sorted(rows, key=lambda r: (r["rate"], r.get("transport") != "http")):
         cells = " ".join(f"{r[k] * 1e3:10.1f}" if r[k] is not None else f"{'-':>10}" for k in keys)
         print(f"{r['rate']:5g} {r.get('transport', '?'):>11} {cells} {r['output_tok_s'] or 0:8.0f}")
+    _where_ttft_went(rows)
+
+
+def _where_ttft_went(rows: list[dict]) -> None:
+    """Mean TTFT in-process, over HTTP as the client saw it and as the server stamped it, the server's admission
+    time (arrival to the engine taking the request) and how late the client sent: where the HTTP TTFT went."""
+    keys = ("ttft_mean_s", "server_ttft_mean_s", "server_admission_mean_s", "client_send_lag_p50_s")
+    local = {r["rate"]: r.get("ttft_mean_s") for r in rows if r.get("transport") == "in-process"}
+    http = sorted((r for r in rows if r.get("transport") == "http"), key=lambda r: r["rate"])
+    if not http:
+        return
+
+    def cell(v) -> str:
+        return f"{v * 1e3:23.2f}" if v is not None else f"{'-':>23}"
+
+    print(f"\n{'rate':>5} {'in-process ttft_mean':>23} " + " ".join(f"{k[:-2]:>23}" for k in keys) + "   (ms)")
+    for r in http:
+        print(f"{r['rate']:5g} {cell(local.get(r['rate']))} " + " ".join(cell(r.get(k)) for k in keys))
 
 
 def main() -> int:

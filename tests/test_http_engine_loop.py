@@ -3,6 +3,7 @@ refusing a request at admission, a step that raises) and the promises the handle
 aborts reach the engine, stop() ends the thread)."""
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -164,4 +165,27 @@ def test_stop_aborts_what_runs_and_ends_the_thread():
         await engine.add("r", [1], None, 0, q, 0.0)
         await engine.stop(timeout=5)
         assert not engine.running and llm.aborted == ["r"] and not llm.live
+    asyncio.run(main())
+
+
+def test_admission_is_timed_and_adds_queued_for_a_dead_engine_fail_with_its_error():
+    from minillm.engine.core_client import EngineDeadError
+    from minillm.serve.http.metrics import ServerMetrics
+
+    async def main():
+        engine = AsyncEngine(FakeLLM())
+        engine.metrics = metrics = ServerMetrics(engine.snapshot)
+        engine.start()
+        await engine.add("a", [1], None, 0, asyncio.Queue(), time.perf_counter())
+        counts = [s.value for s in metrics.admission.collect()[0].samples if s.name.endswith("_count")]
+        assert counts == [1.0]   # one admission observed
+        await engine.stop(timeout=5)
+        fatal = []
+        engine.on_fatal = lambda: fatal.append(True)
+        waiting = asyncio.ensure_future(engine.add("late", [1], None, 0, asyncio.Queue(), 0.0))
+        await asyncio.sleep(0)   # its add is queued; nobody takes it any more
+        engine._die("engine core process 0 exited")
+        with pytest.raises(EngineDeadError, match="exited"):
+            await waiting
+        assert fatal == [True] and engine.snapshot()[1] == 0
     asyncio.run(main())

@@ -46,6 +46,8 @@ def test_target_sweep_writes_rows_like_the_in_process_sweep(server, tmp_path):
         assert ln["output_tokens"] == ln["usage_output_tokens"] == expected
         assert 0 < ln["ttft_p50_s"] <= ln["ttft_p99_s"] and ln["itl_p50_s"] <= ln["itl_max_s"]
         assert ln["label"] == "chunked-2048" and ln["budget"] == 2048 and ln["chunked"] is True
+        assert 0 < ln["server_admission_mean_s"] < ln["server_ttft_mean_s"]
+        assert 0 <= ln["client_send_lag_p50_s"] <= ln["client_send_lag_max_s"]
         assert ln["config"]["scheduler"]["max_num_batched_tokens"] == 2048   # the named suite entry, resolved
 
 

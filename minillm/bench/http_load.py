@@ -6,6 +6,12 @@ prompt as token ids, streamed, and each SSE chunk is timestamped as it arrives. 
 chunk's `token_ids` (vLLM's `return_token_ids`, which minillm serves too); a server without them is counted one
 token per non-empty chunk, and its usage totals are recorded beside. The rows have the in-process rows' keys, plus
 `transport: "http"`, the target and the server's own name for itself.
+
+The client must not add its own lag to what it reports as the server's: the timed requests go through
+minillm.bench.sse_client (bodies encoded before the replay, connections opened before it, each chunk stamped as
+its bytes come off the socket), and each is sent on its due time to within a fraction of a millisecond (the event
+loop's timers alone wake up to a millisecond late, and that would count in TTFT). Each row says how late the
+client was (client_send_lag_p50_s, _max_s). httpx does the untimed rest (model card, warm-up, /metrics).
 """
 from __future__ import annotations
 
@@ -17,13 +23,17 @@ import random
 import time
 
 import httpx
+import msgspec
 
 from minillm.bench.offline import WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, WARMUP_REQUESTS, progress_bar
-from minillm.bench.stats import RequestTimeline, latency_summary
+from minillm.bench.sse_client import SSEClient, StreamError
+from minillm.bench.stats import RequestTimeline, latency_summary, percentile
 from minillm.bench.workloads import Workload
 
 _START_LEAD_S = 0.05   # the first arrival is this far after the replay starts, so it is never already late
 _TIMEOUT = httpx.Timeout(600.0, connect=30.0)
+_SPIN_S = 0.002        # the last stretch before a request is due is waited out by yielding, not by a timer
+_OPEN_CONNECTIONS = 16   # opened before each replay (more are opened when that many streams are in flight)
 
 
 @dataclasses.dataclass
@@ -33,6 +43,7 @@ class _Outcome:
     usage_tokens: int | None = None
     error: str | None = None
     raw: list = dataclasses.field(default_factory=list)   # (arrival time, SSE data) until the replay is over
+    send_lag: float = 0.0                                  # how late after its due time the request was sent
 
 
 def _body(model: str, prompt: list[int], max_tokens: int, temperature: float, stream: bool) -> dict:
@@ -45,28 +56,28 @@ def _body(model: str, prompt: list[int], max_tokens: int, temperature: float, st
     return body
 
 
-async def _stream_one(client: httpx.AsyncClient, body: dict, out: _Outcome) -> _Outcome:
+async def _stream_one(client: SSEClient, body: bytes, out: _Outcome) -> _Outcome:
+    out.send_lag = time.perf_counter() - out.timeline.arrival   # until the request is written, below
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
-                return out
-            # NOTE: the client's own work per chunk delays the next chunk's timestamp, so it only records the
-            # arrival time here and parses after the replay (at 8 req/s this client receives ~12k chunks a second).
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    if line == "data: [DONE]":
-                        break
-                    out.raw.append((time.perf_counter(), line))
-    except httpx.HTTPError as e:
-        out.error = f"{type(e).__name__}: {e}"
+        # NOTE: the client's own work per chunk delays the next chunk's timestamp, so events are only stamped and
+        # kept while the replay runs, and parsed after it.
+        answer = await client.post("/v1/completions", body)
+    except StreamError as e:
+        out.error = f"StreamError: {e}"
+        return out
+    out.send_lag = answer.sent - out.timeline.arrival
+    if answer.status != 200:
+        out.error = f"HTTP {answer.status}: {answer.body[:300]!r}"
+    else:
+        out.raw = answer.events
     return out
 
 
 def _parse_chunks(out: _Outcome) -> None:
     try:
-        for now, line in out.raw:
-            _read_chunk(json.loads(line[6:]), now, out)
+        for now, data in out.raw:
+            if data != b"[DONE]":
+                _read_chunk(json.loads(data), now, out)
     except json.JSONDecodeError as e:
         out.error = out.error or f"JSONDecodeError: {e}"
     out.raw = []
@@ -86,34 +97,50 @@ def _read_chunk(chunk: dict, now: float, out: _Outcome) -> None:
             out.timeline.token_times.extend([now] * n)
 
 
-async def _replay(client, model: str, workload: Workload, rate: float, time_scale: float, show_progress: bool):
+async def _replay(target: str, model: str, workload: Workload, rate: float, time_scale: float,
+                  show_progress: bool):
     """One open-loop replay. The cycle collector is off meanwhile (the workload alone is ~1M objects, and a full
     collection would land in some token's measured latency, the client's pause mistaken for the server's)."""
+    bodies = [msgspec.json.encode(_body(model, prompt, max_tokens, workload.temperature, stream=True))
+              for prompt, max_tokens in zip(workload.prompts, workload.max_tokens)]
+    client = SSEClient(target)
+    try:
+        await client.open(min(_OPEN_CONNECTIONS, len(bodies)))
+    except StreamError as e:
+        raise RuntimeError(str(e)) from None
     gc.collect()
     gc.disable()
     try:
-        outcomes = await _replay_open_loop(client, model, workload, rate, time_scale, show_progress)
+        outcomes = await _replay_open_loop(client, bodies, workload, rate, time_scale, show_progress)
     finally:
         gc.enable()
+        client.close()
     for out in outcomes:
         _parse_chunks(out)
     return outcomes
 
 
-async def _replay_open_loop(client, model: str, workload: Workload, rate: float, time_scale: float,
-                            show_progress: bool):
+async def _sleep_until(due: float) -> None:
+    """Return at `due` (time.perf_counter()), within microseconds rather than the millisecond by which the event
+    loop's timers may be late: the last _SPIN_S yields to the loop until then (streams are read meanwhile)."""
+    while True:
+        left = due - time.perf_counter()
+        if left <= 0:
+            return
+        await asyncio.sleep(left - _SPIN_S if left > 2 * _SPIN_S else 0)
+
+
+async def _replay_open_loop(client: SSEClient, bodies: list[bytes], workload: Workload, rate: float,
+                            time_scale: float, show_progress: bool):
     arrivals = [a * time_scale for a in workload.arrivals(rate)]
     tasks = []
     with progress_bar(show_progress) as bar:
         task = bar.add_task(f"{rate:g} req/s (http)", total=workload.num_requests, tokens=0) if bar else None
         t0 = time.perf_counter() + _START_LEAD_S
-        for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.max_tokens)):
+        for i, body in enumerate(bodies):
             due = t0 + arrivals[i]
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await _sleep_until(due)
             out = _Outcome(RequestTimeline(arrival=due))
-            body = _body(model, prompt, max_tokens, workload.temperature, stream=True)
             t = asyncio.create_task(_stream_one(client, body, out))
             if bar:
                 t.add_done_callback(lambda _: bar.advance(task))
@@ -160,8 +187,11 @@ def _row(outcomes: list[_Outcome], workload: Workload, rate: float) -> dict:
         problems.append(f"{len(failed)} request(s) failed, first: {failed[0]}")
     if summary["output_tokens"] != workload.output_tokens:
         problems.append(f"{summary['output_tokens']} output tokens seen in chunks, expected {workload.output_tokens}")
+    lags = [o.send_lag for o in outcomes]
     return {"rate": rate, "requests_failed": len(failed), "chunks": sum(o.chunks for o in outcomes),
-            "usage_output_tokens": None if None in usage else sum(usage), "problems": problems, **summary}
+            "usage_output_tokens": None if None in usage else sum(usage), "problems": problems,
+            "client_send_lag_p50_s": percentile(lags, 50), "client_send_lag_max_s": max(lags) if lags else None,
+            **summary}
 
 
 async def _sweep(target: str, workload: Workload, rates, time_scale, show_progress, label, cfg, append) -> None:
@@ -172,7 +202,7 @@ async def _sweep(target: str, workload: Workload, rates, time_scale, show_progre
         for i, rate in enumerate(rates):
             # salted as in-process: the previous rate's prompts are still in the server's prefix cache
             before = await _server_latency(client)
-            outcomes = await _replay(client, card["id"], workload.salted(i), rate, time_scale, show_progress)
+            outcomes = await _replay(target, card["id"], workload.salted(i), rate, time_scale, show_progress)
             server = _server_means(before, await _server_latency(client))
             append({"kind": "latency", "engine": card.get("owned_by", "unknown"), "transport": "http",
                     "target": target, "served_model": card["id"], "label": label, "time_scale": time_scale,
@@ -183,7 +213,8 @@ async def _sweep(target: str, workload: Workload, rates, time_scale, show_progre
                     "load_s": None, "warmup_s": warmup_s, **server, **_row(outcomes, workload, rate)})
 
 
-_SERVER_SERIES = {"ttft": "minillm_time_to_first_token_seconds", "itl": "minillm_inter_token_latency_seconds"}
+_SERVER_SERIES = {"ttft": "minillm_time_to_first_token_seconds", "itl": "minillm_inter_token_latency_seconds",
+                  "admission": "minillm_admission_seconds"}
 
 
 async def _server_latency(client) -> dict | None:
@@ -204,7 +235,8 @@ async def _server_latency(client) -> dict | None:
 
 def _server_means(before: dict | None, after: dict | None) -> dict:
     """Mean TTFT and ITL over one replay as the server measured them (when its engine loop saw the tokens),
-    next to the client's percentiles: what the server adds is told apart from what the client and HTTP add."""
+    next to the client's percentiles: what the server adds is told apart from what the client and HTTP add. And
+    minillm's admission time (arrival to the engine taking the request): the server's hops before engine work."""
     out = {}
     for key, series in _SERVER_SERIES.items():
         if not before or not after or f"{series}_count" not in after:

@@ -1,8 +1,9 @@
 """The FastAPI app of `minillm serve`: routes, lifespan, and one request's way through the server.
 
-A request is parsed and validated (pydantic, then SamplingParams), its prompts are tokenized on a small thread
-pool (so neither the event loop nor the engine thread tokenizes), each prompt is handed to the engine thread,
-and the handler awaits its asyncio queue of StepOutputs: streamed as SSE chunks, or gathered into one response.
+A request is parsed and validated (pydantic, then SamplingParams), its text prompts are tokenized on a small
+thread pool (so neither the event loop nor the engine thread tokenizes; token-id prompts are only checked, in
+place), each prompt is handed to the engine thread, and the handler awaits its asyncio queue of StepOutputs:
+streamed as SSE chunks, or gathered into one response.
 A client that goes away, or a handler cancelled at the end of a drain, aborts its engine requests at once.
 """
 from __future__ import annotations
@@ -83,9 +84,7 @@ class OpenAIServer:
             await self._compile(spec)
         prompts = [messages_json(req)] if chat else _prompt_list(req.prompt)
         self._check_capacity(len(prompts), params.n)
-        loop = asyncio.get_running_loop()
-        prepared = await asyncio.gather(*(loop.run_in_executor(self.prepare_pool, self._prepare, p, params, given,
-                                                               thinking, req, tools) for p in prompts))
+        prepared = await self._prepare_all(prompts, params, given, thinking, req, tools, chat)
         self._check_capacity(len(prompts), params.n)   # the queue may have grown while we tokenized
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         rids = [rid] if len(prepared) == 1 else [f"{rid}-{i}" for i in range(len(prepared))]
@@ -124,6 +123,16 @@ class OpenAIServer:
                            "simplify it", param=spec.param.split(".", 1)[0]) from None
         except ValueError as e:   # SpecError
             raise spec_api_error(e) from None
+
+    async def _prepare_all(self, prompts, params, given: bool, thinking, req, tools, chat: bool) -> list:
+        """Every prompt prepared: text and chat on the prepare threads (the tokenizer releases the GIL), token ids
+        here. Checking ids is plain Python that holds the GIL on any thread, so a pool thread would only add two
+        thread hand-offs to the request's TTFT."""
+        if not chat and not any(isinstance(p, str) for p in prompts):
+            return [self._prepare(p, params, given, thinking, req, tools) for p in prompts]
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*(loop.run_in_executor(self.prepare_pool, self._prepare, p, params, given,
+                                                           thinking, req, tools) for p in prompts))
 
     def _prepare(self, prompt, params, given: bool, thinking, req, tools=None) -> tuple[list[int], object]:
         """Tokenize and check one prompt; an unset max_tokens becomes what max_model_len leaves (capped by the

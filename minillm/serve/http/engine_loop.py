@@ -134,10 +134,12 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     def _admitted(self, results: list) -> None:
-        for rid, n, fut, error in results:
+        for rid, n, fut, error, when in results:
             self._adding -= n
             if error is not None:
                 self._streams.pop(rid, None)
+            elif self.metrics is not None and rid in self._streams:
+                self.metrics.admission.observe(max(0.0, when - self._streams[rid].arrival))
             if fut.done():        # its handler was cancelled meanwhile (and asked for an abort)
                 continue
             if error is None:
@@ -238,7 +240,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                failed.append((cmd[1], cmd[5], EngineDeadError(message)))
+                failed.append((cmd[1], _sequences(cmd[3]), cmd[5], EngineDeadError(message), 0.0))
         return failed
 
     def _take_commands(self, block: bool) -> None:
@@ -261,9 +263,9 @@ class AsyncEngine:
                 _, rid, ids, params, priority, fut = cmd
                 try:
                     self.llm.add_request(ids, params, request_id=rid, priority=priority)
-                    admitted.append((rid, _sequences(params), fut, None))
+                    admitted.append((rid, _sequences(params), fut, None, time.perf_counter()))
                 except Exception as e:  # noqa: BLE001 - ValueError is a refusal (400); anything else a 500
-                    admitted.append((rid, _sequences(params), fut, e))
+                    admitted.append((rid, _sequences(params), fut, e, 0.0))
             elif cmd[0] == "abort":
                 try:
                     self.llm.abort(cmd[1])

@@ -9,18 +9,23 @@ logprobs gives the whole list, in order.
 """
 from __future__ import annotations
 
-import json
 from functools import lru_cache
+
+import msgspec
 
 from minillm.serve.generate_jsonl import json_logprob
 from minillm.serve.generate_jsonl import usage as usage_counts
 from minillm.structured.tools import ToolCallStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
+_JSON = msgspec.json.Encoder()
 
 
 def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    # msgspec writes the compact UTF-8 JSON of json.dumps(ensure_ascii=False, separators=(",", ":")) (a float may be
+    # spelled otherwise, 0.00001 for 1e-05: the same number) about ten times faster. Every chunk of every stream is
+    # encoded here on the event loop, and the first one of a completion with return_token_ids carries the prompt.
+    return f"data: {_JSON.encode(obj).decode()}\n\n"
 
 
 class TokenText:

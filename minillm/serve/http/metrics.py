@@ -12,6 +12,8 @@ _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 
                  20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_ADMISSION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.125, 0.25, 0.5,
+                      1.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -44,6 +46,10 @@ class ServerMetrics:
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("minillm_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                              buckets=_ITL_BUCKETS, registry=r)
+        self.admission = Histogram("minillm_admission_seconds", "Time from arrival to the engine taking the "
+                                   "request (its add_request returned on the engine thread; with engine processes, "
+                                   "the request is then on its way to the core): the server's own hops before "
+                                   "any engine work, part of the TTFT.", buckets=_ADMISSION_BUCKETS, registry=r)
         self.e2e = Histogram("minillm_e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=_E2E_BUCKETS, registry=r)
 

@@ -60,7 +60,9 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # list[int] before list[str]: a strict list[str] checks every id of a token-id prompt before it fails (1-2 ms
+    # at 8k ids, on the event loop), while list[int] passes it, or fails a list of strings at its first entry.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
