@@ -170,7 +170,7 @@ def host_path(model_dir: str, batch: int, spec, cfg, host_ms: float, serial: boo
     rows = GrammarRows(model_dir, vocab, cfg, torch.device("cpu"), batch, defer=not serial,
                        worker=cfg.mask_worker is True)
     rows._to_device = lambda host: host      # a GPU's non_blocking copy costs the host next to nothing
-    reqs = [SimpleNamespace(req_id=f"r{i}", request_id=f"r{i}", prompt_token_ids=[1], all_token_ids=[1],
+    reqs = [SimpleNamespace(req_id=f"r{i}", request_id=f"r{i}", prompt_token_ids=[1], all_token_ids=[1], num_prompt_tokens=1,
                             eos_token_ids=[vocab - 1],
                             sampling_params=SimpleNamespace(structured=spec, stop_token_ids=[], ignore_eos=False,
                                                             min_tokens=steps + 8)) for i in range(batch)]
