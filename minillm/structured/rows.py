@@ -95,7 +95,8 @@ class GrammarRows:
             else:
                 from minillm.structured.mask_thread import MaskThread
                 if self.gpu_wait:
-                    self._flags = torch.zeros(2, dtype=torch.int64, pin_memory=True).numpy()
+                    pin = self.device.type == "cuda"
+                    self._flags = torch.zeros(2, dtype=torch.int64, pin_memory=pin).numpy()
                 self._worker = MaskThread(self.model_dir, self.vocab_size, self.cfg, self._flags)
         return self._worker
 
@@ -107,7 +108,8 @@ class GrammarRows:
         self._registered = addr
         self._flags = worker.flags
         self._host = [torch.from_numpy(worker.buffers[t]) for t in range(2)]
-        self._index = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        pin = self.device.type == "cuda"
+        self._index = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
 
     def update(self, so) -> None:
         """Follow the step's plain-data changes: a matcher for each new constrained request, none for ended ones."""
@@ -183,7 +185,8 @@ class GrammarRows:
             self._release(turn, seq)
         self._unsettled.clear()
         if self._registered is not None:
-            torch.cuda.synchronize()   # nothing may still read the memory being unregistered
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()   # nothing may still read the memory being unregistered
             unregister_host_memory(self._registered)
             self._registered = None
         if self._worker is not None:
