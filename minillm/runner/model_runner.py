@@ -226,10 +226,11 @@ class ModelRunner:
         """
         self._timed = prof is not None and self.device.type == "cuda"
         started = self._step_done() if self._timed else None
-        marks = [_timing_event()] if self.step_events is not None and self.device.type == "cuda" else None
         self.update_states(so)
         reqs = self.states.rows(so.req_ids)
         step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
+        # After the previous step's sampler, which a deferred one is queued in build(): the forward starts here.
+        marks = [_timing_event()] if self.step_events is not None and self.device.type == "cuda" else None
         meta = step.meta
         if prof is not None:
             prof.mark("build")
