@@ -76,17 +76,14 @@ def _flag_kernel():
     return wait_for_host_flag
 
 
-@pytest.mark.parametrize("answer", ["filled", "failed", "silent"])
-def test_the_stream_waits_for_a_host_flag_then_reads_what_came_before_it(answer):
-    """cuda/grammar_mask.cu wait_host_flag: work queued behind the wait sees the bitmask the host wrote before the
-    flag (reference: the host's own copy); -seq lets it go on too (status 2), and no flag at all only delays it by
-    the timeout (status 1)."""
+def _wait_then_copy(flags, addr: int, host: torch.Tensor, answer: str):
+    """Queue the wait on flags[1] (seq 7, host address `addr`) and the copy of `host` behind it, then have a thread
+    write new data into `host` and, after it, the flag (7 filled, -7 failed, nothing: silent). Returns (the data
+    written, the device copy, the wait's status, the seconds the stream took)."""
     import threading
     import time
 
     wait_for_host_flag = _flag_kernel()
-    flags = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-    host = torch.zeros(64, 4748, dtype=torch.int32, pin_memory=True)
     want = torch.randint(-2**31, 2**31 - 1, host.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     status = torch.full((1,), -1, dtype=torch.int32, device="cuda")
     seq = 7
@@ -96,47 +93,54 @@ def test_the_stream_waits_for_a_host_flag_then_reads_what_came_before_it(answer)
         host.copy_(want)
         flags[1] = seq if answer == "filled" else -seq
 
-    worker = threading.Thread(target=publish)
-    timeout = 0.5 if answer == "silent" else 30.0
     t0 = time.perf_counter()
-    wait_for_host_flag(status, flags[1:].data_ptr(), seq, timeout)
+    wait_for_host_flag(status, addr, seq, 0.5 if answer == "silent" else 30.0)
     dev = host.to("cuda", non_blocking=True)
+    thread = threading.Thread(target=publish)
     if answer != "silent":
-        worker.start()
+        thread.start()
     torch.cuda.synchronize()
     waited = time.perf_counter() - t0
+    if answer != "silent":
+        thread.join()
+    return want, dev.cpu(), status.item(), waited
+
+
+@pytest.mark.parametrize("answer", ["filled", "failed", "silent"])
+def test_the_stream_waits_for_a_host_flag_then_reads_what_came_before_it(answer):
+    """cuda/grammar_mask.cu wait_host_flag: work queued behind the wait sees the bitmask the host wrote before the
+    flag (reference: the host's own data); -seq lets it go on too (status 2), and no flag at all only delays it by
+    the timeout (status 1)."""
+    flags = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    host = torch.zeros(64, 4748, dtype=torch.int32, pin_memory=True)
+    want, got, status, waited = _wait_then_copy(flags, flags.data_ptr() + 8, host, answer)
     if answer == "silent":
-        assert status.item() == 1 and waited >= 0.5
+        assert status == 1 and waited >= 0.5
         return
-    worker.join()
-    assert torch.equal(dev.cpu(), want)
-    assert status.item() == (0 if answer == "filled" else 2) and waited >= 0.05
+    assert torch.equal(got, want)
+    assert status == (0 if answer == "filled" else 2) and waited >= 0.05
 
 
 def test_registered_shared_memory_is_pinned_and_waited_on():
     """The worker's shared memory, registered (GrammarRows with the matchers in a worker): torch copies from it
-    asynchronously and the kernel polls a flag in it."""
+    in stream order behind the wait, which polls a flag in it."""
     from multiprocessing import shared_memory
 
     import numpy as np
 
     from minillm.sampling.grammar_mask import register_host_memory, unregister_host_memory
-    wait_for_host_flag = _flag_kernel()
-    shm = shared_memory.SharedMemory(create=True, size=64 + 4 * 1024)
+    shm = shared_memory.SharedMemory(create=True, size=64 + 4 * 64 * 4748)
     try:
         flags = np.ndarray((2,), dtype=np.int64, buffer=shm.buf)
-        words = np.ndarray((1024,), dtype=np.int32, buffer=shm.buf, offset=64)
+        words = np.ndarray((64, 4748), dtype=np.int32, buffer=shm.buf, offset=64)
         flags[:] = 0
-        words[:] = np.arange(1024)
+        words[:] = 0
         register_host_memory(flags.ctypes.data, shm.size)
         try:
             view = torch.from_numpy(words)
             assert view.is_pinned()
-            status = torch.full((1,), -1, dtype=torch.int32, device="cuda")
-            flags[0] = 3
-            wait_for_host_flag(status, flags.ctypes.data, 3, 5.0)
-            assert torch.equal(view.to("cuda", non_blocking=True).cpu(), torch.arange(1024, dtype=torch.int32))
-            assert status.item() == 0
+            want, got, status, waited = _wait_then_copy(flags, flags.ctypes.data + 8, view, "filled")
+            assert torch.equal(got, want) and status == 0 and waited >= 0.05
         finally:
             torch.cuda.synchronize()
             unregister_host_memory(flags.ctypes.data)

@@ -104,3 +104,26 @@ def test_mask_wait_is_a_checked_config_key():
     assert auto.gpu_waits_for_masks("cuda", 2, True) is False      # TP: fills waited for at once
     assert auto.gpu_waits_for_masks("cuda", 1, False) is False     # no kernels: the host launches the sampler
     assert StructuredConfig(overlap_masks=False).gpu_waits_for_masks("cuda", 1, True) is False
+
+
+def test_a_fill_on_the_thread_that_does_not_finish_in_time_fails_the_step(monkeypatch):
+    """The matchers' thread is bounded like the worker, so the host gives up before a waiting stream would."""
+    import threading
+
+    import numpy as np
+
+    from minillm.structured.mask_thread import MaskThread
+    release = threading.Event()
+    flags = np.zeros(2, dtype=np.int64)
+    masks = MaskThread(None, 64, StructuredConfig(), flags)
+    monkeypatch.setattr(masks.matchers, "fill", lambda work, out: release.wait(5))
+    masks.timeout_s = 0.1
+    try:
+        masks.fill(1, [], np.zeros((1, 2), dtype=np.int32), seq=4)
+        with pytest.raises(RuntimeError, match="did not finish a fill within 0.1 s"):
+            masks.wait(1, None)
+        assert flags[1] == 0   # not done: a stream waiting on it is let go by GrammarRows.settle, not here
+        release.set()
+    finally:
+        masks.close()
+    assert flags[1] == 4

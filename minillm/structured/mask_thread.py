@@ -13,6 +13,7 @@ worker does for a CUDA stream waiting on the flag.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
@@ -24,6 +25,8 @@ class MaskThread:
     def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, flags: np.ndarray | None = None):
         self.matchers = Matchers(model_dir, vocab_size, cfg)
         self.flags = flags   # int64 [2], where fills with a sequence number say they are done
+        # As MaskWorker.timeout_s: the host gives up on a fill before a stream waiting for it does.
+        self.timeout_s = 2 * cfg.compile_timeout_s + 10.0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="minillm-grammar-masks")
         self._changes: list[tuple[str, Future]] = []   # opens and drops not yet checked
         self._fills: dict[int, Future] = {}
@@ -52,7 +55,10 @@ class MaskThread:
         fut = self._fills.pop(turn, None)
         if fut is None:
             raise RuntimeError(f"no grammar mask fill is pending for buffer {turn}")
-        fut.result()
+        try:
+            fut.result(self.timeout_s)
+        except FutureTimeout:
+            raise RuntimeError(f"the grammar mask thread did not finish a fill within {self.timeout_s:g} s") from None
         # The changes queued before this fill have run by now: report the first that failed.
         done = [(kind, f) for kind, f in self._changes if f.done()]
         self._changes = [(kind, f) for kind, f in self._changes if not f.done()]

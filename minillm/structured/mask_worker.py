@@ -9,9 +9,9 @@ process instead, which skips this path's pickling, pipe round trip and bitmask c
 
 The bitmasks travel in shared memory (two buffers used in turn), the messages over a pipe. A fill sent with a
 sequence number > 0 also stores it in flag `turn` of the same memory once the rows are written (its negative if
-the fill failed): a CUDA stream waiting on that flag (GrammarRows, mask_wait auto) needs no answer from the host. The worker exits when
-told, when the pipe closes, or when its parent is gone; a worker that dies or does not answer in time fails the
-step that waits for it (RuntimeError), which the engine answers as any failed step.
+the fill failed): a CUDA stream waiting on that flag (GrammarRows, mask_wait auto) needs no answer from the host.
+The worker exits when told, when the pipe closes, or when its parent is gone; a worker that dies or does not
+answer in time fails the step that waits for it (RuntimeError), which the engine answers as any failed step.
 """
 from __future__ import annotations
 
