@@ -57,11 +57,17 @@ def _gpu_wait_llm(worker: bool, **kw) -> LLM:
 
 @pytest.mark.parametrize("worker", [True, False])
 def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker):
+    from minillm.sampling_params import SamplingParams
     prompts, params = _requests()
+    # a constrained row asking for logprobs: its step settles before the sampler reads them back
+    prompts.append("logprobs:")
+    params.append(SamplingParams(temperature=1.0, max_tokens=12, seed=5, logprobs=2, structured=REGEX))
     with LLM(device="cpu", max_num_seqs=8, structured_mask_worker=worker) as ref:
         want = [[c.token_ids for c in o.outputs] for o in ref.generate(prompts, params, use_tqdm=False)]
     with _gpu_wait_llm(worker) as llm:
-        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got = [[c.token_ids for c in o.outputs] for o in outs]
+        assert outs[-1].outputs[0].logprobs and len(outs[-1].outputs[0].logprobs) == len(got[-1][0])
         grammar = llm.engine.runner.grammar
         assert stream.registered == ([(grammar._flags.ctypes.data, grammar._worker.shm.size)] if worker else [])
         assert not grammar._unsettled   # every fenced step was settled

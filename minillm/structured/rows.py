@@ -149,10 +149,15 @@ class GrammarRows:
         self._seq += 1
         matchers.fill(turn, work, bitmask.numpy(), self._seq)
         self._unsettled[turn] = self._seq
-        if self._status is None:
-            self._status = torch.zeros(2, 1, dtype=torch.int32, device=self.device)
-        wait_for_host_flag(self._status[turn], self._flags[turn:].ctypes.data, self._seq, self._wait_timeout_s())
-        return FencedMask(self._device_mask(bitmask, turn, index), MaskFence(self, turn, self._seq))
+        fence = MaskFence(self, turn, self._seq)
+        try:
+            if self._status is None:
+                self._status = torch.zeros(2, 1, dtype=torch.int32, device=self.device)
+            wait_for_host_flag(self._status[turn], self._flags[turn:].ctypes.data, fence.seq, self._wait_timeout_s())
+        except BaseException:
+            self.settle(fence)   # the filler's answer is taken, so the next fill's is the next one read
+            raise
+        return FencedMask(self._device_mask(bitmask, turn, index), fence)
 
     def _wait_timeout_s(self) -> float:
         # Longer than the worker's own answer may take (MaskWorker.timeout_s), so the host's error comes first.
