@@ -194,6 +194,7 @@ class GrammarRows:
                 torch.cuda.synchronize()   # nothing may still read the memory being unregistered
             unregister_host_memory(self._registered)
             self._registered = None
+            self._host, self._flags = [], None   # views of the worker's memory, unmapped below
         if self._worker is not None:
             self._worker.close()
             self._worker = None
