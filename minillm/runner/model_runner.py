@@ -229,7 +229,7 @@ class ModelRunner:
         self.update_states(so)
         reqs = self.states.rows(so.req_ids)
         step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
-        # After the previous step's sampler, which a deferred one is queued in build(): the forward starts here.
+        # Recorded after build(), which queues the previous step's sampler if it was deferred: the forward's start.
         marks = [_timing_event()] if self.step_events is not None and self.device.type == "cuda" else None
         meta = step.meta
         if prof is not None:
@@ -248,8 +248,8 @@ class ModelRunner:
         inflight.started = started
         return inflight
 
-    def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof, prev: InFlight | None, marks=None
-                ) -> InFlight:
+    def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof, prev: InFlight | None,
+                marks: list | None = None) -> InFlight:
         """The LM head and the sampler over the step's sampled rows, and the copy of their tokens to the host."""
         sampled = reqs if all(so.sample) else list(compress(reqs, so.sample))
         if not sampled:
