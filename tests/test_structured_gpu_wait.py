@@ -133,3 +133,22 @@ def test_a_fill_on_the_thread_that_does_not_finish_in_time_fails_the_step(monkey
     finally:
         masks.close()
     assert flags[1] == 4
+
+
+def test_the_worker_stores_the_flag_of_a_fill_and_its_negative_when_it_fails():
+    import numpy as np
+
+    from minillm.structured.mask_worker import MaskWorker
+    from minillm.structured.matchers import RowWork
+    worker = MaskWorker(None, 64, StructuredConfig(), 2)
+    try:
+        out = worker.buffers[0, :0]
+        worker.fill(0, [], out, seq=5)   # nothing to fill: done at once
+        worker.wait(0, out)
+        assert worker.flags[0] == 5
+        worker.fill(1, [RowWork(0, "unknown", 0, (), 0, False)], np.zeros((1, 2), dtype=np.int32), seq=6)
+        with pytest.raises(RuntimeError, match="grammar mask worker failed: KeyError"):
+            worker.wait(1, np.zeros((1, 2), dtype=np.int32))
+        assert worker.flags.tolist() == [5, -6]
+    finally:
+        worker.close()
