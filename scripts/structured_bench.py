@@ -154,7 +154,8 @@ def gpu_timeline(events) -> dict:
     copied to the next step's forward (its input copies, and a host that queued it late)."""
     if len(events) < 3:
         return {}
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     fwd = [s.elapsed_time(f) for s, f, _, _ in events]
     stall = [f.elapsed_time(m) for _, f, m, _ in events]
     smp = [m.elapsed_time(d) for _, _, m, d in events]
