@@ -75,6 +75,11 @@ def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker):
     assert stream.waits == list(range(1, len(stream.waits) + 1)) and len(stream.waits) > 10
     assert set(stream.ends) == {0}   # the filler set each flag itself, before the host took its answer
     assert stream.registered == []   # unregistered at close
+    if worker:   # preemption (a pool too small for every row: matchers rolled back) gives the same tokens too
+        with _gpu_wait_llm(worker, num_kv_blocks=12, max_model_len=128) as llm:
+            small = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.stats().num_preemptions > 0
+        assert small == want
 
 
 def test_a_worker_that_stops_answering_fails_the_step_and_releases_the_stream(stream):
