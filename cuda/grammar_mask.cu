@@ -22,7 +22,40 @@ __global__ void grammar_mask_kernel(float* __restrict__ logits, int64_t row_stri
   logits[row * row_stride + col] = -INFINITY;
 }
 
+// One thread polls a flag in mapped host memory until the host (or the grammar worker) stores `expect` there (the
+// bitmask is in place) or -expect (the fill failed: go on, the host fails the step), or until timeout_ns has
+// passed, so that a host that never answers cannot hang the stream. status[0]: 0, 2 (failed) or 1 (timed out).
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void wait_host_flag_kernel(const volatile int64_t* flag, int64_t expect, int64_t timeout_ns,
+                                      int32_t* status) {
+  const unsigned long long t0 = globaltimer();
+  int32_t result = 1;
+  while (globaltimer() - t0 < static_cast<unsigned long long>(timeout_ns)) {
+    const int64_t v = *flag;
+    if (v == expect || v == -expect) {
+      result = v == expect ? 0 : 2;
+      break;
+    }
+    __nanosleep(256);
+  }
+  // Whatever reads the bitmask after this kernel (a copy, the mask kernel) sees the stores made before the flag's.
+  __threadfence_system();
+  *status = result;
+}
+
 }  // namespace
+
+cudaError_t launch_wait_host_flag(const int64_t* flag, int64_t expect, int64_t timeout_ns, int32_t* status,
+                                  cudaStream_t stream) {
+  if (expect <= 0 || timeout_ns <= 0) return cudaErrorInvalidValue;
+  wait_host_flag_kernel<<<1, 1, 0, stream>>>(flag, expect, timeout_ns, status);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_grammar_mask(float* logits, int64_t row_stride, const int32_t* bitmask, int64_t words,
                                 const int64_t* rows, int64_t num_rows, int64_t vocab, cudaStream_t stream) {

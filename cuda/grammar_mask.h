@@ -14,4 +14,9 @@ namespace minillm {
 cudaError_t launch_grammar_mask(float* logits, int64_t row_stride, const int32_t* bitmask, int64_t words,
                                 const int64_t* rows, int64_t num_rows, int64_t vocab, cudaStream_t stream);
 
+// Blocks `stream` until *flag (a device pointer to mapped host memory) equals expect or -expect (> 0), or until
+// timeout_ns has passed; writes 0, 2 (it read -expect) or 1 (timed out) to the device int32 *status.
+cudaError_t launch_wait_host_flag(const int64_t* flag, int64_t expect, int64_t timeout_ns, int32_t* status,
+                                  cudaStream_t stream);
+
 }  // namespace minillm

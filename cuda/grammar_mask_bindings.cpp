@@ -43,12 +43,32 @@ void grammar_mask_(Tensor& logits, const Tensor& bitmask, const std::optional<Te
                                                          cudaGetErrorString(err)));
 }
 
+// status: int32 CUDA [1]; flag_addr: the host address of an int64 in pinned or cudaHostRegister'ed (mapped) memory.
+void wait_host_flag_(Tensor& status, int64_t flag_addr, int64_t expect, int64_t timeout_ns) {
+  MINILLM_CHECK(status.is_cuda() && status.scalar_type() == at::kInt && status.numel() == 1,
+                "status must be an int32 CUDA tensor of one element, got ", status.sizes(), " ",
+                status.scalar_type(), " on ", status.device());
+  MINILLM_CHECK(expect > 0 && timeout_ns > 0, "expect and timeout_ns must be positive, got ", expect, " and ",
+                timeout_ns);
+  const c10::cuda::CUDAGuard guard(status.device());
+  void* dev = nullptr;
+  cudaError_t err = cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(flag_addr), 0);
+  TORCH_CHECK(err == cudaSuccess, minillm::bindings::msg("minillm.wait_host_flag_: the flag is not in mapped host "
+                                                         "memory: ", cudaGetErrorString(err)));
+  err = minillm::launch_wait_host_flag(static_cast<const int64_t*>(dev), expect, timeout_ns,
+                                       status.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, minillm::bindings::msg("minillm.wait_host_flag_: CUDA error ",
+                                                         cudaGetErrorString(err)));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("grammar_mask_(Tensor(a!) logits, Tensor bitmask, Tensor? rows) -> ()");
+  m.def("wait_host_flag_(Tensor(a!) status, int flag_addr, int expect, int timeout_ns) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("grammar_mask_", &grammar_mask_);
+  m.impl("wait_host_flag_", &wait_host_flag_);
 }

@@ -214,6 +214,9 @@ class StructuredConfig:
                                           # a step against +72% on a thread of the engine's process, b6899bc)
     overlap_masks: bool = True            # the sampler waits for its masks at the next launch (fills overlap the
                                           # host work); false: at once (tensor parallelism always does)
+    mask_wait: str = "auto"               # overlapped masks, auto: on CUDA with the kernels and one rank the
+                                          # stream waits on a host flag the filler sets (the sampler is queued
+                                          # behind the forward); host: the host launches the sampler late
     max_spec_bytes: int = 65536           # a schema, regex, choice list or grammar longer than this is refused
     max_grammar_bytes: int = 64 << 20     # a compiled grammar larger than this is refused
     cache_size: int = 256                 # compiled grammars kept (least recently used go first)
@@ -224,6 +227,12 @@ class StructuredConfig:
         if self.mask_worker == "auto":
             return device_type == "cuda" and tensor_parallel_size == 1
         return self.mask_worker
+
+    def gpu_waits_for_masks(self, device_type: str, tensor_parallel_size: int, kernels: bool) -> bool:
+        """Whether an overlapped step's stream waits for its bitmask on a host flag (cuda/grammar_mask.cu) instead
+        of the host launching its sampler late: CUDA with the engine's kernels and one rank, masks overlapped."""
+        usable = device_type == "cuda" and kernels and tensor_parallel_size == 1 and self.overlap_masks
+        return usable and self.mask_wait != "host"
 
     def validate(self) -> None:
         check_types("structured", self)
@@ -241,6 +250,7 @@ class StructuredConfig:
         _check(self.mask_worker in ("auto", True, False), "structured.mask_worker", self.mask_worker,
                "auto, true or false")
         _check(isinstance(self.overlap_masks, bool), "structured.overlap_masks", self.overlap_masks, "true or false")
+        _check(self.mask_wait in ("auto", "host"), "structured.mask_wait", self.mask_wait, "auto or host")
         _check(_is_int(self.max_spec_bytes, 16), "structured.max_spec_bytes", self.max_spec_bytes,
                "an integer >= 16")
         _check(_is_int(self.max_grammar_bytes, 1 << 10), "structured.max_grammar_bytes", self.max_grammar_bytes,
@@ -336,7 +346,7 @@ class EngineConfig:
         "prefill_sdpa_prefix_min_tokens": ("kernels", "prefill_sdpa_prefix_min_tokens"),
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
-                                                  "mask_threads", "mask_worker", "overlap_masks",
+                                                  "mask_threads", "mask_worker", "overlap_masks", "mask_wait",
                                                          "max_spec_bytes", "max_grammar_bytes", "cache_size")},
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "tensor_parallel_size": ("parallel", "tensor_parallel_size"),

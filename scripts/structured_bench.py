@@ -11,6 +11,8 @@ host fill depends on the vocabulary's strings too, so the synthetic one is an ap
 Where the masks are filled: on a thread of the engine's process, beside its host work (the default); with
 --mask-worker in a process of their own; with --serial-masks on that thread but waited for at once, so the fill
 sits on the host's critical path (what every step paid before the fill overlapped: the A/B of the overlap).
+On CUDA the stream itself waits for each bitmask (structured.mask_wait auto: the sampler is queued behind the
+forward); --mask-wait host has the host launch the sampler once the fill is in instead (the A/B of that wait).
 
 Requests carry no seed unless --seeded: a seeded row samples with its own generator, a host cost of its own
 that would hide the masks' cost.
@@ -21,9 +23,12 @@ max_tokens, so they stop only where their grammar is complete (those steps, with
 With --profile: a torch.profiler trace of --profile-steps steps per mode at the largest B, summarised as GPU
 busy time / wall time (mask building on the host must not leave the GPU idle: the all-constrained figure should
 match the unconstrained one) and the top kernels, written to results/profiles/structured_B{B}_{mode}.txt.
+On CUDA every line also carries the gpu_* fields: from CUDA events around each full step's forward and sampler
+(no profiler), the GPU's busy fraction and the median forward, mask stall (forward done to sampler start),
+sampler and between-step gap (gpu_timeline).
 
 Usage: python scripts/structured_bench.py [--batches 16,64] [--steps 64] [--model DIR] [--profile]
-       [--mask-worker | --serial-masks] [--seeded] [--out results/structured.jsonl]
+       [--mask-worker | --serial-masks] [--mask-wait auto|host] [--seeded] [--out results/structured.jsonl]
 """
 from __future__ import annotations
 
@@ -110,8 +115,13 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
             SamplingParams(ignore_eos=True, **kw)
         llm.add_request([rng.randrange(1000, 100000) for _ in range(32)], params)
     times, prof = [], None
+    runner, events = llm.engine.runner, None
     while llm.has_unfinished_requests():
         full = llm.stats().num_running == batch
+        if full and events is None and len(times) == 2 and torch.cuda.is_available():
+            events = runner.step_events = []   # each resolved step's timing events (ModelRunner.step_events)
+        elif not full:
+            runner.step_events = None
         if full and prof_steps and prof is None and len(times) >= 8:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
@@ -133,7 +143,28 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
     if prof is not None and not isinstance(prof, tuple):   # the batch thinned out before the profile ended
         prof.__exit__(None, None, None)
         prof = None
-    return times[2:], prof   # the first full steps still carry prefill leftovers
+    runner.step_events = None
+    return times[2:], prof, events   # the first full steps still carry prefill leftovers
+
+
+def gpu_timeline(events) -> dict:
+    """The GPU's time over consecutive full steps, from the runner's timing events (launch, forward done, sampler
+    start, tokens copied) without a profiler's overhead: busy = forward + sampler spans; stall = forward done to
+    sampler start (the wait for the step's bitmask, on the stream or for the host's late launch); gap = tokens
+    copied to the next step's forward (its input copies, and a host that queued it late)."""
+    if len(events) < 3:
+        return {}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    fwd = [s.elapsed_time(f) for s, f, _, _ in events]
+    stall = [f.elapsed_time(m) for _, f, m, _ in events]
+    smp = [m.elapsed_time(d) for _, _, m, d in events]
+    gap = [a[3].elapsed_time(b[0]) for a, b in zip(events, events[1:])]
+    span = events[0][0].elapsed_time(events[-1][3])
+    med = statistics.median
+    return {"gpu_steps": len(events), "gpu_span_ms": span, "gpu_busy_fraction_events": (sum(fwd) + sum(smp)) / span,
+            "gpu_forward_ms_median": med(fwd), "gpu_mask_stall_ms_median": med(stall),
+            "gpu_sampler_ms_median": med(smp), "gpu_gap_ms_median": med(gap)}
 
 
 def summarise(prof, wall: float, path: Path) -> dict:
@@ -171,7 +202,7 @@ def host_path(model_dir: str, batch: int, spec, cfg, host_ms: float, serial: boo
                        worker=cfg.mask_worker is True)
     rows._to_device = lambda host: host      # a GPU's non_blocking copy costs the host next to nothing
     reqs = [SimpleNamespace(req_id=f"r{i}", request_id=f"r{i}", prompt_token_ids=[1], all_token_ids=[1],
-                            eos_token_ids=[vocab - 1],
+                            num_prompt_tokens=1, eos_token_ids=[vocab - 1],
                             sampling_params=SimpleNamespace(structured=spec, stop_token_ids=[], ignore_eos=False,
                                                             min_tokens=steps + 8)) for i in range(batch)]
     rows.update(SimpleNamespace(finished_ids=[], new_requests=reqs))
@@ -206,6 +237,9 @@ def main() -> None:
                     help="0 on a CPU with --stub-model: the sampler's passes over [B, V] would hide the rest")
     ap.add_argument("--mask-threads", type=int, default=None, help="structured.mask_threads (default: config)")
     ap.add_argument("--mask-worker", action="store_true", help="structured.mask_worker: the matchers in a process")
+    ap.add_argument("--mask-wait", choices=("auto", "host"), default="auto",
+                    help="structured.mask_wait: auto = on CUDA the stream waits for each bitmask on a host flag;"
+                         " host = the host launches the sampler once the fill is in (the A/B of the GPU wait)")
     ap.add_argument("--serial-masks", action="store_true",
                     help="structured.overlap_masks false: each step waits for its masks at once (no overlap)")
     ap.add_argument("--stub-model", action="store_true",
@@ -225,6 +259,7 @@ def main() -> None:
         return main_host_path(args, batches, model)
     extra = {} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads}
     extra["structured_mask_worker"] = args.mask_worker   # explicit: "auto" would pick the worker on CUDA
+    extra["structured_mask_wait"] = args.mask_wait
     if args.serial_masks:
         extra["structured_overlap_masks"] = False
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
@@ -242,8 +277,8 @@ def main() -> None:
             if host:
                 cprof = cProfile.Profile()
                 cprof.enable()
-            times, prof = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded,
-                                   args.temperature)
+            times, prof, events = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded,
+                                           args.temperature)
             if host:
                 cprof.disable()
                 write_host_profile(cprof, Path(f"results/profiles/structured_host_B{b}.txt"))
@@ -252,11 +287,14 @@ def main() -> None:
             line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
                     "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
                     "seeded": args.seeded, "temperature": args.temperature, "mask_threads": mask_threads,
-                    "mask_worker": args.mask_worker,
+                    "mask_worker": args.mask_worker, "mask_wait": args.mask_wait,
+                    "gpu_waits_for_masks": llm.engine.runner.grammar.gpu_wait,
                     "serial_masks": args.serial_masks, "stub_model": args.stub_model,
                     "host_profiled": host,
                     "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
                     "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
+            if events:
+                line.update(gpu_timeline(events))
             if isinstance(prof, tuple):
                 line.update(summarise(prof[0], prof[1], Path(f"results/profiles/structured_B{b}_{mode}.txt")))
             append_jsonl(args.out, line)

@@ -27,7 +27,7 @@ from minillm.runner.request_state import CachedRequest, RequestStates
 from minillm.runner.warmup import warm_up_shapes
 from minillm.sampling.batch import SamplingBatchCache
 from minillm.sampling.sampler import Sampler
-from minillm.structured.rows import GrammarRows, PendingMask
+from minillm.structured.rows import FencedMask, GrammarRows, PendingMask
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,9 @@ class InFlight:
     done: object | None                     # torch.cuda.Event recorded after that copy (None on the CPU)
     sampled: list[CachedRequest] | None = None   # the request state each token belongs to
     pending: Callable[[], None] | None = None     # launches the sampler, once the step's grammar mask is filled
+    fence: object | None = None     # its stream waits for the step's grammar mask (structured.rows.MaskFence)
     started: object | None = None   # a timing event at the step's first launch, when a profile asks (resolve())
+    marks: list | None = None       # timing events of its phases, when ModelRunner.step_events collects them
 
     def complete(self) -> None:
         """Launch the sampler if it waits for a grammar mask (structured.mask_worker); the tokens follow."""
@@ -49,11 +51,24 @@ class InFlight:
             run, self.pending = self.pending, None
             run()
 
+    def settle(self) -> None:
+        """Before the host waits for this step's tokens: if its stream waits for a grammar mask, take the
+        filler's answer (a failed fill raises here, after letting the stream go on)."""
+        if self.fence is not None:
+            fence, self.fence = self.fence, None
+            fence.settle()
+
     def prev_tokens(self) -> PrevTokens | None:
         self.complete()
         if self.token_ids is None:
             return None
         return PrevTokens(self.token_ids, self.req_ids)
+
+
+def _timing_event():
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype) -> KVCacheSpec:
@@ -91,7 +106,8 @@ class ModelRunner:
         tp = cfg.parallel.tensor_parallel_size
         self.grammar = GrammarRows(self.model_dir, self.vocab_size, cfg.structured, self.device, sched.max_num_seqs,
                                    defer=cfg.structured.overlap_masks and tp == 1,
-                                   worker=cfg.structured.matchers_in_worker(self.device.type, tp))
+                                   worker=cfg.structured.matchers_in_worker(self.device.type, tp),
+                                   gpu_wait=cfg.structured.gpu_waits_for_masks(self.device.type, tp, p.fused_ops.on))
         # Packed before the KV pool is sized, so the pool is sized around its copy of the weights.
         self.megakernel = self._pack_megakernel()
         self.num_blocks = self._choose_num_blocks()
@@ -111,6 +127,9 @@ class ModelRunner:
         self._out_host = [torch.zeros(sched.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._out_turn = 0
         self._timed = False   # launch(): timing events for a profile (resolve() reads their span)
+        # A list: each resolved step appends its timing events (launch, forward done, sampler start, tokens
+        # copied), for a benchmark's GPU busy time without a profiler (scripts/structured_bench.py).
+        self.step_events: list | None = None
 
     def _make_plan(self):
         """The KV-cache spec and the execution plan, made before anything is allocated, from the model's
@@ -210,6 +229,8 @@ class ModelRunner:
         self.update_states(so)
         reqs = self.states.rows(so.req_ids)
         step = self.inputs.build(so, reqs, prev.prev_tokens() if prev is not None else None)
+        # Recorded after build(), which queues the previous step's sampler if it was deferred: the forward's start.
+        marks = [_timing_event()] if self.step_events is not None and self.device.type == "cuda" else None
         meta = step.meta
         if prof is not None:
             prof.mark("build")
@@ -223,11 +244,12 @@ class ModelRunner:
                 hidden = self.graphs.replay(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-            inflight = self._sample(so, reqs, step, hidden, prof, prev)
+            inflight = self._sample(so, reqs, step, hidden, prof, prev, marks)
         inflight.started = started
         return inflight
 
-    def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof, prev: InFlight | None) -> InFlight:
+    def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof, prev: InFlight | None,
+                marks: list | None = None) -> InFlight:
         """The LM head and the sampler over the step's sampled rows, and the copy of their tokens to the host."""
         sampled = reqs if all(so.sample) else list(compress(reqs, so.sample))
         if not sampled:
@@ -235,21 +257,29 @@ class ModelRunner:
             # staging buffers its inputs are being copied from are rebuilt two steps later.
             return InFlight([], None, None, None, self._step_done())
         logits = self.model.compute_logits(hidden[step.logits_indices], keep_dtype=True)
+        if marks is not None:
+            marks.append(_timing_event())
         if prof is not None:
             prof.mark("forward")
         seq_lens = step.meta.seq_lens_cpu
         if len(sampled) != len(reqs):
             seq_lens = list(compress(seq_lens, so.sample))
         # Constrained rows: their bitmask, built once the previous step's tokens are known (the forward pass of
-        # this step is already queued); None when no row is constrained. It is filled beside this thread, so the
-        # sampler waits for complete(): the next launch or this step's resolve (minillm/structured/rows.py).
+        # this step is already queued); None when no row is constrained. It is filled beside this thread: either
+        # the stream waits for it (FencedMask: the sampler is queued now, the host settles the fence before it
+        # waits for the tokens) or the sampler waits for complete(), the next launch or this step's resolve
+        # (minillm/structured/rows.py).
         mask = self.grammar.masks(sampled, seq_lens, prev)
         batch = self.sampling.get(sampled, seq_lens)
-        inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled)
+        inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled, marks=marks)
         if isinstance(mask, PendingMask):
             inflight.pending = lambda: self._run_deferred(inflight, logits, batch, mask)
-        else:
-            self._run_sampler(inflight, logits, batch, mask)
+            return inflight
+        if isinstance(mask, FencedMask):
+            inflight.fence, mask = mask.fence, mask.mask
+            if batch.logprobs is not None:
+                inflight.settle()   # the sampler reads logprobs back at once: the host sees a failure first
+        self._run_sampler(inflight, logits, batch, mask)
         return inflight
 
     def _run_deferred(self, inflight: InFlight, logits, batch, mask) -> None:
@@ -262,9 +292,13 @@ class ModelRunner:
     def _run_sampler(self, inflight: InFlight, logits, batch, mask) -> None:
         if isinstance(mask, PendingMask):
             mask = mask.result()
+        if inflight.marks is not None:
+            inflight.marks.append(_timing_event())
         result = self.sampler(logits, batch, mask)
         inflight.token_ids, inflight.logprobs = result.token_ids, result.logprobs
         inflight.host_ids, inflight.done = self._copy_to_host(result.token_ids)
+        if inflight.marks is not None:
+            inflight.marks.append(_timing_event())
 
     def _copy_to_host(self, token_ids: torch.Tensor):
         """Start the device-to-host copy of the sampled ids right behind the sampler, so that waiting for
@@ -287,11 +321,14 @@ class ModelRunner:
     def resolve(self, inflight: InFlight, prof=None) -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens."""
         inflight.complete()
+        inflight.settle()
         if inflight.done is not None:
             inflight.done.synchronize()
             if prof is not None and inflight.started is not None:
                 prof.add_gpu(inflight.started.elapsed_time(inflight.done))
         tokens = inflight.host_ids.tolist() if inflight.host_ids is not None else []
+        if inflight.marks is not None and len(inflight.marks) == 4 and self.step_events is not None:
+            self.step_events.append(tuple(inflight.marks))
         if inflight.sampled is not None:
             self.states.append_sampled(inflight.sampled, tokens)
         if prof is not None:

@@ -46,3 +46,24 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask, cuda: bool = Fal
     sub = logits.index_select(0, mask.rows)
     sub.masked_fill_(forbidden, -math.inf)
     logits.index_copy_(0, mask.rows, sub)
+
+
+def wait_for_host_flag(status: torch.Tensor, flag_addr: int, expect: int, timeout_s: float) -> None:
+    """Make the current CUDA stream wait until the int64 at host address `flag_addr` (pinned or registered
+    memory, see register_host_memory) holds `expect` or -`expect` (> 0), or `timeout_s` has passed; status (int32
+    CUDA [1]) gets 0, 2 (it read -expect) or 1 (timed out). Work queued after it reads what the host stored before
+    the flag. Nothing on the host waits."""
+    torch.ops.minillm.wait_host_flag_(status, flag_addr, expect, max(1, int(timeout_s * 1e9)))
+
+
+def register_host_memory(addr: int, nbytes: int) -> None:
+    """Page-lock and map host memory that torch did not allocate (a shared-memory segment), so that copies
+    from it run asynchronously and wait_for_host_flag can poll a flag in it."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(addr, nbytes, _REGISTER_PORTABLE_MAPPED))
+
+
+def unregister_host_memory(addr: int) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(addr))
+
+
+_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02   # cudaHostRegisterPortable | cudaHostRegisterMapped

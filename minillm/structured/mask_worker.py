@@ -7,9 +7,11 @@ process instead, which skips this path's pickling, pipe round trip and bitmask c
     fill (turn, [RowWork])                       --->    advance, fill rows of shared buffer `turn`, min_tokens
     wait (turn)                                  <---    filled
 
-The bitmasks travel in shared memory (two buffers used in turn), the messages over a pipe. The worker exits when
-told, when the pipe closes, or when its parent is gone; a worker that dies or does not answer in time fails the
-step that waits for it (RuntimeError), which the engine answers as any failed step.
+The bitmasks travel in shared memory (two buffers used in turn), the messages over a pipe. A fill sent with a
+sequence number > 0 also stores it in flag `turn` of the same memory once the rows are written (its negative if
+the fill failed): a CUDA stream waiting on that flag (GrammarRows, mask_wait auto) needs no answer from the host.
+The worker exits when told, when the pipe closes, or when its parent is gone; a worker that dies or does not
+answer in time fails the step that waits for it (RuntimeError), which the engine answers as any failed step.
 """
 from __future__ import annotations
 
@@ -21,16 +23,18 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from minillm.config import StructuredConfig
+from minillm.structured.matchers import publish_flag
 
 _POLL_S = 0.5          # an idle worker checks on its parent this often
+_FLAGS_BYTES = 64      # the two int64 flags at the start of the shared memory, the bitmasks after them
 
 
 class MaskWorker:
     def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, max_rows: int):
         words = (vocab_size + 31) // 32
         self.shape = (2, max_rows, words)
-        self.shm = shared_memory.SharedMemory(create=True, size=int(np.prod(self.shape)) * 4)
-        self.buffers = np.ndarray(self.shape, dtype=np.int32, buffer=self.shm.buf)
+        self.shm = shared_memory.SharedMemory(create=True, size=_FLAGS_BYTES + int(np.prod(self.shape)) * 4)
+        self.flags, self.buffers = _views(self.shm, self.shape)
         # A fill waits at most this long: a new grammar compiles in the worker first (bounded by the same limit).
         self.timeout_s = 2 * cfg.compile_timeout_s + 10.0
         ctx = multiprocessing.get_context("spawn")
@@ -47,9 +51,10 @@ class MaskWorker:
     def drop(self, req_ids) -> None:
         self._send(("drop", list(req_ids)))
 
-    def fill(self, turn: int, work, out: np.ndarray) -> None:
-        """Start filling shared buffer `turn` for `work`; wait(turn, out) copies the rows into `out`."""
-        self._send(("fill", turn, work))
+    def fill(self, turn: int, work, out: np.ndarray, seq: int = 0) -> None:
+        """Start filling shared buffer `turn` for `work`; wait(turn, out) copies the rows into `out` (nothing to
+        copy where `out` is that buffer). seq > 0: the worker stores it in flags[turn] when the rows are in."""
+        self._send(("fill", turn, work, seq))
 
     def wait(self, turn: int, out: np.ndarray) -> np.ndarray:
         """`out`, once the worker says buffer `turn` is filled and its rows are copied into it."""
@@ -63,7 +68,8 @@ class MaskWorker:
             raise RuntimeError(f"the grammar mask worker failed: {reply[1]}")
         if reply != ("filled", turn):
             raise RuntimeError(f"the grammar mask worker answered {reply!r}, expected buffer {turn}")
-        out[:] = self.buffers[turn, :len(out)]
+        if out.ctypes.data != self.buffers[turn].ctypes.data:
+            out[:] = self.buffers[turn, :len(out)]
         return out
 
     def close(self) -> None:
@@ -98,7 +104,7 @@ def _serve(conn, model_dir, vocab_size: int, cfg: StructuredConfig, shm_name: st
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the process group: the engine stops us
     shm = shared_memory.SharedMemory(name=shm_name)
-    buffers = np.ndarray(shape, dtype=np.int32, buffer=shm.buf)
+    flags, buffers = _views(shm, shape)
     matchers = Matchers(model_dir, vocab_size, cfg)
     errors: list[str] = []   # what failed outside a fill (an open): the next fill answers with it
     try:
@@ -113,13 +119,19 @@ def _serve(conn, model_dir, vocab_size: int, cfg: StructuredConfig, shm_name: st
                 return
             if msg[0] == "stop":
                 return
-            _apply(matchers, buffers, msg, conn, errors)
+            _apply(matchers, buffers, flags, msg, conn, errors)
     finally:
-        del buffers
+        del buffers, flags
         shm.close()
 
 
-def _apply(matchers, buffers: np.ndarray, msg, conn, errors: list[str]) -> None:
+def _views(shm, shape) -> tuple[np.ndarray, np.ndarray]:
+    """The flags (int64 [2]) and the bitmask buffers (int32 `shape`) in the shared memory."""
+    flags = np.ndarray((2,), dtype=np.int64, buffer=shm.buf)
+    return flags, np.ndarray(shape, dtype=np.int32, buffer=shm.buf, offset=_FLAGS_BYTES)
+
+
+def _apply(matchers, buffers: np.ndarray, flags: np.ndarray, msg, conn, errors: list[str]) -> None:
     kind = msg[0]
     try:
         if kind == "open":
@@ -129,11 +141,15 @@ def _apply(matchers, buffers: np.ndarray, msg, conn, errors: list[str]) -> None:
         elif kind == "fill":
             if errors:
                 raise RuntimeError("; ".join(errors))
-            turn, work = msg[1], msg[2]
+            turn, work, seq = msg[1], msg[2], msg[3]
             matchers.fill(work, buffers[turn, :len(work)])
+            if seq:
+                publish_flag(flags, turn, seq)   # a stream waiting on it goes on
             conn.send(("filled", turn))
     except Exception as e:  # noqa: BLE001 - the waiting step fails with this text; the worker serves on
         if kind == "fill":
+            if msg[3]:
+                publish_flag(flags, msg[1], -msg[3])
             errors.clear()
             conn.send(("error", f"{type(e).__name__}: {e}"))
         else:

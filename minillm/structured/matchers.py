@@ -9,6 +9,7 @@ tokens). The matcher then accepts what it has not seen or rolls back what the en
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -101,6 +102,17 @@ class Matchers:
             import xgrammar as xgr
             self._batch = xgr.BatchGrammarMatcher(max_threads=self.cfg.mask_threads)
         self._batch.batch_fill_next_token_bitmask(matchers, view, indices=rows)
+
+
+_BARRIER = threading.Lock()
+
+
+def publish_flag(flags: np.ndarray, turn: int, value: int) -> None:
+    """Store a fill's flag (its sequence number, negative if it failed) once its rows are written. Taking a lock
+    is a full memory barrier on every CPU, so a CUDA stream that sees the flag also sees the rows."""
+    with _BARRIER:
+        pass
+    flags[turn] = value
 
 
 def _advance(st: GrammarState, before: int) -> None:

@@ -10,10 +10,17 @@ queued first (it takes N's tokens from the device); only before N+1's sampler do
 (which the GPU finished before N+1's forward began) and hand the rows' work over. Steps without a constrained row
 never wait.
 
-Where the matchers run: on a thread of this process (mask_thread.py, the default) or in a worker process
-(mask_worker.py, `structured.mask_worker`). Either way masks() hands the step's work over and returns a
-PendingMask at once, and the runner launches the step's sampler only when the next step is launched or this one
-resolved (model_runner.py): the accepts and fills run beside this process's own host work of that interval.
+Where the matchers run: on a thread of this process (mask_thread.py) or in a worker process (mask_worker.py,
+`structured.mask_worker`, the default on CUDA). Either way masks() hands the step's work over and returns at once,
+in one of two ways (`gpu_wait`, StructuredConfig.gpu_waits_for_masks):
+- gpu_wait (CUDA): it queues on the stream a wait for the fill's flag in mapped host memory (the filler stores the
+  step's sequence number there once the rows are written: cuda/grammar_mask.cu), then the bitmask's copy to the
+  device, and returns a FencedMask: the runner queues the sampler right behind it, so the sampler starts as soon as
+  the fill is in, whatever the host is doing. Before the host waits for that step's tokens it settles the fence:
+  it takes the filler's answer, and on any failure stores the flag's negative itself (the stream goes on) and
+  raises, so a dead worker fails the step and never hangs the stream (the wait is also bounded in time);
+- otherwise it returns a PendingMask, and the runner launches the step's sampler only when the next step is
+  launched or this one resolved (model_runner.py): the fills run beside the host work of that interval.
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from minillm.config import StructuredConfig
-from minillm.sampling.grammar_mask import GrammarMask
+from minillm.sampling.grammar_mask import (GrammarMask, register_host_memory, unregister_host_memory,
+                                           wait_for_host_flag)
 from minillm.structured.matchers import RowWork
 
 
@@ -38,9 +46,27 @@ class PendingMask:
         return self.rows.finish(self)
 
 
+@dataclass
+class MaskFence:
+    """The host's side of a step whose stream waits for its bitmask: settle() before waiting for its tokens."""
+    rows: "GrammarRows"
+    turn: int
+    seq: int
+
+    def settle(self) -> None:
+        self.rows.settle(self)
+
+
+@dataclass
+class FencedMask:
+    """A step's bitmask whose copy to the device is queued behind a wait for its fill (gpu_wait)."""
+    mask: GrammarMask
+    fence: MaskFence
+
+
 class GrammarRows:
     def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, device: torch.device,
-                 max_rows: int, defer: bool = True, worker: bool = False):
+                 max_rows: int, defer: bool = True, worker: bool = False, gpu_wait: bool = False):
         self.model_dir, self.vocab_size, self.cfg, self.device = model_dir, vocab_size, cfg, device
         self.max_rows = max_rows
         self.worker = worker   # the matchers in a process of their own (StructuredConfig.matchers_in_worker)
@@ -50,6 +76,12 @@ class GrammarRows:
         self._host: list[torch.Tensor] = []    # two bitmask buffers used in turn (a copy may be in flight)
         self._index: list[torch.Tensor] = []   # and the constrained rows' indices
         self._turn = 0
+        self.gpu_wait = gpu_wait and defer   # the stream, not the host, waits for each fill (FencedMask)
+        self._seq = 0                        # the last fill's sequence number (gpu_wait)
+        self._unsettled: dict[int, int] = {}   # turn -> sequence number of a fill the host has not settled
+        self._flags = None                   # numpy int64 [2] in mapped host memory, the fills' flags
+        self._status = None                  # int32 CUDA [2, 1]: how each turn's wait ended (0 / 2 / 1: timed out)
+        self._registered: int | None = None  # the worker's shared memory, registered with CUDA
 
     @property
     def matchers(self):
@@ -58,10 +90,26 @@ class GrammarRows:
             if self.worker:
                 from minillm.structured.mask_worker import MaskWorker
                 self._worker = MaskWorker(self.model_dir, self.vocab_size, self.cfg, self.max_rows)
+                if self.gpu_wait:
+                    self._share_worker_memory(self._worker)
             else:
                 from minillm.structured.mask_thread import MaskThread
-                self._worker = MaskThread(self.model_dir, self.vocab_size, self.cfg)
+                if self.gpu_wait:
+                    pin = self.device.type == "cuda"
+                    self._flags = torch.zeros(2, dtype=torch.int64, pin_memory=pin).numpy()
+                self._worker = MaskThread(self.model_dir, self.vocab_size, self.cfg, self._flags)
         return self._worker
+
+    def _share_worker_memory(self, worker) -> None:
+        """The worker's shared memory is where the stream reads flags and bitmasks: register it with CUDA and
+        use its buffers as ours, so the rows are copied to the device straight from where they are written."""
+        addr = worker.flags.ctypes.data
+        register_host_memory(addr, worker.shm.size)
+        self._registered = addr
+        self._flags = worker.flags
+        self._host = [torch.from_numpy(worker.buffers[t]) for t in range(2)]
+        pin = self.device.type == "cuda"
+        self._index = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
 
     def update(self, so) -> None:
         """Follow the step's plain-data changes: a matcher for each new constrained request, none for ended ones."""
@@ -88,9 +136,48 @@ class GrammarRows:
         work = self._work(sampled, rows, seq_lens, prev)
         index = None if len(rows) == len(sampled) else rows
         self._turn ^= 1
+        if self.gpu_wait:
+            return self._fenced(self._turn, work, index)
         self.matchers.fill(self._turn, work, self._host_buffer(self._turn, len(rows)).numpy())
         pending = PendingMask(self, self._turn, len(rows), index)
         return pending if self.defer else self.finish(pending)
+
+    def _fenced(self, turn: int, work: list[RowWork], index: list[int] | None) -> FencedMask:
+        """Hand the fill over with a new sequence number, then queue the stream's wait for it and the copy."""
+        matchers = self.matchers
+        bitmask = self._host_buffer(turn, len(work))
+        self._seq += 1
+        matchers.fill(turn, work, bitmask.numpy(), self._seq)
+        self._unsettled[turn] = self._seq
+        fence = MaskFence(self, turn, self._seq)
+        try:
+            if self._status is None:
+                self._status = torch.zeros(2, 1, dtype=torch.int32, device=self.device)
+            wait_for_host_flag(self._status[turn], self._flags[turn:].ctypes.data, fence.seq, self._wait_timeout_s())
+        except BaseException:
+            self.settle(fence)   # the filler's answer is taken, so the next fill's is the next one read
+            raise
+        return FencedMask(self._device_mask(bitmask, turn, index), fence)
+
+    def _wait_timeout_s(self) -> float:
+        # Longer than the worker's own answer may take (MaskWorker.timeout_s), so the host's error comes first.
+        return 2 * self.cfg.compile_timeout_s + 30.0
+
+    def settle(self, fence: MaskFence) -> None:
+        """Take the filler's answer for a fenced step (once); on any failure let its stream go on, then raise."""
+        if self._unsettled.get(fence.turn) != fence.seq:
+            return
+        del self._unsettled[fence.turn]
+        try:
+            self._worker.wait(fence.turn, self._host_buffer(fence.turn, 1).numpy())
+        except BaseException:
+            self._release(fence.turn, fence.seq)
+            raise
+
+    def _release(self, turn: int, seq: int) -> None:
+        """A stream waiting for fill `seq` goes on (the step fails on the host)."""
+        from minillm.structured.matchers import publish_flag
+        publish_flag(self._flags, turn, -seq)
 
     def finish(self, pending: PendingMask) -> GrammarMask:
         """The step's bitmask, once it is filled in a host buffer of ours, on its way to the device."""
@@ -99,6 +186,15 @@ class GrammarRows:
         return self._device_mask(bitmask, pending.turn, pending.index)
 
     def close(self) -> None:
+        for turn, seq in list(self._unsettled.items()):
+            self._release(turn, seq)
+        self._unsettled.clear()
+        if self._registered is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()   # nothing may still read the memory being unregistered
+            unregister_host_memory(self._registered)
+            self._registered = None
+            self._host, self._flags = [], None   # views of the worker's memory, unmapped below
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -154,6 +250,7 @@ def _pending_tokens(prev) -> dict[str, int]:
     """The tokens of the launched step `prev`, by request id, once its copy to the host is done."""
     if prev is None or prev.host_ids is None:
         raise RuntimeError("a constrained row is missing its previous token, and no step is in flight")
+    prev.settle()   # its stream may wait for a fill: take the filler's answer first (FencedMask)
     if prev.done is not None:
         prev.done.synchronize()
     return dict(zip(prev.req_ids, prev.host_ids.tolist()))
