@@ -148,6 +148,12 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage "structured64${m//-/_}" 80 python3 scripts/structured_bench.py --batches 64 --steps 64 $m \
           --out "$OUT/structured.jsonl"
       done ;;
+    structuredwait)   # B=64 all constrained: worker + GPU wait (default), worker + host deferral, thread + GPU wait, serial
+      for m in "--mask-worker" "--mask-worker --mask-wait host" "" "--serial-masks"; do
+        tag=${m//-/_}; tag=${tag// /}
+        stage "structured64${tag}" 80 python3 scripts/structured_bench.py --batches 64 --steps 64 $m \
+          --out "$OUT/structured.jsonl"
+      done ;;
     samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
       stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
         --iters 50 ;;
