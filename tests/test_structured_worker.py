@@ -118,3 +118,33 @@ def test_all_then_mixed_batches_on_one_engine_equal_the_in_process_matchers():
             second = llm.generate(["p:", "q:", "r:", "s:"], mixed, use_tqdm=False)
             return [o.outputs[0].token_ids for o in first + second]
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("end", ["close", "gc"])
+def test_the_unmap_hooks_run_while_the_shared_memory_is_still_mapped(end):
+    """A CUDA registration of the worker's memory is undone by such a hook (GrammarRows): it must run before the
+    mapping goes, whether close() or the garbage collector ends the worker, and the segment still goes after."""
+    import gc
+
+    import numpy as np
+
+    from minillm.structured.mask_worker import MaskWorker
+
+    worker = MaskWorker("unused", 64, EngineConfig().structured, 2)
+    name, seen = worker.shm.name, []
+    buf = worker.shm.buf
+
+    def hook():
+        seen.append(int(np.frombuffer(buf, dtype=np.int64, count=1)[0]))   # readable: still mapped
+        buf.release()
+
+    worker.before_unmap.append(hook)
+    worker.before_unmap.append(lambda: 1 / 0)   # a failing hook does not keep the segment alive
+    worker.flags[0] = 7
+    if end == "close":
+        worker.close()
+    else:
+        del worker
+        gc.collect()
+    assert seen == [7]
+    assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}")

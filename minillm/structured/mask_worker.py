@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import weakref
 from multiprocessing import shared_memory
 
@@ -43,7 +44,11 @@ class MaskWorker:
                                 args=(child, model_dir, vocab_size, cfg, self.shm.name, self.shape, os.getpid()))
         self.proc.start()
         child.close()
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.shm)
+        # Run before the shared memory is unmapped, whether close() or the garbage collector ends the worker: a
+        # CUDA registration of that memory must not outlive the mapping (a later mapping at the same address would
+        # find the range registered, to pages that are gone).
+        self.before_unmap: list = []
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.shm, self.before_unmap)
 
     def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
         self._send(("open", req_id, spec, banned, eos_ids))
@@ -82,7 +87,7 @@ class MaskWorker:
             raise RuntimeError(f"the grammar mask worker exited (exit code {self.proc.exitcode})") from None
 
 
-def _shutdown(proc, conn, shm) -> None:
+def _shutdown(proc, conn, shm, before_unmap) -> None:
     try:
         conn.send(("stop",))
     except (BrokenPipeError, OSError):
@@ -92,6 +97,12 @@ def _shutdown(proc, conn, shm) -> None:
         proc.kill()
         proc.join(2.0)
     conn.close()
+    for hook in before_unmap:
+        try:
+            hook()
+        except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the segment must still go
+            print(f"minillm: grammar mask worker: {type(e).__name__}: {e}", file=sys.stderr)
+    before_unmap.clear()
     shm.close()
     shm.unlink()
 

@@ -25,6 +25,7 @@ in one of two ways (`gpu_wait`, StructuredConfig.gpu_waits_for_masks):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -106,6 +107,7 @@ class GrammarRows:
         addr = worker.flags.ctypes.data
         register_host_memory(addr, worker.shm.size)
         self._registered = addr
+        worker.before_unmap.append(partial(_unregister, addr, self.device))   # holds no reference to self
         self._flags = worker.flags
         self._host = [torch.from_numpy(worker.buffers[t]) for t in range(2)]
         pin = self.device.type == "cuda"
@@ -189,10 +191,7 @@ class GrammarRows:
         for turn, seq in list(self._unsettled.items()):
             self._release(turn, seq)
         self._unsettled.clear()
-        if self._registered is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()   # nothing may still read the memory being unregistered
-            unregister_host_memory(self._registered)
+        if self._registered is not None:   # the worker's close unregisters it (before_unmap)
             self._registered = None
             self._host, self._flags = [], None   # views of the worker's memory, unmapped below
         if self._worker is not None:
@@ -237,6 +236,13 @@ class GrammarRows:
             self._host = [torch.empty(self.max_rows, words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
             self._index = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         return self._host[turn][:n]
+
+
+def _unregister(addr: int, device: torch.device) -> None:
+    """Undo register_host_memory once nothing on the GPU may still read the memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    unregister_host_memory(addr)
 
 
 def _output_token(r, k: int, pending: dict | None) -> int:
