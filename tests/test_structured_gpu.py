@@ -47,8 +47,16 @@ def test_mask_kernel_refuses_a_bitmask_narrower_than_the_vocabulary():
         torch.ops.minillm.grammar_mask_(logits, torch.zeros(2, 3, dtype=torch.int32, device="cuda"), None)
 
 
+def _release_gpu() -> None:
+    """Give a closed, unreferenced engine's GPU memory back before the next one is built (KV sizing counts it)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def test_constrained_async_equals_sync_on_the_gpu():
-    llm = LLM(device="cuda", max_num_seqs=16)
+    llm = LLM(device="cuda", max_num_seqs=16, num_kv_blocks=512)
     pattern = "[a-z]{5,20}-[0-9]{2,4}"
     spec = from_structured_outputs({"regex": pattern})
     prompts = [f"item {i}:" for i in range(12)]
@@ -67,6 +75,9 @@ def test_constrained_async_equals_sync_on_the_gpu():
         if i % 3 and o.outputs[0].finish_reason == "stop":
             assert re.fullmatch(pattern, o.outputs[0].text), o.outputs[0].text
     assert sum(bool(i % 3) and o.outputs[0].finish_reason == "stop" for i, o in enumerate(first)) >= 6
+    llm.close()
+    del llm, core, first, second
+    _release_gpu()
 
 
 def _flag_kernel():
@@ -162,10 +173,14 @@ def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(worker):
               for i, t in zip(range(12), [1.0, 0.0, 0.7] * 4)]
     outs = {}
     for wait in ("auto", "host"):
-        with LLM(device="cuda", max_num_seqs=16, structured_mask_worker=worker, structured_mask_wait=wait) as llm:
-            assert llm.engine.runner.grammar.gpu_wait is (wait == "auto")
-            outs[wait] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
-            assert not llm.engine.runner.grammar._unsettled
+        llm = LLM(device="cuda", max_num_seqs=16, num_kv_blocks=512, structured_mask_worker=worker,
+                  structured_mask_wait=wait)
+        assert llm.engine.runner.grammar.gpu_wait is (wait == "auto")
+        outs[wait] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert not llm.engine.runner.grammar._unsettled
+        llm.close()
+        del llm
+        _release_gpu()
     assert outs["auto"] == outs["host"]
 
 
@@ -174,7 +189,8 @@ def test_a_dead_worker_fails_the_fenced_step_without_hanging_the_stream():
     import signal
 
     spec = from_structured_outputs({"regex": "[a-z]{5,20}-[0-9]{2,4}"})
-    with LLM(device="cuda", max_num_seqs=4, structured_mask_worker=True) as llm:
+    with LLM(device="cuda", max_num_seqs=4, num_kv_blocks=512, structured_mask_worker=True,
+             structured_mask_wait="auto") as llm:
         assert llm.engine.runner.grammar.gpu_wait
         llm.generate(["warm:"], SamplingParams(max_tokens=4, structured=spec), use_tqdm=False)
         worker = llm.engine.runner.grammar._worker
