@@ -214,11 +214,10 @@ class StructuredConfig:
                                           # a step against +72% on a thread of the engine's process, b6899bc)
     overlap_masks: bool = True            # the sampler waits for its masks at the next launch (fills overlap the
                                           # host work); false: at once (tensor parallelism always does)
-    mask_wait: str = "host"               # overlapped masks, auto: on CUDA with the kernels and one rank the
+    mask_wait: str = "auto"               # overlapped masks, auto: on CUDA with the kernels and one rank the
                                           # stream waits on a host flag the filler sets (the sampler is queued
                                           # behind the forward; B=64 all constrained on the H200 +25% a step
-                                          # against +44%, 8a67e15); host: the host launches the sampler late.
-                                          # host until auto's token-equality GPU test has passed (docs/structured.md)
+                                          # against +44%, 8a67e15); host: the host launches the sampler late
     max_spec_bytes: int = 65536           # a schema, regex, choice list or grammar longer than this is refused
     max_grammar_bytes: int = 64 << 20     # a compiled grammar larger than this is refused
     cache_size: int = 256                 # compiled grammars kept (least recently used go first)
