@@ -168,13 +168,14 @@ class KernelConfig:
     # finds it covered (minillm/runner/plan.py; attention_ops.prefill_cudnn): a whole prompt in one chunk (no cached
     # prefix, no earlier chunk) of at least prefill_sdpa_min_tokens queries, and with prefill_sdpa_prefix a chunk
     # over a cached prefix of at least prefill_sdpa_prefix_min_tokens. On the H200 (scripts/prefill_bench.py,
-    # 72767c5) a single call was slower on cuDNN than on the wgmma kernel for whole prompts of 2,048 tokens (0.096
-    # vs 0.069 ms, 0.6B shape) and faster from 4,096, and faster for 1,024 queries over a 7k prefix; but in engine
-    # runs of the long-prompt workload 2048 / 2048 gave 144,843 total tok/s (72767c5) and 4096 / 1024 137,708
-    # (3cc5ae7), one run each. The warm-up builds cuDNN's plans for whole prompts (every token count it runs), not
-    # for chunks over a prefix, whose (queries, prefix) shapes are many: each new one costs a ~40-80 ms plan.
+    # 72767c5) one call on cuDNN was slower than the wgmma kernel for whole prompts of 2,048 tokens (0.096 vs 0.069
+    # ms, 0.6B shape; 8B 0.141 vs 0.133) and faster from 4,096 (0.22 vs 0.24; 8B 0.36 vs 0.46). Chunks over a
+    # prefix were faster on cuDNN from 1,024 queries over a 7k prefix (0.18 vs 0.24 ms) and 2,048 over 14k (1.6x),
+    # but each new (queries, prefix) shape costs a cuDNN plan of ~40-80 ms, which warm-up does not build (it builds
+    # whole-prompt shapes): in engine runs of the long-prompt workload prefix chunks from 2,048 (144,843 total
+    # tok/s, 72767c5, whole prompts from 2,048) beat prefix chunks from 1,024 (137,708, 3cc5ae7, whole from 4,096).
     prefill_sdpa: bool = True
-    prefill_sdpa_min_tokens: int = 2048
+    prefill_sdpa_min_tokens: int = 4096
     prefill_sdpa_prefix: bool = True
     prefill_sdpa_prefix_min_tokens: int = 2048
 
