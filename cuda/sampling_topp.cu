@@ -193,6 +193,19 @@ __device__ void histogram_pass(const float* x, int vocab, uint32_t prefix, uint3
   g.sync();  // every CTA's histogram of the row is complete
 }
 
+// Inclusive prefix sums of a count and a mass over the lanes of a warp.
+__device__ __forceinline__ void warp_inclusive_scan(unsigned int& c, unsigned long long& m) {
+  const int lane = threadIdx.x & 31;
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned int uc = __shfl_up_sync(0xffffffffu, c, o);
+    const unsigned long long um = __shfl_up_sync(0xffffffffu, m, o);
+    if (lane >= o) {
+      c += uc;
+      m += um;
+    }
+  }
+}
+
 // Exclusive scan of the row's buckets (the sum of its CTAs' histograms) in descending order (scan index i = bucket
 // nb - 1 - i): for each of this thread's kPerThread indices, the count and mass of the buckets above it. Also sets
 // s.total. Every CTA of the row computes the same integers.
@@ -219,14 +232,7 @@ __device__ void scan_buckets(Scratch& s, const RowGroup& g, int nb, unsigned int
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   unsigned int ic = c;
   unsigned long long im = m;
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned int uc = __shfl_up_sync(0xffffffffu, ic, o);
-    const unsigned long long um = __shfl_up_sync(0xffffffffu, im, o);
-    if (lane >= o) {
-      ic += uc;
-      im += um;
-    }
-  }
+  warp_inclusive_scan(ic, im);
   if (lane == 31) {
     s.warp_count[warp] = ic;
     s.warp_mass[warp] = im;
@@ -235,14 +241,7 @@ __device__ void scan_buckets(Scratch& s, const RowGroup& g, int nb, unsigned int
   if (warp == 0) {
     unsigned int wc = lane < kWarps ? s.warp_count[lane] : 0;
     unsigned long long wm = lane < kWarps ? s.warp_mass[lane] : 0;
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned int uc = __shfl_up_sync(0xffffffffu, wc, o);
-      const unsigned long long um = __shfl_up_sync(0xffffffffu, wm, o);
-      if (lane >= o) {
-        wc += uc;
-        wm += um;
-      }
-    }
+    warp_inclusive_scan(wc, wm);
     if (lane < kWarps) {  // exclusive per warp
       s.warp_count[lane] = wc - (lane < kWarps ? s.warp_count[lane] : 0);
       s.warp_mass[lane] = wm - (lane < kWarps ? s.warp_mass[lane] : 0);

@@ -83,9 +83,11 @@ class LLM:
 
     # ---- streaming primitives ----
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, enable_thinking: bool | None = None) -> str:
-        """enable_thinking: passed to the chat template when the prompt is a list of chat messages (Qwen3)."""
-        return self.engine.add_request(prompt, params, request_id, priority, enable_thinking=enable_thinking)
+                    priority: int = 0, enable_thinking: bool | None = None, prepared: bool = False) -> str:
+        """enable_thinking: passed to the chat template when the prompt is a list of chat messages (Qwen3).
+        prepared: the prompt is what prepare_prompt returned (its ids are not checked one by one again)."""
+        return self.engine.add_request(prompt, params, request_id, priority, enable_thinking=enable_thinking,
+                                       prepared=prepared)
 
     def prepare_prompt(self, prompt, params: SamplingParams, enable_thinking: bool | None = None,
                        tools: list[dict] | None = None) -> list[int]:
@@ -133,13 +135,14 @@ class LLM:
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         prios = _per_prompt(priorities, len(prompts), "priorities", default=0)
+        prepared = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                self.engine.prompts.prepare(p, sp, enable_thinking)
+                prepared.append(self.engine.prompts.prepare(p, sp, enable_thinking))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp, priority=pr, stream=False, enable_thinking=enable_thinking)
-               for p, sp, pr in zip(prompts, params, prios)]
+        ids = [self.engine.add_request(p, sp, priority=pr, stream=False, prepared=True)
+               for p, sp, pr in zip(prepared, params, prios)]
         results: dict[str, RequestOutput] = {}
         with TokenProgress(len(ids), use_tqdm, transient=True) as advance:
             while self.engine.has_unfinished_requests():

@@ -43,3 +43,23 @@ def test_jsonl_enable_thinking_is_validated():
     for bad in ({"prompt": "x", "enable_thinking": True}, {"messages": MESSAGES, "enable_thinking": "no"}):
         with pytest.raises(LineError, match="enable_thinking"):
             parse_line(2, json.dumps(bad).encode(), {})
+
+
+def test_prepared_ids_are_rechecked_only_where_params_matter(llm):
+    """A front end prepares a prompt with its own params, then admits the ids under the final ones: the length
+    and stop checks run again, the per-id pass does not (the ids came from prepare)."""
+    prompts = llm.engine.prompts
+    ids = prompts.prepare([5, 6, 7], SamplingParams(max_tokens=1))
+    assert prompts.recheck(ids, SamplingParams(max_tokens=100)) == [5, 6, 7]
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        prompts.recheck(ids, SamplingParams(max_tokens=126))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        prompts.prepare([5, 10 ** 6], SamplingParams())
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
+        prompts.recheck(ids, SamplingParams(stop=["\ud800"]))
+    rid = llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), prepared=True)
+    out = []
+    while llm.engine.has_unfinished_requests():
+        out += [o for o in llm.engine.step() if o.output is not None]
+    assert [o.request_id for o in out] == [rid] and out[0].output.prompt_token_ids == [5, 6, 7]
+    assert len(out[0].output.outputs[0].token_ids) == 2

@@ -35,6 +35,19 @@ class PromptPreparer:
                     or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_fit(ids, params)
+        return ids
+
+    def recheck(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """Token ids that prepare() returned, now under `params` (e.g. another max_tokens): only the checks that
+        depend on params run again. A front end that prepared the prompt on its own thread admits it this way
+        without a second pass over every id (0.5 ms at 7,680 ids)."""
+        check_request(params, self.vocab_size, self.max_num_seqs)
+        _check_stop(params)
+        self._check_fit(ids, params)
+        return ids
+
+    def _check_fit(self, ids: list[int], params: SamplingParams) -> None:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids):,} tokens; max_model_len ({self.max_model_len}) leaves no room "
                              f"for output")
@@ -43,7 +56,6 @@ class PromptPreparer:
                              f"max_model_len ({self.max_model_len})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model directory has no tokenizer.json")
-        return ids
 
     def _to_ids(self, prompt, enable_thinking: bool | None, tools=None) -> list[int]:
         if isinstance(prompt, str):
@@ -100,10 +112,14 @@ def _check_text(prompt, params: SamplingParams) -> None:
     tokenizer would fail on it with a TypeError."""
     if isinstance(prompt, str):
         _check_str(prompt, "prompt")
-    elif isinstance(prompt, (list, tuple)):
+    elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):   # not token ids
         for i, m in enumerate(prompt):
             if isinstance(m, dict) and isinstance(m.get("content"), str):
                 _check_str(m["content"], f"messages[{i}].content")
+    _check_stop(params)
+
+
+def _check_stop(params: SamplingParams) -> None:
     for s in params.stop:
         _check_str(s, "stop strings: one")
 
