@@ -86,10 +86,22 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, ScalarType dtype, cu
 // workspace: sample_exponential_race_workspace_bytes(rows, splits) bytes of device memory, any contents (the
 // launch zeroes what it needs on `stream`), not used by another launch until this one is done; null when that
 // size is 0.
-// threshold: fp32 [rows] or null; columns whose widened logit is below their row's threshold count as -inf (the
-// masking of top-k / top-p / min-p, launch_truncation_threshold).
+// filter: at most one of
+// - threshold: fp32 [rows]; columns whose widened logit is below their row's threshold count as -inf (the masking
+//   of top-k / top-p / min-p, launch_truncation_threshold);
+// - bitmask: int32 [num_mask_rows, words] (words >= ceil(vocab / 32); bit c % 32 of word c / 32 allows column
+//   c, xgrammar's layout) of the rows listed in mask_rows (int64, ascending), or of every row in order when
+//   mask_rows is null (num_mask_rows = rows); a column whose bit is clear counts as -inf, rows not listed are
+//   not filtered.
+struct RaceFilter {
+  const float* threshold = nullptr;
+  const int32_t* bitmask = nullptr;
+  int64_t words = 0;
+  const int64_t* mask_rows = nullptr;
+  int num_mask_rows = 0;
+};
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
-                                           const float* threshold, int64_t* out, int64_t rows, int64_t vocab,
+                                           const RaceFilter& filter, int64_t* out, int64_t rows, int64_t vocab,
                                            uint64_t seed, uint64_t offset, int splits, void* workspace,
                                            ScalarType logits_dtype, cudaStream_t stream);
 

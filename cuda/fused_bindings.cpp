@@ -308,11 +308,41 @@ Tensor race_workspace(const Tensor& logits, int64_t rows, int splits) {
 }
 
 // logits: float32, float16 or bfloat16 (the lm_head output as it is); the kernel widens each value to fp32.
+// The sampler's grammar bitmask arguments, checked (sample_exponential_race below).
+void race_bitmask(minillm::RaceFilter& f, const std::optional<Tensor>& bitmask, const std::optional<Tensor>& rows,
+                  const Tensor& logits) {
+  MINILLM_CHECK(!rows.has_value() || bitmask.has_value(), "mask_rows needs a bitmask");
+  if (!bitmask.has_value()) return;
+  MINILLM_CHECK(f.threshold == nullptr, "a bitmask and a threshold cannot be given together");
+  const Tensor& b = *bitmask;
+  const int64_t words = (logits.size(1) + 31) / 32;
+  MINILLM_CHECK(b.scalar_type() == at::kInt && b.dim() == 2 && b.size(1) >= words && b.stride(1) == 1 &&
+                    b.device() == logits.device(),
+                "bitmask must be int32 [M, >= ", words, "] with unit column stride on logits' device, got ",
+                b.sizes(), " ", b.scalar_type(), " on ", b.device());
+  if (rows.has_value()) {
+    MINILLM_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == b.size(0) &&
+                      rows->is_contiguous() && rows->device() == logits.device(),
+                  "mask_rows must be contiguous int64 [", b.size(0), "] on logits' device, got ", rows->sizes(), " ",
+                  rows->scalar_type());
+    f.mask_rows = rows->data_ptr<int64_t>();
+  } else {
+    MINILLM_CHECK(b.size(0) == logits.size(0), "a bitmask without mask_rows needs a row per logits row (",
+                  logits.size(0), "), got ", b.size(0));
+  }
+  f.bitmask = b.data_ptr<int32_t>();
+  f.words = b.stride(0);
+  f.num_mask_rows = static_cast<int>(b.size(0));
+}
+
 // splits: CTAs per row, 0 = the launcher's choice (several per row only when rows are few); the tokens are the
 // same for every value, which the tests use to check the split rows against one CTA per row.
-// threshold: optional float32 [N], the truncation threshold of each row (columns below it cannot be drawn).
+// bitmask: optional int32 [M, ceil(V / 32)], the grammar bitmask of M rows (a clear bit: that column cannot be
+// drawn), with mask_rows int64 [M] naming them in ascending order, or without it M = N, every row in order. Not
+// with a threshold (the threshold would have to be computed on the masked logits).
 Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temperature, int64_t seed, int64_t offset,
-                               int64_t splits, const std::optional<Tensor>& threshold) {
+                               int64_t splits, const std::optional<Tensor>& threshold,
+                               const std::optional<Tensor>& bitmask, const std::optional<Tensor>& mask_rows) {
   MINILLM_CHECK(logits_in.is_cuda() && logits_in.dim() == 2, "logits must be a CUDA tensor [N, V], got ",
                     logits_in.sizes(), " on ", logits_in.device());
   const ScalarType dtype = act_dtype(logits_in, "logits");
@@ -329,13 +359,15 @@ Tensor sample_exponential_race(const Tensor& logits_in, const Tensor& inv_temper
   MINILLM_CHECK(offset >= 0, "offset must be in [0, 2**63), got ", offset);
   MINILLM_CHECK(splits >= 0 && splits <= minillm::kMaxRaceSplits, "splits must be 0 (automatic) or in [1, ",
                     minillm::kMaxRaceSplits, "], got ", splits);
-  const auto* thr = static_cast<const float*>(optional_row_param(threshold, logits, at::kFloat, "threshold"));
+  minillm::RaceFilter filter;
+  filter.threshold = static_cast<const float*>(optional_row_param(threshold, logits, at::kFloat, "threshold"));
+  race_bitmask(filter, bitmask, mask_rows, logits);
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const int ctas = minillm::sample_exponential_race_splits(rows, vocab, splits);
   const Tensor workspace = race_workspace(logits, rows, ctas);
   check_launch(minillm::launch_sample_exponential_race(
-                   logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), thr, out.data_ptr<int64_t>(),
+                   logits.data_ptr(), logits.stride(0), inv_temperature.data_ptr<float>(), filter, out.data_ptr<int64_t>(),
                    rows, vocab, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), ctas,
                    workspace.defined() ? workspace.data_ptr() : nullptr, dtype, at::cuda::getCurrentCUDAStream()),
                "sample_exponential_race");
@@ -473,6 +505,7 @@ Tensor qk_norm_rope_cache_fp8_meta(const Tensor& qkv, const Tensor&, const Tenso
 }
 
 Tensor sample_exponential_race_meta(const Tensor& logits, const Tensor&, int64_t, int64_t, int64_t,
+                                    const std::optional<Tensor>&, const std::optional<Tensor>&,
                                     const std::optional<Tensor>&) {
   return at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
 }
@@ -503,7 +536,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "int num_kv_heads, int head_dim, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> Tensor");
   m.def("sample_exponential_race(Tensor logits, Tensor inv_temperature, int seed, int offset, int splits=0, "
-        "Tensor? threshold=None) -> Tensor");
+        "Tensor? threshold=None, Tensor? bitmask=None, Tensor? mask_rows=None) -> Tensor");
   m.def("seeded_exponential_(Tensor(a!) noise, Tensor args, int offset=0) -> ()");
   m.def("truncation_threshold(Tensor logits, Tensor? top_k, Tensor? top_p, Tensor? log_min_p, int splits=0) -> Tensor");
   m.def("skinny_gemm(Tensor x, Tensor w, int splits) -> Tensor");

@@ -16,8 +16,10 @@
 // Columns that provably cannot beat their thread's best so far skip the exact noise (and whole groups of four
 // skip Philox): the same winner for a fraction of the logarithms (group_cannot_win, column_cannot_win).
 // Variants: 16-byte loads (4 fp32 or 8 half-precision columns; vocab and row stride multiples of that,
-// aligned) or scalar loads; with a per-row truncation threshold (sampling_topp.cu: columns below it are read as
-// -inf) or without (the plain kernels, unchanged).
+// aligned) or scalar loads; and a column filter: none (the plain kernels, unchanged), a per-row truncation
+// threshold (sampling_topp.cu: columns below it are read as -inf), or a grammar bitmask of some rows (a column
+// whose bit is clear is read as -inf), so that constrained rows sample from their half-precision logits as they
+// are instead of an fp32 copy masked in place.
 //
 // Grid (rows, splits). With many rows, one CTA of up to 1024 threads per row (splits = 1) and nothing else.
 // With few rows (decode batches of 1-16 against 132 SMs) one CTA per row would leave most SMs idle, so each
@@ -185,12 +187,29 @@ __device__ __forceinline__ void race_group(const float* l, int g, int vocab, flo
   }
 }
 
+enum class Filter { kNone, kThreshold, kBitmask };
+
+// The bitmask row of batch row `row`: every row's own when rows is null, else the index of `row` in the
+// ascending list rows[0, n) (binary search), or null when the row is not constrained.
+__device__ __forceinline__ const int32_t* bitmask_row(const RaceFilter& f, int64_t row) {
+  if (f.mask_rows == nullptr) return f.bitmask + row * f.words;
+  int lo = 0, hi = f.num_mask_rows;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (f.mask_rows[mid] < row) lo = mid + 1; else hi = mid;
+  }
+  return lo < f.num_mask_rows && f.mask_rows[lo] == row ? f.bitmask + lo * f.words : nullptr;
+}
+
 // This thread's best over chunks begin + threadIdx.x, + blockDim.x, ... below end of row `row` (at x).
 // Index `vocab` is past every column: any real column, even at -inf, beats that start on the tie rule.
-// THR: columns below `thr` (the row's truncation threshold) count as -inf, as the torch path masks them.
-template <typename T, bool VEC, bool THR>
+// kThreshold: columns below `thr` (the row's truncation threshold) count as -inf, as the torch path masks them.
+// kBitmask: columns whose bit in `bits` (the row's bitmask words, null: an unconstrained row) is clear count as
+// -inf. A chunk's 4 or 8 columns lie in one 32-bit word (chunks start at multiples of their width).
+template <typename T, bool VEC, Filter F>
 __device__ __forceinline__ Best scan_chunks(const T* x, int vocab, float inv_t, uint32_t row, uint2 key,
-                                            uint32_t offset_lo, uint32_t offset_hi, int begin, int end, float thr) {
+                                            uint32_t offset_lo, uint32_t offset_hi, int begin, int end, float thr,
+                                            const int32_t* bits) {
   constexpr int kCols = kChunkCols<T, VEC>;
   constexpr int kGroups = kCols / 4;  // Philox calls per chunk
   const bool greedy = inv_t == 0.f;
@@ -198,9 +217,17 @@ __device__ __forceinline__ Best scan_chunks(const T* x, int vocab, float inv_t, 
   for (int k = begin + static_cast<int>(threadIdx.x); k < end; k += blockDim.x) {
     float l[kCols];
     load_chunk<T, VEC>(x, k, vocab, l);
-    if constexpr (THR) {
+    if constexpr (F == Filter::kThreshold) {
 #pragma unroll
       for (int e = 0; e < kCols; ++e) l[e] = l[e] < thr ? -INFINITY : l[e];
+    }
+    if constexpr (F == Filter::kBitmask) {
+      if (bits != nullptr) {
+        const int c0 = kCols * k;
+        const uint32_t word = static_cast<uint32_t>(__ldg(bits + (c0 >> 5)));
+#pragma unroll
+        for (int e = 0; e < kCols; ++e) l[e] = (word >> ((c0 + e) & 31)) & 1u ? l[e] : -INFINITY;
+      }
     }
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
@@ -241,10 +268,10 @@ __device__ bool merge_split(Best& best, Best* partials, unsigned int* ticket) {
 
 // Grid (rows, splits): CTA (row, s) scans load chunks [s * split_chunks, (s + 1) * split_chunks) of its row.
 // partials [rows, splits] and tickets [rows] (zero at launch) are used only when splits > 1.
-template <typename T, bool VEC, bool THR>
+template <typename T, bool VEC, Filter F>
 __global__ void __launch_bounds__(kThreads)
     exponential_race_kernel(const T* __restrict__ logits, int64_t row_stride,
-                            const float* __restrict__ inv_temperature, const float* __restrict__ threshold,
+                            const float* __restrict__ inv_temperature, const RaceFilter filter,
                             int64_t* __restrict__ out, int vocab,
                             int split_chunks, Best* partials, unsigned int* tickets, uint2 key, uint32_t offset_lo,
                             uint32_t offset_hi) {
@@ -253,9 +280,10 @@ __global__ void __launch_bounds__(kThreads)
   const int chunks = (vocab + kChunkCols<T, VEC> - 1) / kChunkCols<T, VEC>;
   const int begin = static_cast<int>(blockIdx.y) * split_chunks;
   const int end = min(chunks, begin + split_chunks);
-  const float thr = THR ? threshold[row] : 0.f;
-  Best best = block_argmax(scan_chunks<T, VEC, THR>(logits + row * row_stride, vocab, inv_temperature[row], row, key,
-                                                    offset_lo, offset_hi, begin, end, thr));
+  const float thr = F == Filter::kThreshold ? filter.threshold[row] : 0.f;
+  const int32_t* bits = F == Filter::kBitmask ? bitmask_row(filter, row) : nullptr;
+  Best best = block_argmax(scan_chunks<T, VEC, F>(logits + row * row_stride, vocab, inv_temperature[row], row, key,
+                                                  offset_lo, offset_hi, begin, end, thr, bits));
   if (gridDim.y > 1 && !merge_split(best, partials + static_cast<int64_t>(row) * gridDim.y, tickets + row)) return;
   if (threadIdx.x == 0) out[row] = best.i;
 }
@@ -297,8 +325,15 @@ int current_cc_major() { return cached_device_attribute<cudaDevAttrComputeCapabi
 
 namespace {
 
+template <typename T, bool VEC>
+auto race_kernel(const RaceFilter& f) {
+  return f.threshold != nullptr  ? exponential_race_kernel<T, VEC, Filter::kThreshold>
+         : f.bitmask != nullptr ? exponential_race_kernel<T, VEC, Filter::kBitmask>
+                                : exponential_race_kernel<T, VEC, Filter::kNone>;
+}
+
 template <typename T>
-cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_temperature, const float* threshold,
+cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_temperature, const RaceFilter& filter,
                         int64_t* out, int64_t rows, int64_t vocab, int splits, void* workspace, uint2 key, uint32_t lo,
                         uint32_t hi, cudaStream_t stream) {
   constexpr int kVecCols = 16 / static_cast<int>(sizeof(T));
@@ -319,11 +354,9 @@ cudaError_t launch_race(const T* logits, int64_t row_stride, const float* inv_te
   }
   const dim3 grid(static_cast<unsigned int>(rows), static_cast<unsigned int>(used));
   const int v = static_cast<int>(vocab), sc = static_cast<int>(split_chunks);
-  // Without a threshold, the kernels of plain temperature sampling as they were (THR = false compiles it out).
-  const auto kernel = threshold != nullptr
-                          ? (vec ? exponential_race_kernel<T, true, true> : exponential_race_kernel<T, false, true>)
-                          : (vec ? exponential_race_kernel<T, true, false> : exponential_race_kernel<T, false, false>);
-  return launch_kernel(kernel, grid, dim3(threads), 0, stream, logits, row_stride, inv_temperature, threshold, out, v,
+  // Without a filter, the kernels of plain temperature sampling as they were (Filter::kNone compiles it out).
+  const auto kernel = vec ? race_kernel<T, true>(filter) : race_kernel<T, false>(filter);
+  return launch_kernel(kernel, grid, dim3(threads), 0, stream, logits, row_stride, inv_temperature, filter, out, v,
                        sc, partials, tickets, key, lo, hi);
 }
 
@@ -385,18 +418,23 @@ int64_t sample_exponential_race_workspace_bytes(int64_t rows, int splits) {
 }
 
 cudaError_t launch_sample_exponential_race(const void* logits, int64_t row_stride, const float* inv_temperature,
-                                           const float* threshold, int64_t* out, int64_t rows, int64_t vocab,
+                                           const RaceFilter& filter, int64_t* out, int64_t rows, int64_t vocab,
                                            uint64_t seed,
                                            uint64_t offset, int splits, void* workspace, ScalarType logits_dtype,
                                            cudaStream_t stream) {
   if (rows < 0 || rows > INT32_MAX || vocab <= 0 || vocab > kMaxVocab - 4) return cudaErrorInvalidValue;
   if (splits < 1 || splits > kMaxRaceSplits) return cudaErrorInvalidValue;
+  if (filter.threshold != nullptr && filter.bitmask != nullptr) return cudaErrorInvalidValue;
+  if (filter.bitmask != nullptr && (filter.words < (vocab + 31) / 32 || filter.num_mask_rows < 0 ||
+                                    (filter.mask_rows == nullptr && filter.num_mask_rows != rows))) {
+    return cudaErrorInvalidValue;
+  }
   if (rows == 0) return cudaSuccess;
   const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
   const uint32_t lo = static_cast<uint32_t>(offset), hi = static_cast<uint32_t>(offset >> 32);
   return fused_detail::dispatch_dtype(logits_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return launch_race(static_cast<const T*>(logits), row_stride, inv_temperature, threshold, out, rows, vocab,
+    return launch_race(static_cast<const T*>(logits), row_stride, inv_temperature, filter, out, rows, vocab,
                        splits, workspace, key, lo, hi, stream);
   });
 }

@@ -617,6 +617,61 @@ def test_bad_arguments_raise_value_error(ops):
         ops.sample_exponential_race(x.double(), torch.ones(4, device="cuda"), 0, 0)
 
 
+def _random_bitmask(rows: int, vocab: int, seed: int, words: int | None = None) -> torch.Tensor:
+    """int32 [rows, words] on the GPU: a random tenth of each row's tokens allowed (xgrammar's layout)."""
+    from minillm.sampling.grammar_mask import allowed_tokens
+    g = torch.Generator("cuda").manual_seed(seed)
+    words = words or (vocab + 31) // 32
+    raw = torch.randint(-2 ** 31, 2 ** 31, (rows, words), generator=g, device="cuda", dtype=torch.int64)
+    sparse = torch.randint(-2 ** 31, 2 ** 31, (rows, words), generator=g, device="cuda", dtype=torch.int64)
+    bits = (raw & sparse & torch.randint(-2 ** 31, 2 ** 31, (rows, words), generator=g, device="cuda",
+                                         dtype=torch.int64)).to(torch.int32)   # ~1/8 of the bits set
+    assert allowed_tokens(bits, vocab).any(dim=1).all()
+    return bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("vocab,pad", [(151936, 0), (1001, 0), (4096, 8)])
+@pytest.mark.parametrize("rows", [3, 64])
+def test_sampler_bitmask_gives_the_tokens_of_the_masked_copy(ops, dtype, vocab, pad, rows):
+    """A grammar bitmask read by the race kernel (every row in order, or the rows a list names, with a padded
+    word stride) gives bit for bit the tokens of the same kernel on an fp32 copy masked by the grammar mask
+    kernel (what the sampler ran before), at every split count; every token is one its bitmask allows.
+    (151936, 0): 16-byte loads; 1001 and the misaligned (4096, 8): the scalar path."""
+    from minillm.sampling.grammar_mask import GrammarMask, allowed_tokens, apply_grammar_mask
+    g = torch.Generator("cuda").manual_seed(vocab + rows)
+    logits = (torch.randn(rows, vocab + pad, generator=g, device="cuda") * 4).to(dtype)[:, pad:]
+    inv_t = torch.rand(rows, generator=g, device="cuda") * 2 + 0.25
+    inv_t[::3] = 0
+    for listed in (None, torch.arange(0, rows, 2, device="cuda")):
+        m = rows if listed is None else len(listed)
+        words = (vocab + 31) // 32
+        bitmask = _random_bitmask(m, vocab, rows, words + 5)[:, :words + 1]   # row stride > words
+        masked = logits.float()
+        apply_grammar_mask(masked, GrammarMask(bitmask.contiguous(), listed), cuda=True)
+        want = ops.sample_exponential_race(masked, inv_t, 3, 11, 1)
+        for splits in (1, 0, 5):
+            got = ops.sample_exponential_race(logits, inv_t, 3, 11, splits, None, bitmask, listed)
+            assert torch.equal(got, want), f"splits={splits}: rows {torch.nonzero(got != want).flatten().tolist()}"
+        idx = torch.arange(rows, device="cuda") if listed is None else listed
+        assert allowed_tokens(bitmask, vocab)[torch.arange(m, device="cuda"), want[idx]].all()
+
+
+def test_sampler_bitmask_bad_arguments_raise_value_error(ops):
+    logits = torch.zeros(4, 100, device="cuda")
+    inv_t = torch.ones(4, device="cuda")
+    bits = torch.zeros(4, 4, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="threshold"):
+        ops.sample_exponential_race(logits, inv_t, 0, 0, 0, torch.zeros(4, device="cuda"), bits)
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        ops.sample_exponential_race(logits, inv_t, 0, 0, 0, None, bits[:, :3])
+    with pytest.raises(ValueError, match="mask_rows needs a bitmask"):
+        ops.sample_exponential_race(logits, inv_t, 0, 0, 0, None, None, torch.zeros(4, dtype=torch.long,
+                                                                                    device="cuda"))
+    with pytest.raises(ValueError, match="a row per logits row"):
+        ops.sample_exponential_race(logits, inv_t, 0, 0, 0, None, bits[:2])
+
+
 def _norm_chain(ops, x, resid, w, steps):
     """`steps` fused add + RMSNorm kernels back to back, each reading what the one before it has just written."""
     for _ in range(steps):

@@ -482,3 +482,45 @@ def test_fused_truncated_path_draws_from_the_masked_softmax():
     assert counts[~kept].sum() == 0
     # 2 degrees of freedom: chi2 > 25 has p < 1e-5.
     assert chi_square(counts[kept], probs[kept] / probs.sum()) < 25
+
+
+def _random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """int32 [rows, ceil(vocab / 32)]: a random third of the tokens allowed per row (xgrammar's layout)."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(rows, vocab, generator=g) < 1 / 3
+    bits = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def test_race_reads_a_grammar_bitmask_as_masking_a_copy_first(monkeypatch):
+    """The one-pass op's bitmask (the rows it lists, or every row) gives the tokens of the same op on a copy of
+    the logits masked by the grammar mask's torch path; the sampler hands it the half-precision logits as they
+    are, with the mask, when nothing else changes them (on the CPU the op runs its numpy reference; the kernel
+    against it is checked in tests/test_fused_gpu.py)."""
+    from minillm.ops import sampling_ops
+    from minillm.sampling.grammar_mask import GrammarMask, allowed_tokens, apply_grammar_mask
+
+    vocab, n = 1001, 6
+    logits = rand_logits(n, vocab, seed=3).to(torch.bfloat16)
+    inv_t = torch.tensor([0.0, 1.0, 0.5, 2.0, 0.0, 1.0])
+    for rows in (None, torch.tensor([1, 2, 4])):
+        bitmask = _random_bitmask(n if rows is None else len(rows), vocab, seed=7)
+        masked = logits.float()
+        apply_grammar_mask(masked, GrammarMask(bitmask, rows))
+        out = sampling_ops.sample_exponential_race(logits, inv_t, 5, 9, None, bitmask, rows)
+        assert torch.equal(out, sampling_ops.sample_exponential_race(masked, inv_t, 5, 9))
+        listed = torch.arange(n) if rows is None else rows
+        assert allowed_tokens(bitmask, vocab)[torch.arange(len(listed)), out[listed]].all()
+    with pytest.raises(ValueError, match="not both"):
+        sampling_ops.sample_exponential_race(logits, inv_t, 5, 9, torch.zeros(n), bitmask, rows)
+
+    seen, op = [], sampling_ops.sample_exponential_race
+    monkeypatch.setattr(sampling_ops, "sample_exponential_race",
+                        lambda lg, *a, **kw: seen.append((lg.dtype, a[4] is not None)) or op(lg, *a, **kw))
+    batch = SamplingBatch.build([req(temperature=0.0), req(temperature=0.8), req(temperature=1.3)], "cpu", vocab)
+    grammar = GrammarMask(_random_bitmask(2, vocab, seed=8), torch.tensor([0, 2]))
+    tokens = Sampler(4, cuda=True)(logits[:3].clone(), batch, grammar).token_ids
+    assert seen == [(torch.bfloat16, True)]
+    assert allowed_tokens(grammar.bitmask, vocab)[torch.arange(2), tokens[[0, 2]]].all()

@@ -170,12 +170,16 @@ def _check_args(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, 
 
 
 def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                                offset: int, threshold: torch.Tensor | None = None) -> torch.Tensor:
+                                offset: int, threshold: torch.Tensor | None = None,
+                                bitmask: torch.Tensor | None = None, mask_rows: torch.Tensor | None = None
+                                ) -> torch.Tensor:
     """Reference of the kernel in numpy fp32: the same noise words, the same fp32 steps. int64 [N].
     Half-precision logits are widened to fp32 first (exact), as the kernel does; logits below their row's
-    threshold (float32 [N], optional) become -inf."""
+    threshold (float32 [N], optional), or forbidden by a constrained row's grammar bitmask, become -inf."""
     _check_args(logits, inv_temperature, seed, offset)
     x = logits.detach().float().cpu().numpy()
+    if bitmask is not None:
+        _mask_columns(x, bitmask, mask_rows)
     if threshold is not None:
         x = np.where(x < threshold.detach().float().cpu().numpy()[:, None], np.float32(-np.inf), x)
     inv_t = inv_temperature.detach().cpu().numpy()
@@ -191,16 +195,32 @@ def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Ten
     return torch.from_numpy(out).to(logits.device)
 
 
+def _mask_columns(x: np.ndarray, bitmask: torch.Tensor, mask_rows: torch.Tensor | None) -> None:
+    """x [N, V] in place: -inf where a listed row's bitmask (int32 words, bit j of word w = column 32 w + j)
+    has a clear bit."""
+    words = bitmask.detach().cpu().contiguous().numpy().view(np.uint8)
+    allowed = np.unpackbits(words, axis=1, bitorder="little")[:, :x.shape[1]].astype(bool)
+    rows = np.arange(x.shape[0]) if mask_rows is None else mask_rows.detach().cpu().numpy()
+    x[rows] = np.where(allowed, x[rows], np.float32(-np.inf))
+
+
 def sample_exponential_race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                            offset: int, threshold: torch.Tensor | None = None, *, cuda: bool = False) -> torch.Tensor:
+                            offset: int, threshold: torch.Tensor | None = None, bitmask: torch.Tensor | None = None,
+                            mask_rows: torch.Tensor | None = None, *, cuda: bool = False) -> torch.Tensor:
     """One token per row of logits [N, V] (float32, bfloat16 or float16): a draw from
     softmax(logits * inv_temperature), or the argmax where inv_temperature is 0. inv_temperature must be >= 0
     (not checked on the device: that would sync). threshold: float32 [N] or None; a row's logits below it cannot
-    be drawn (truncation_threshold's masking, without writing the logits). Returns int64 [N] on logits' device."""
+    be drawn (truncation_threshold's masking, without writing the logits). bitmask: int32 [M, ceil(V / 32)], a
+    grammar bitmask (xgrammar's layout) of the rows mask_rows lists (int64 [M], ascending; None: every row in
+    order); a column whose bit is clear cannot be drawn, also without writing the logits. Not with a threshold
+    (that one would have to come from the masked logits). Returns int64 [N] on logits' device."""
     _check_args(logits, inv_temperature, seed, offset)
+    if threshold is not None and bitmask is not None:
+        raise ValueError("sample_exponential_race takes a threshold or a grammar bitmask, not both")
     if cuda and logits.is_cuda:
-        return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset, 0, threshold)
-    return sample_exponential_race_ref(logits, inv_temperature, seed, offset, threshold)
+        return torch.ops.minillm.sample_exponential_race(logits, inv_temperature, seed, offset, 0, threshold,
+                                                         bitmask, mask_rows)
+    return sample_exponential_race_ref(logits, inv_temperature, seed, offset, threshold, bitmask, mask_rows)
 
 
 def truncation_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

@@ -20,7 +20,7 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 @dataclass
 class GrammarMask:
     bitmask: torch.Tensor            # int32 [M, ceil(V / 32)] on the logits' device
-    rows: torch.Tensor | None        # int64 [M]: the constrained rows; None = every row, in order
+    rows: torch.Tensor | None        # int64 [M]: the constrained rows, ascending; None = every row, in order
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

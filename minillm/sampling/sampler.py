@@ -75,17 +75,21 @@ class Sampler:
         _check_logits(logits, batch)
         self.nonfinite.check(logits)
         fused = self.cuda and _fused_race_applies(batch)
-        untouched = batch.penalties is None and batch.banned_rows is None and grammar is None and not batch.truncates
+        plain = batch.penalties is None and batch.banned_rows is None and not batch.truncates
+        # The race kernel reads a grammar bitmask itself when nothing else changes the logits (no fp32 copy, no
+        # masking pass): the same tokens as masking the copy first.
+        race_mask = grammar if fused and plain else None
+        untouched = plain and (grammar is None or race_mask is not None)
         if logits.dtype != torch.float32 and not (fused and untouched):
             logits = logits.float()   # exact; every path below but the kernel on untouched logits works in fp32
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_cols] = -math.inf
-        if grammar is not None:
+        if grammar is not None and race_mask is None:
             apply_grammar_mask(logits, grammar, cuda=self.cuda)
         if fused:
-            return SamplerResult(self._fused_race(logits, batch), None)
+            return SamplerResult(self._fused_race(logits, batch, race_mask), None)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
             return SamplerResult(tokens, _logprobs(logits, tokens, batch.logprobs))
@@ -112,7 +116,8 @@ class Sampler:
             seeded_exponential_(noise, seeded.args, seeded.args_dev, seeded.offset, cuda=self.cuda)
         return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
 
-    def _fused_race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _fused_race(self, logits: torch.Tensor, batch: SamplingBatch, grammar: GrammarMask | None = None
+                    ) -> torch.Tensor:
         """Temperature + exponential race + greedy rows in one pass of the CUDA kernel. Its noise is keyed by
         (sampler seed, row, step, column), so unseeded rows stay reproducible run to run. Truncated batches (fp32
         logits here) are first divided by their temperature, as on the torch path, so that the threshold kernel
@@ -132,9 +137,9 @@ class Sampler:
             # Inverse temperature 0 on every row: the kernel's argmax (ties to the lowest column, NaN largest, as
             # torch.argmax), read from the logits as they are (no fp32 copy of half-precision ones). No noise is
             # drawn, so the step count stays: the sampled steps' noise does not depend on how many greedy ones ran.
-            return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, cuda=True)
+            return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, *_bits(grammar), cuda=True)
         self._fused_steps += 1
-        return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, cuda=True)
+        return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, *_bits(grammar), cuda=True)
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -186,6 +191,11 @@ class NonFiniteWatch:
         logging.getLogger("minillm").warning(
             "the model's logits hold NaN or inf: the tokens sampled from them are meaningless and logprobs are "
             "reported as null (check the checkpoint's weights and the dtype)")
+
+
+def _bits(grammar: GrammarMask | None) -> tuple:
+    """sample_exponential_race's (threshold, bitmask, mask_rows) for a grammar mask (or none)."""
+    return (None, None, None) if grammar is None else (None, grammar.bitmask, grammar.rows)
 
 
 def _fused_race_applies(batch: SamplingBatch) -> bool:
