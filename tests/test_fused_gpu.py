@@ -618,7 +618,7 @@ def test_bad_arguments_raise_value_error(ops):
 
 
 def _random_bitmask(rows: int, vocab: int, seed: int, words: int | None = None) -> torch.Tensor:
-    """int32 [rows, words] on the GPU: a random tenth of each row's tokens allowed (xgrammar's layout)."""
+    """int32 [rows, words] on the GPU: about an eighth of each row's tokens allowed (xgrammar's layout)."""
     from minillm.sampling.grammar_mask import allowed_tokens
     g = torch.Generator("cuda").manual_seed(seed)
     words = words or (vocab + 31) // 32

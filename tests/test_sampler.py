@@ -518,7 +518,7 @@ def test_race_reads_a_grammar_bitmask_as_masking_a_copy_first(monkeypatch):
 
     seen, op = [], sampling_ops.sample_exponential_race
     monkeypatch.setattr(sampling_ops, "sample_exponential_race",
-                        lambda lg, *a, **kw: seen.append((lg.dtype, a[4] is not None)) or op(lg, *a, **kw))
+                        lambda lg, *a, **kw: seen.append((lg.dtype, kw.get("bitmask") is not None)) or op(lg, *a, **kw))
     batch = SamplingBatch.build([req(temperature=0.0), req(temperature=0.8), req(temperature=1.3)], "cpu", vocab)
     grammar = GrammarMask(_random_bitmask(2, vocab, seed=8), torch.tensor([0, 2]))
     tokens = Sampler(4, cuda=True)(logits[:3].clone(), batch, grammar).token_ids

@@ -195,11 +195,23 @@ def sample_exponential_race_ref(logits: torch.Tensor, inv_temperature: torch.Ten
     return torch.from_numpy(out).to(logits.device)
 
 
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [M, vocab_size]: which tokens each row's bitmask allows."""
+    shifts = _SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _SHIFTS[bitmask.device] = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    octets = bitmask.contiguous().view(torch.uint8)            # little-endian: token 8 * b + j is bit j of byte b
+    bits = (octets.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 def _mask_columns(x: np.ndarray, bitmask: torch.Tensor, mask_rows: torch.Tensor | None) -> None:
     """x [N, V] in place: -inf where a listed row's bitmask (int32 words, bit j of word w = column 32 w + j)
     has a clear bit."""
-    words = bitmask.detach().cpu().contiguous().numpy().view(np.uint8)
-    allowed = np.unpackbits(words, axis=1, bitorder="little")[:, :x.shape[1]].astype(bool)
+    allowed = allowed_tokens(bitmask.detach().cpu(), x.shape[1]).numpy()
     rows = np.arange(x.shape[0]) if mask_rows is None else mask_rows.detach().cpu().numpy()
     x[rows] = np.where(allowed, x[rows], np.float32(-np.inf))
 

@@ -14,23 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+from minillm.ops.sampling_ops import allowed_tokens  # noqa: F401 - the bitmask layout lives with the kernels
 
 
 @dataclass
 class GrammarMask:
     bitmask: torch.Tensor            # int32 [M, ceil(V / 32)] on the logits' device
     rows: torch.Tensor | None        # int64 [M]: the constrained rows, ascending; None = every row, in order
-
-
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [M, vocab_size]: which tokens each row's bitmask allows."""
-    shifts = _SHIFTS.get(bitmask.device)
-    if shifts is None:
-        shifts = _SHIFTS[bitmask.device] = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    octets = bitmask.contiguous().view(torch.uint8)            # little-endian: token 8 * b + j is bit j of byte b
-    bits = (octets.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask, cuda: bool = False) -> None:

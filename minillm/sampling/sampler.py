@@ -137,9 +137,11 @@ class Sampler:
             # Inverse temperature 0 on every row: the kernel's argmax (ties to the lowest column, NaN largest, as
             # torch.argmax), read from the logits as they are (no fp32 copy of half-precision ones). No noise is
             # drawn, so the step count stays: the sampled steps' noise does not depend on how many greedy ones ran.
-            return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, *_bits(grammar), cuda=True)
+            return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, **_bitmask_args(grammar),
+                                           cuda=True)
         self._fused_steps += 1
-        return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, *_bits(grammar), cuda=True)
+        return sample_exponential_race(logits, inv_t, self.seed, self._fused_steps, **_bitmask_args(grammar),
+                                       cuda=True)
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -193,9 +195,9 @@ class NonFiniteWatch:
             "reported as null (check the checkpoint's weights and the dtype)")
 
 
-def _bits(grammar: GrammarMask | None) -> tuple:
-    """sample_exponential_race's (threshold, bitmask, mask_rows) for a grammar mask (or none)."""
-    return (None, None, None) if grammar is None else (None, grammar.bitmask, grammar.rows)
+def _bitmask_args(grammar: GrammarMask | None) -> dict:
+    """sample_exponential_race's bitmask keywords for a grammar mask (none without one)."""
+    return {} if grammar is None else {"bitmask": grammar.bitmask, "mask_rows": grammar.rows}
 
 
 def _fused_race_applies(batch: SamplingBatch) -> bool:
