@@ -154,6 +154,11 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage "structured64${tag}" 80 python3 scripts/structured_bench.py --batches 64 --steps 64 $m \
           --out "$OUT/structured.jsonl"
       done ;;
+    structuredthreads)   # B=64, matchers in the worker process: xgrammar's fill on 1, 2, 4 and 8 threads
+      for t in 1 2 4 8; do
+        stage structured64_threads$t 80 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
+          --mask-threads $t --out "$OUT/structured.jsonl"
+      done ;;
     samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
       stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
         --iters 50 ;;

@@ -8,7 +8,7 @@ kernels the engine runs on the GPU (engine_kernels), also on long prompts (8k, 1
 chunk over a 14k cached prefix). Caches start as NaN and block tables are random permutations. Timings use CUDA
 events around CUDA-graph replays of many calls over rotating inputs larger than L2. One JSON line per case and per
 timing goes to --output. The fp8 KV cache, the megakernel and the fused MoE kernels add their own cases
-(kv_quant_check, megakernel_check, moe_check); the sampler's truncation threshold adds run_threshold_cases.
+(kv_quant_check, megakernel_check, moe_check); the sampler's truncation threshold adds sampler_check's.
 """
 from __future__ import annotations
 
@@ -159,51 +159,10 @@ def run_cases(quick: bool) -> list[dict]:
     from minillm.diagnostics.kv_quant_check import run_fp8_cases
     from minillm.diagnostics.megakernel_check import run_megakernel_cases
     from minillm.diagnostics.moe_check import run_moe_cases
+    from minillm.diagnostics.sampler_check import run_threshold_cases
 
     return (rows + run_long_prefill_cases(quick) + run_fp8_cases(quick) + run_megakernel_cases(quick)
             + run_moe_cases(quick) + run_threshold_cases())
-
-
-def run_threshold_cases() -> list[dict]:
-    """The sampler's truncation-threshold kernel against its sort-based torch path, on mixed top-k / top-p /
-    min-p rows (the output block NaN-poisoned first), the torch path run in float64: the error is the largest
-    difference of a row's kept count in distinct logit values, at most one at an exact top-p boundary (the kernel
-    sums the mass in fixed point; tests/test_sampling_topp_gpu.py checks which). Counted in tokens it may be more:
-    fp32 normal logits over 151,936 tokens hold exact ties, and a threshold keeps a value's whole tie group. The
-    float32 torch path is no reference here: its cumsum over 151,936 tokens errs by more than a token's mass."""
-    import torch
-
-    from minillm.ops.sampling_ops import truncation_threshold, truncation_threshold_torch
-
-    rows = []
-    for vocab in (151936, 1001):
-        for label, scale in (("spread", 3.0), ("peaked", 12.0)):
-            gen = torch.Generator(device="cuda").manual_seed(vocab)
-            logits = torch.randn(64, vocab, generator=gen, device="cuda") * scale
-            n = logits.shape[0]
-            k = torch.tensor([(0, 1, 40, 1000)[i % 4] or vocab for i in range(n)], device="cuda")
-            p = torch.tensor([(0.9, 0.5, 1.0, 0.99, 1e-6)[i % 5] for i in range(n)], device="cuda")
-            min_p = torch.tensor([(0.0, 0.0, 0.05)[i % 3] for i in range(n)], device="cuda")
-            poison = [torch.full((n,), float("nan"), device="cuda") for _ in range(8)]
-            del poison   # the op's small allocations reuse these blocks: a row the kernel skips stays NaN
-            got = truncation_threshold(logits, k, p, min_p, 1000, cuda=True)
-            wide = logits.double()   # float32's cumsum over 151,936 tokens errs by more than a token's mass
-            ref = truncation_threshold_torch(wide, k, p.double(), min_p.double(), 1000)
-            diff = (_distinct_at_least(wide, got.double()) - _distinct_at_least(wide, ref)).abs().max()
-            err = float("nan") if got.isnan().any() else float(diff)
-            rows.append(dict(case=f"sampler threshold {label} V={vocab}", max_abs_err=err, tol=1.0,
-                             passed=err <= 1.0))
-    return rows
-
-
-def _distinct_at_least(logits, threshold):
-    """Per row: how many distinct values of logits [N, V] are >= threshold [N, 1]."""
-    import torch
-
-    s = logits.sort(dim=-1, descending=True).values
-    first = torch.ones_like(s, dtype=torch.bool)
-    first[:, 1:] = s[:, 1:] != s[:, :-1]
-    return ((s >= threshold) & first).sum(1)
 
 
 def long_prefill_batches(quick: bool):
