@@ -159,6 +159,11 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage structured64_threads$t 80 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
           --mask-threads $t --out "$OUT/structured.jsonl"
       done ;;
+    structuredab)   # B=64, worker: xgrammar's fill on 1 against 4 threads, twice each, three interleaved rounds a run
+      for t in 1 4 1 4; do
+        stage structured64_ab_threads$t 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
+          --mask-worker --mask-threads $t --rounds 3 --out "$OUT/structured.jsonl"
+      done ;;
     samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
       stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
         --iters 50 ;;

@@ -28,7 +28,8 @@ On CUDA every line also carries the gpu_* fields: from CUDA events around each f
 sampler and between-step gap (gpu_timeline).
 
 Usage: python scripts/structured_bench.py [--batches 16,64] [--steps 64] [--model DIR] [--profile]
-       [--mask-worker | --serial-masks] [--mask-wait auto|host] [--seeded] [--out results/structured.jsonl]
+       [--mask-worker | --serial-masks] [--mask-wait auto|host] [--seeded] [--rounds R]
+       [--out results/structured.jsonl]
 """
 from __future__ import annotations
 
@@ -250,6 +251,9 @@ def main() -> None:
     ap.add_argument("--host-path", type=float, default=None, metavar="MS",
                     help="no engine: the grammar's time on the host's critical path per step, around MS ms of other"
                          " host work (every row constrained; thread, or --mask-worker, and --serial-masks)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the three modes this many times, interleaved, after an untimed warm-up (with > 1);"
+                         " each line pools every round's steps")
     ap.add_argument("--out", default="results/structured.jsonl")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -270,35 +274,52 @@ def main() -> None:
     spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
     llm.compile_grammar(spec).result()
     for b in batches:
-        base = None
-        for mode, constrained in (("none", 0), ("all", b), ("mixed", b // 2)):
-            prof_steps = args.profile_steps if args.profile and b == max(batches) else 0
-            host = args.host_profile and b == max(batches) and mode == "all"
-            if host:
-                cprof = cProfile.Profile()
-                cprof.enable()
-            times, prof, events = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded,
-                                           args.temperature)
-            if host:
-                cprof.disable()
-                write_host_profile(cprof, Path(f"results/profiles/structured_host_B{b}.txt"))
-            med = statistics.median(times) if times else None
-            base = med if mode == "none" else base
-            line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
-                    "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
-                    "seeded": args.seeded, "temperature": args.temperature, "mask_threads": mask_threads,
-                    "mask_worker": args.mask_worker, "mask_wait": args.mask_wait,
-                    "gpu_waits_for_masks": llm.engine.runner.grammar.gpu_wait,
-                    "serial_masks": args.serial_masks, "stub_model": args.stub_model,
-                    "host_profiled": host,
-                    "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
-                    "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
-            if events:
-                line.update(gpu_timeline(events))
-            if isinstance(prof, tuple):
-                line.update(summarise(prof[0], prof[1], Path(f"results/profiles/structured_B{b}_{mode}.txt")))
-            append_jsonl(args.out, line)
-            print(json.dumps({k: v for k, v in line.items() if k != "profile_table"}))
+        modes = (("none", 0), ("all", b), ("mixed", b // 2))
+        pooled = {mode: ([], []) for mode, _ in modes}
+        if args.rounds > 1:   # untimed: the first steps of a process (clocks, caches, the worker) run slower
+            run_mode(llm, b, b, 16, spec)
+        for rnd in range(args.rounds):   # modes interleaved, so drift between rounds hits every mode alike
+            for mode, constrained in modes:
+                last = rnd == args.rounds - 1
+                prof_steps = args.profile_steps if args.profile and b == max(batches) and last else 0
+                host = args.host_profile and b == max(batches) and mode == "all" and last
+                if host:
+                    cprof = cProfile.Profile()
+                    cprof.enable()
+                times, prof, events = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded,
+                                               args.temperature)
+                if host:
+                    cprof.disable()
+                    write_host_profile(cprof, Path(f"results/profiles/structured_host_B{b}.txt"))
+                pooled[mode][0].extend(times)
+                if events:
+                    pooled[mode][1].append(gpu_timeline(events))
+                if last:
+                    report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof)
+
+
+def report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof) -> None:
+    """One results line per mode: the median over every round's timed steps, against the unconstrained one."""
+    times, timelines = pooled[mode]
+    med = statistics.median(times) if times else None
+    base = statistics.median(pooled["none"][0]) if pooled["none"][0] else None
+    line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
+            "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
+            "seeded": args.seeded, "temperature": args.temperature, "mask_threads": mask_threads,
+            "mask_worker": args.mask_worker, "mask_wait": args.mask_wait,
+            "gpu_waits_for_masks": llm.engine.runner.grammar.gpu_wait,
+            "serial_masks": args.serial_masks, "stub_model": args.stub_model,
+            "host_profiled": host, "rounds": args.rounds,
+            "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
+            "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
+    timelines = [t for t in timelines if t]
+    if timelines:   # per round, then the median over rounds
+        line.update({k: statistics.median(t[k] for t in timelines) for k in timelines[0]})
+        line["gpu_steps"] = sum(t["gpu_steps"] for t in timelines)
+    if isinstance(prof, tuple):
+        line.update(summarise(prof[0], prof[1], Path(f"results/profiles/structured_B{b}_{mode}.txt")))
+    append_jsonl(args.out, line)
+    print(json.dumps({k: v for k, v in line.items() if k != "profile_table"}))
 
 
 def main_host_path(args, batches, model: str) -> None:
