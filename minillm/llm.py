@@ -7,6 +7,7 @@ from typing import Sequence
 from minillm.config import EngineConfig
 from minillm.engine.engine import LLMEngine
 from minillm.engine.outputs import RequestOutput, StepOutput
+from minillm.engine.prompts import PreparedPrompt
 from minillm.progress import TokenProgress
 from minillm.sampling_params import SamplingParams
 
@@ -83,15 +84,14 @@ class LLM:
 
     # ---- streaming primitives ----
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, enable_thinking: bool | None = None, prepared: bool = False) -> str:
-        """enable_thinking: passed to the chat template when the prompt is a list of chat messages (Qwen3).
-        prepared: the prompt is what prepare_prompt returned (its ids are not checked one by one again)."""
-        return self.engine.add_request(prompt, params, request_id, priority, enable_thinking=enable_thinking,
-                                       prepared=prepared)
+                    priority: int = 0, enable_thinking: bool | None = None) -> str:
+        """enable_thinking: passed to the chat template when the prompt is a list of chat messages (Qwen3). A
+        prompt that prepare_prompt returned is not checked id by id again."""
+        return self.engine.add_request(prompt, params, request_id, priority, enable_thinking=enable_thinking)
 
     def prepare_prompt(self, prompt, params: SamplingParams, enable_thinking: bool | None = None,
-                       tools: list[dict] | None = None) -> list[int]:
-        """The prompt's token ids, checked as add_request checks them (ValueError naming the problem), without
+                       tools: list[dict] | None = None) -> PreparedPrompt:
+        """The prompt's token ids (a tuple), checked as add_request checks them (ValueError naming the problem), without
         admitting anything. It reads no engine state that step() changes, so a front end may call it from its own
         thread and hand add_request the ids: tokenizing then costs the stepping thread nothing."""
         return self.engine.prompts.prepare(prompt, params, enable_thinking, tools)
@@ -141,7 +141,7 @@ class LLM:
                 prepared.append(self.engine.prompts.prepare(p, sp, enable_thinking))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp, priority=pr, stream=False, prepared=True)
+        ids = [self.engine.add_request(p, sp, priority=pr, stream=False)
                for p, sp, pr in zip(prepared, params, prios)]
         results: dict[str, RequestOutput] = {}
         with TokenProgress(len(ids), use_tqdm, transient=True) as advance:

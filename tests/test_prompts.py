@@ -31,10 +31,10 @@ def test_enable_thinking_reaches_the_template(llm):
     prep = llm.engine.prompts.prepare
     on, off, default = (prep(MESSAGES, SamplingParams(), t) for t in (True, False, None))
     assert on == default and len(off) > len(on)
-    assert llm.tokenizer.decode(off[len(on):], skip_special_tokens=False).strip().startswith("<think>")
+    assert llm.tokenizer.decode(list(off[len(on):]), skip_special_tokens=False).strip().startswith("<think>")
     out = llm.generate([MESSAGES], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False,
                        enable_thinking=False)[0]
-    assert out.prompt_token_ids == off
+    assert out.prompt_token_ids == list(off)
 
 
 def test_jsonl_enable_thinking_is_validated():
@@ -57,7 +57,12 @@ def test_prepared_ids_are_rechecked_only_where_params_matter(llm):
         prompts.prepare([5, 10 ** 6], SamplingParams())
     with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
         prompts.recheck(ids, SamplingParams(stop=["\ud800"]))
-    rid = llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), prepared=True)
+    with pytest.raises(TypeError, match="what prepare"):   # plain ids never skip the per-id pass
+        prompts.recheck([5, 6, 7], SamplingParams())
+    bad = [5, 10 ** 6]   # a plain list is prepared (checked) again by add_request
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.engine.add_request(bad, SamplingParams(max_tokens=2))
+    rid = llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     out = []
     while llm.engine.has_unfinished_requests():
         out += [o for o in llm.engine.step() if o.output is not None]

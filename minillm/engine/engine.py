@@ -14,7 +14,7 @@ from minillm.engine.core import EngineCore
 from minillm.engine.core_client import CoreClient, RequestsFailed
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.outputs import EngineStats, StepOutput
-from minillm.engine.prompts import PromptPreparer
+from minillm.engine.prompts import PreparedPrompt, PromptPreparer
 from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
 
@@ -67,11 +67,10 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, stream: bool = True, enable_thinking: bool | None = None,
-                    prepared: bool = False) -> str:
+                    priority: int = 0, stream: bool = True, enable_thinking: bool | None = None) -> str:
         """Validate, then admit. Raises ValueError naming the problem; a rejected request leaves no state.
-        prepared: the prompt is token ids that prompts.prepare() returned (a front end prepared it on its own
-        thread), so only the checks that depend on params run again."""
+        A PreparedPrompt (what prompts.prepare() returned, e.g. on a front end's own thread) has its ids checked
+        already, so only the checks that depend on params run again."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -80,8 +79,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = (self.prompts.recheck(prompt, params) if prepared
-                      else self.prompts.prepare(prompt, params, enable_thinking))
+        prompt_ids = (self.prompts.recheck(prompt, params) if isinstance(prompt, PreparedPrompt)
+                      else list(self.prompts.prepare(prompt, params, enable_thinking)))
         if params.structured is not None:
             self.compile_grammar(params.structured).result()   # SpecError if it does not compile in bounds
         children = [self._make_request(request_id, i, prompt_ids, params, priority) for i in range(params.n)]

@@ -262,7 +262,7 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, ids, params, priority, fut = cmd
                 try:
-                    self.llm.add_request(ids, params, request_id=rid, priority=priority, prepared=True)
+                    self.llm.add_request(ids, params, request_id=rid, priority=priority)
                     admitted.append((rid, _sequences(params), fut, None, time.perf_counter()))
                 except Exception as e:  # noqa: BLE001 - ValueError is a refusal (400); anything else a 500
                     admitted.append((rid, _sequences(params), fut, e, 0.0))
