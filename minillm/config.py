@@ -126,9 +126,21 @@ class RuntimeConfig:
     # feed the next step; stop checks land one step later). +16.5% offline throughput on an H200
     # (docs/perf-log.md); falls back to synchronous steps for requests with penalties.
     async_scheduling: bool = True
+    # torch's intra-op CPU threads in the engine's process. auto: 1 on a GPU (the GPU does the math; idle pool
+    # threads that wake and spin on small host ops only take cores from the stepping thread), torch's default
+    # on a CPU (the math runs there)
+    host_threads: int | str = "auto"
+
+    def host_threads_for(self, device_type: str) -> int | None:
+        """The intra-op thread count to set for an engine on device_type, or None to leave torch's."""
+        if self.host_threads == "auto":
+            return 1 if device_type == "cuda" else None
+        return self.host_threads
 
     def validate(self) -> None:
         check_types("runtime", self)
+        _check(self.host_threads == "auto" or _is_int(self.host_threads, 1, 1024), "runtime.host_threads",
+               self.host_threads, "auto or an integer in [1, 1024]")
         _check(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or (
             self.device.startswith("cuda:") and self.device[5:].isdigit())), "runtime.device", self.device,
             "auto, cpu, cuda or cuda:N")
@@ -335,7 +347,8 @@ class EngineConfig:
         "device": ("runtime", "device"), "attention": ("runtime", "attention"),
         "attention_mode": ("runtime", "attention_mode"), "enforce_eager": ("runtime", "enforce_eager"),
         "seed": ("runtime", "seed"), "check_integrity": ("runtime", "check_integrity"),
-        "async_scheduling": ("runtime", "async_scheduling"), "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+        "async_scheduling": ("runtime", "async_scheduling"), "host_threads": ("runtime", "host_threads"),
+        "kv_cache_dtype": ("cache", "kv_cache_dtype"),
         "kernels": ("kernels", "backend"), "skinny_gemm": ("kernels", "skinny_gemm"),
         "decode_gemm": ("kernels", "decode_gemm"), "moe_kernels": ("kernels", "moe"),
         "decode_min_partitions": ("kernels", "decode_min_partitions"),

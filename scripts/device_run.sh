@@ -164,6 +164,16 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage structured64_ab_threads$t 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
           --mask-worker --mask-threads $t --rounds 3 --out "$OUT/structured.jsonl"
       done ;;
+    hostthreads)   # runtime.host_threads auto (1 on a GPU) against torch's default (16 here): structured B=64 twice
+      # each (worker, three interleaved rounds a run), then the offline reference once each
+      for t in auto 16 auto 16; do
+        stage structured64_hostthreads_$t 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
+          --mask-worker --host-threads $t --rounds 3 --out "$OUT/structured.jsonl"
+      done
+      for t in auto 16; do
+        stage bench_hostthreads_$t 110 python3 -m minillm bench --no-progress --set runtime.host_threads=$t \
+          --output "$OUT/bench.jsonl"
+      done ;;
     samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
       stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
         --iters 50 ;;

@@ -251,6 +251,7 @@ def main() -> None:
     ap.add_argument("--host-path", type=float, default=None, metavar="MS",
                     help="no engine: the grammar's time on the host's critical path per step, around MS ms of other"
                          " host work (every row constrained; thread, or --mask-worker, and --serial-masks)")
+    ap.add_argument("--host-threads", default=None, help="runtime.host_threads (default: config)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the three modes this many times, interleaved, after an untimed warm-up (with > 1);"
                          " each line pools every round's steps")
@@ -266,6 +267,8 @@ def main() -> None:
     extra["structured_mask_wait"] = args.mask_wait
     if args.serial_masks:
         extra["structured_overlap_masks"] = False
+    if args.host_threads is not None:
+        extra["host_threads"] = args.host_threads if args.host_threads == "auto" else int(args.host_threads)
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
               max_model_len=1024, **extra)
     mask_threads = llm.engine.cfg.structured.mask_threads
@@ -309,7 +312,7 @@ def report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof) ->
             "mask_worker": args.mask_worker, "mask_wait": args.mask_wait,
             "gpu_waits_for_masks": llm.engine.runner.grammar.gpu_wait,
             "serial_masks": args.serial_masks, "stub_model": args.stub_model,
-            "host_profiled": host, "rounds": args.rounds,
+            "host_profiled": host, "rounds": args.rounds, "host_threads": torch.get_num_threads(),
             "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
             "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
     timelines = [t for t in timelines if t]

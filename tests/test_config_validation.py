@@ -97,3 +97,13 @@ def test_merge_key_override_is_not_a_duplicate():
 def test_duplicate_key_in_set_value_is_refused():
     with pytest.raises(ConfigError, match="--set sampling.stop: .*duplicate key 'a'"):
         load_config(None, ["sampling.stop={a: 1, a: 2}"])
+
+
+def test_host_threads_is_one_on_a_gpu_by_default_and_torchs_own_on_a_cpu():
+    from minillm.config import RuntimeConfig
+    assert RuntimeConfig().host_threads_for("cuda") == 1
+    assert RuntimeConfig().host_threads_for("cpu") is None
+    assert RuntimeConfig(host_threads=6).host_threads_for("cuda") == 6
+    for bad in (0, 2000, "many"):
+        with pytest.raises(ConfigError, match="runtime.host_threads"):
+            EngineConfig.from_kwargs(host_threads=bad)
