@@ -174,6 +174,15 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage bench_hostthreads_$t 110 python3 -m minillm bench --no-progress --set runtime.host_threads=$t \
           --output "$OUT/bench.jsonl"
       done ;;
+    structuredcpu)   # B=64 worker, twice, with the host's CPU facts: where slow processes lose their time
+      { nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null; cat /proc/loadavg; lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA)"; } \
+        > "$OUT/host_cpu.txt" 2>&1
+      for r in 1 2; do
+        ( sleep 25; top -b -n 1 -H | head -40 > "$OUT/top_$r.txt" ) &
+        stage structured64_cpu$r 150 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
+          --rounds 3 --out "$OUT/structured.jsonl"
+        wait
+      done ;;
     samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
       stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
         --iters 50 ;;

@@ -37,6 +37,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import random
 import statistics
@@ -117,6 +118,7 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
         llm.add_request([rng.randrange(1000, 100000) for _ in range(32)], params)
     times, prof = [], None
     runner, events = llm.engine.runner, None
+    cpu0, nsteps = cpu_counters(llm), 0
     while llm.has_unfinished_requests():
         full = llm.stats().num_running == batch
         if full and events is None and len(times) == 2 and torch.cuda.is_available():
@@ -130,6 +132,7 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
             prof_start, prof_n = time.perf_counter(), 0
         t0 = time.perf_counter()
         llm.step()
+        nsteps += 1
         if full:
             times.append(time.perf_counter() - t0)
         if prof is not None and prof_n is not None:
@@ -145,7 +148,28 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
         prof.__exit__(None, None, None)
         prof = None
     runner.step_events = None
-    return times[2:], prof, events   # the first full steps still carry prefill leftovers
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_counters(llm).items()}
+    cpu["steps"] = nsteps
+    return times[2:], prof, events, cpu   # the first full steps still carry prefill leftovers
+
+
+def cpu_counters(llm: LLM) -> dict:
+    """CPU seconds and involuntary context switches of this process (every thread) and of the mask worker
+    process, if one runs: a step that is slow in one process and fast in the next with the same CPU seconds was
+    waiting for a core."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"engine_cpu_s": ru.ru_utime + ru.ru_stime, "engine_invol_switches": float(ru.ru_nivcsw)}
+    worker = getattr(llm.engine.runner.grammar, "_worker", None)
+    proc = getattr(worker, "proc", None)
+    if proc is not None and proc.pid and Path(f"/proc/{proc.pid}/stat").exists():
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out["worker_cpu_s"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches"):
+                out["worker_invol_switches"] = float(line.split()[1])
+    return out
 
 
 def gpu_timeline(events) -> dict:
@@ -278,7 +302,7 @@ def main() -> None:
     llm.compile_grammar(spec).result()
     for b in batches:
         modes = (("none", 0), ("all", b), ("mixed", b // 2))
-        pooled = {mode: ([], []) for mode, _ in modes}
+        pooled = {mode: ([], [], []) for mode, _ in modes}
         if args.rounds > 1:   # untimed: the first steps of a process (clocks, caches, the worker) run slower
             run_mode(llm, b, b, 16, spec)
         for rnd in range(args.rounds):   # modes interleaved, so drift between rounds hits every mode alike
@@ -289,12 +313,13 @@ def main() -> None:
                 if host:
                     cprof = cProfile.Profile()
                     cprof.enable()
-                times, prof, events = run_mode(llm, b, constrained, args.steps, spec, prof_steps, args.seeded,
-                                               args.temperature)
+                times, prof, events, cpu = run_mode(llm, b, constrained, args.steps, spec, prof_steps,
+                                                    args.seeded, args.temperature)
                 if host:
                     cprof.disable()
                     write_host_profile(cprof, Path(f"results/profiles/structured_host_B{b}.txt"))
                 pooled[mode][0].extend(times)
+                pooled[mode][2].append(cpu)
                 if events:
                     pooled[mode][1].append(gpu_timeline(events))
                 if last:
@@ -303,7 +328,7 @@ def main() -> None:
 
 def report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof) -> None:
     """One results line per mode: the median over every round's timed steps, against the unconstrained one."""
-    times, timelines = pooled[mode]
+    times, timelines, cpus = pooled[mode]
     med = statistics.median(times) if times else None
     base = statistics.median(pooled["none"][0]) if pooled["none"][0] else None
     line = {"kind": "structured_overhead", "engine": "minillm", "label": f"B{b}-{mode}", "batch": b,
@@ -315,6 +340,10 @@ def report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof) ->
             "host_profiled": host, "rounds": args.rounds, "host_threads": torch.get_num_threads(),
             "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
             "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
+    steps = sum(c["steps"] for c in cpus)
+    for key in sorted({k for c in cpus for k in c if k != "steps"}):   # per step() of the mode's runs, prefill included
+        line[f"{key}_per_step"] = sum(c.get(key, 0.0) for c in cpus) / steps
+    line["loadavg"] = os.getloadavg()[0]
     timelines = [t for t in timelines if t]
     if timelines:   # per round, then the median over rounds
         line.update({k: statistics.median(t[k] for t in timelines) for k in timelines[0]})
