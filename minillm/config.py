@@ -225,6 +225,8 @@ class StructuredConfig:
     mask_worker: str | bool = "auto"      # the matchers in a process of their own, filling beside the engine;
                                           # auto: on CUDA with one rank (B=64 all constrained on the H200: +36%
                                           # a step against +72% on a thread of the engine's process, b6899bc)
+    mask_workers: int = 1                 # worker processes the matchers are spread over (mask_worker): each
+                                          # request's matcher lives in one, a step's rows fill side by side
     overlap_masks: bool = True            # the sampler waits for its masks at the next launch (fills overlap the
                                           # host work); false: at once (tensor parallelism always does)
     mask_wait: str = "auto"               # overlapped masks, auto: on CUDA with the kernels and one rank the
@@ -263,6 +265,8 @@ class StructuredConfig:
                "an integer in [1, 64]")
         _check(self.mask_worker in ("auto", True, False), "structured.mask_worker", self.mask_worker,
                "auto, true or false")
+        _check(_is_int(self.mask_workers, 1, 16), "structured.mask_workers", self.mask_workers,
+               "an integer in [1, 16]")
         _check(isinstance(self.overlap_masks, bool), "structured.overlap_masks", self.overlap_masks, "true or false")
         _check(self.mask_wait in ("auto", "host"), "structured.mask_wait", self.mask_wait, "auto or host")
         _check(_is_int(self.max_spec_bytes, 16), "structured.max_spec_bytes", self.max_spec_bytes,
@@ -361,8 +365,9 @@ class EngineConfig:
         "prefill_sdpa_prefix_min_tokens": ("kernels", "prefill_sdpa_prefix_min_tokens"),
         "json_whitespace": ("structured", "json_whitespace"),
         **{f"structured_{k}": ("structured", k) for k in ("max_whitespace", "compile_timeout_s", "compile_threads",
-                                                  "mask_threads", "mask_worker", "overlap_masks", "mask_wait",
-                                                         "max_spec_bytes", "max_grammar_bytes", "cache_size")},
+                                                         "mask_threads", "mask_worker", "mask_workers",
+                                                         "overlap_masks", "mask_wait", "max_spec_bytes",
+                                                         "max_grammar_bytes", "cache_size")},
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
         "engine_process": ("parallel", "engine_process"),

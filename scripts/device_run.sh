@@ -183,6 +183,11 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
           --rounds 3 --out "$OUT/structured.jsonl"
         wait
       done ;;
+    structuredworkers)   # B=64: the matchers in one worker process against two, twice each, three rounds a run
+      for w in 1 2 1 2; do
+        stage structured64_workers$w 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
+          --mask-worker --mask-workers $w --rounds 3 --out "$OUT/structured.jsonl"
+      done ;;
     samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
       stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
         --iters 50 ;;

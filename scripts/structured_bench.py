@@ -162,13 +162,15 @@ def cpu_counters(llm: LLM) -> dict:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out = {"engine_cpu_s": ru.ru_utime + ru.ru_stime, "engine_invol_switches": float(ru.ru_nivcsw)}
     worker = getattr(llm.engine.runner.grammar, "_worker", None)
-    proc = getattr(worker, "proc", None)
-    if proc is not None and proc.pid and Path(f"/proc/{proc.pid}/stat").exists():
+    for proc in getattr(worker, "procs", []):   # summed over the worker processes
+        if not proc.pid or not Path(f"/proc/{proc.pid}/stat").exists():
+            continue
         fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out["worker_cpu_s"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out["worker_cpu_s"] = out.get("worker_cpu_s", 0.0) + cpu
         for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
             if line.startswith("nonvoluntary_ctxt_switches"):
-                out["worker_invol_switches"] = float(line.split()[1])
+                out["worker_invol_switches"] = out.get("worker_invol_switches", 0.0) + float(line.split()[1])
     return out
 
 
@@ -275,6 +277,7 @@ def main() -> None:
     ap.add_argument("--host-path", type=float, default=None, metavar="MS",
                     help="no engine: the grammar's time on the host's critical path per step, around MS ms of other"
                          " host work (every row constrained; thread, or --mask-worker, and --serial-masks)")
+    ap.add_argument("--mask-workers", type=int, default=None, help="structured.mask_workers (default: config)")
     ap.add_argument("--host-threads", default=None, help="runtime.host_threads (default: config)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the three modes this many times, interleaved, after an untimed warm-up (with > 1);"
@@ -291,6 +294,8 @@ def main() -> None:
     extra["structured_mask_wait"] = args.mask_wait
     if args.serial_masks:
         extra["structured_overlap_masks"] = False
+    if args.mask_workers is not None:
+        extra["structured_mask_workers"] = args.mask_workers
     if args.host_threads is not None:
         extra["host_threads"] = args.host_threads if args.host_threads == "auto" else int(args.host_threads)
     llm = LLM(model, load_format="dummy" if args.model is None else "auto", max_num_seqs=max(batches),
@@ -335,6 +340,7 @@ def report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof) ->
             "constrained_rows": constrained, "model": args.model or "qwen3-0.6b-synthetic-vocab",
             "seeded": args.seeded, "temperature": args.temperature, "mask_threads": mask_threads,
             "mask_worker": args.mask_worker, "mask_wait": args.mask_wait,
+            "mask_workers": llm.engine.cfg.structured.mask_workers,
             "gpu_waits_for_masks": llm.engine.runner.grammar.gpu_wait,
             "serial_masks": args.serial_masks, "stub_model": args.stub_model,
             "host_profiled": host, "rounds": args.rounds, "host_threads": torch.get_num_threads(),

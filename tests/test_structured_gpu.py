@@ -161,11 +161,12 @@ def test_registered_shared_memory_is_pinned_and_waited_on():
         shm.unlink()
 
 
-@pytest.mark.parametrize("worker", [True, False])
-def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(worker):
-    """structured.mask_wait auto (the stream waits on the fill's flag, the sampler queued behind the forward) gives
+@pytest.mark.parametrize("worker,workers", [(True, 1), (True, 2), (False, 1)])
+def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(worker, workers):
+    """structured.mask_wait auto (the stream waits on the fill's flags, the sampler queued behind the forward) gives
     the tokens of mask_wait host (the sampler launched by the host once the fill is in): seeds, greedy, n > 1,
-    min_tokens, unconstrained rows beside constrained ones; the worker, or the matchers on a thread."""
+    min_tokens, unconstrained rows beside constrained ones; one worker, two (the stream waits on both flags), or
+    the matchers on a thread."""
     spec = from_structured_outputs({"regex": "[a-z]{5,20}-[0-9]{2,4}"})
     prompts = [f"item {i}:" for i in range(12)]
     params = [SamplingParams(temperature=t, max_tokens=40, seed=i, n=2 if i == 4 else 1, min_tokens=8 if i == 5 else 0,
@@ -174,7 +175,7 @@ def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(worker):
     outs = {}
     for wait in ("auto", "host"):
         llm = LLM(device="cuda", max_num_seqs=16, num_kv_blocks=512, structured_mask_worker=worker,
-                  structured_mask_wait=wait)
+                  structured_mask_workers=workers, structured_mask_wait=wait)
         assert llm.engine.runner.grammar.gpu_wait is (wait == "auto")
         outs[wait] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert not llm.engine.runner.grammar._unsettled
@@ -184,13 +185,14 @@ def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(worker):
     assert outs["auto"] == outs["host"]
 
 
-def test_a_dead_worker_fails_the_fenced_step_without_hanging_the_stream():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_dead_worker_fails_the_fenced_step_without_hanging_the_stream(workers):
     import os
     import signal
 
     spec = from_structured_outputs({"regex": "[a-z]{5,20}-[0-9]{2,4}"})
     with LLM(device="cuda", max_num_seqs=4, num_kv_blocks=512, structured_mask_worker=True,
-             structured_mask_wait="auto") as llm:
+             structured_mask_workers=workers, structured_mask_wait="auto") as llm:
         assert llm.engine.runner.grammar.gpu_wait
         llm.generate(["warm:"], SamplingParams(max_tokens=4, structured=spec), use_tqdm=False)
         worker = llm.engine.runner.grammar._worker
@@ -198,8 +200,9 @@ def test_a_dead_worker_fails_the_fenced_step_without_hanging_the_stream():
             llm.add_request(p, SamplingParams(max_tokens=30, structured=spec))
         llm.step()
         llm.step()
-        os.kill(worker.proc.pid, signal.SIGKILL)   # with a fill handed over or about to be
-        worker.proc.join(5)
+        dead = worker.procs[-1]
+        os.kill(dead.pid, signal.SIGKILL)   # with a fill handed over or about to be
+        dead.join(5)
         with pytest.raises(RuntimeError, match="grammar mask worker"):
             for _ in range(40):
                 llm.step()

@@ -60,6 +60,23 @@ def test_worker_gives_the_in_process_tokens_and_leaves_nothing_behind():
     assert small == want and _run.preemptions > 0
 
 
+def test_two_workers_split_the_requests_and_give_the_in_process_tokens():
+    """structured.mask_workers 2: each request's matcher in one of two processes, a step's rows filled by both."""
+    want, _ = _run(False)
+    before = set(_children(os.getpid()))
+    with LLM(device="cpu", max_num_seqs=8, structured_mask_worker=True, structured_mask_workers=2) as llm:
+        prompts, params = _requests()
+        owners, step = set(), llm.engine.step
+        def spy():   # which workers hold live requests, at every step
+            owners.update(llm.engine.runner.grammar.matchers.owner.values())
+            return step()
+        llm.engine.step = spy
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert len(llm.engine.runner.grammar.matchers.procs) == 2
+    assert got == want and owners == {0, 1}
+    assert set(_children(os.getpid())) == before
+
+
 def test_an_abort_mid_run_leaves_the_other_constrained_rows_exact():
     params = [SamplingParams(temperature=1.0, max_tokens=30, seed=s, structured=REGEX) for s in (1, 2, 3)]
     with LLM(device="cpu", max_num_seqs=4) as ref:
@@ -78,12 +95,14 @@ def test_an_abort_mid_run_leaves_the_other_constrained_rows_exact():
         assert [done[i].output.outputs[0].token_ids for i in (ids[0], ids[2])] == want
 
 
-def test_a_dead_worker_fails_the_step_with_its_name():
-    with LLM(device="cpu", max_num_seqs=4, structured_mask_worker=True) as llm:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_dead_worker_fails_the_step_with_its_name(workers):
+    with LLM(device="cpu", max_num_seqs=4, structured_mask_worker=True, structured_mask_workers=workers) as llm:
         llm.generate(["warm:"], SamplingParams(max_tokens=2, structured=REGEX), use_tqdm=False)
         worker = llm.engine.runner.grammar._worker
-        os.kill(worker.proc.pid, signal.SIGKILL)
-        worker.proc.join(5)
+        dead = worker.procs[-1]   # with two, the one that holds no request: its empty fills fail the step
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(5)
         with pytest.raises(RuntimeError, match="grammar mask worker"):
             llm.generate(["again:"], SamplingParams(max_tokens=8, structured=REGEX), use_tqdm=False)
 

@@ -1,17 +1,21 @@
-"""The grammar matchers in a process of their own (`structured.mask_worker` true), so that a step's accepts and
+"""The grammar matchers in processes of their own (`structured.mask_worker` true), so that a step's accepts and
 fills run beside the engine's host work. The default (mask_thread.py) runs them on a thread of the engine's
 process instead, which skips this path's pickling, pipe round trip and bitmask copy.
 
-    engine process (GrammarRows)                         worker process (Matchers)
+    engine process (GrammarRows)                         worker process k of structured.mask_workers (Matchers)
     open / drop (a request's grammar, its end)   --->    compile (its own cache), matcher / forget
-    fill (turn, [RowWork])                       --->    advance, fill rows of shared buffer `turn`, min_tokens
+    fill (turn, [RowWork])                       --->    advance, fill its rows of shared buffer `turn`, min_tokens
     wait (turn)                                  <---    filled
 
-The bitmasks travel in shared memory (two buffers used in turn), the messages over a pipe. A fill sent with a
-sequence number > 0 also stores it in flag `turn` of the same memory once the rows are written (its negative if
-the fill failed): a CUDA stream waiting on that flag (GrammarRows, mask_wait auto) needs no answer from the host.
-The worker exits when told, when the pipe closes, or when its parent is gone; a worker that dies or does not
-answer in time fails the step that waits for it (RuntimeError), which the engine answers as any failed step.
+Each request belongs to one worker (the least loaded when it opens), so a step's accepts and fills are split
+over the workers, which fill their rows of the one shared buffer side by side: the step's critical path is its
+largest share, not the whole batch. The bitmasks travel in shared memory (two buffers used in turn), the
+messages over a pipe per worker. Every worker gets every fill (an empty one if it owns no row of the step); one
+sent with a sequence number > 0 also stores it in the worker's flag for `turn` in the same memory once its rows
+are written (its negative if the fill failed): a CUDA stream waiting on every worker's flag (GrammarRows,
+mask_wait auto) needs no answer from the host. A worker exits when told, when its pipe closes, or when its
+parent is gone; one that dies or does not answer in time fails the step that waits for it (RuntimeError), which
+the engine answers as any failed step.
 """
 from __future__ import annotations
 
@@ -27,76 +31,117 @@ from minillm.config import StructuredConfig
 from minillm.structured.matchers import publish_flag
 
 _POLL_S = 0.5          # an idle worker checks on its parent this often
-_FLAGS_BYTES = 64      # the two int64 flags at the start of the shared memory, the bitmasks after them
 
 
 class MaskWorker:
     def __init__(self, model_dir, vocab_size: int, cfg: StructuredConfig, max_rows: int):
         words = (vocab_size + 31) // 32
+        n = cfg.mask_workers
         self.shape = (2, max_rows, words)
-        self.shm = shared_memory.SharedMemory(create=True, size=_FLAGS_BYTES + int(np.prod(self.shape)) * 4)
-        self.flags, self.buffers = _views(self.shm, self.shape)
+        head = _flags_bytes(n)
+        self.shm = shared_memory.SharedMemory(create=True, size=head + int(np.prod(self.shape)) * 4)
+        self.flags, self.buffers = _views(self.shm, n, self.shape)
         # A fill waits at most this long: a new grammar compiles in the worker first (bounded by the same limit).
         self.timeout_s = 2 * cfg.compile_timeout_s + 10.0
         ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, name="minillm-grammar-masks", daemon=True,
-                                args=(child, model_dir, vocab_size, cfg, self.shm.name, self.shape, os.getpid()))
-        self.proc.start()
-        child.close()
-        # Run before the shared memory is unmapped, whether close() or the garbage collector ends the worker: a
+        self.conns, self.procs = [], []
+        for k in range(n):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, name=f"minillm-grammar-masks-{k}", daemon=True,
+                               args=(child, k, n, model_dir, vocab_size, cfg, self.shm.name, self.shape, os.getpid()))
+            proc.start()
+            child.close()
+            self.conns.append(conn)
+            self.procs.append(proc)
+        self.owner: dict[str, int] = {}    # live request -> the worker holding its matcher
+        self._load = [0] * n
+        # Run before the shared memory is unmapped, whether close() or the garbage collector ends the workers: a
         # CUDA registration of that memory must not outlive the mapping (a later mapping at the same address would
         # find the range registered, to pages that are gone).
         self.before_unmap: list = []
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.shm, self.before_unmap)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.shm, self.before_unmap)
+
+    @property
+    def proc(self):
+        """The first worker process (one is the usual count)."""
+        return self.procs[0]
 
     def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
-        self._send(("open", req_id, spec, banned, eos_ids))
+        k = self.owner.get(req_id)
+        if k is None:
+            k = min(range(len(self._load)), key=self._load.__getitem__)
+            self.owner[req_id] = k
+            self._load[k] += 1
+        self._send(k, ("open", req_id, spec, banned, eos_ids))
 
     def drop(self, req_ids) -> None:
-        self._send(("drop", list(req_ids)))
+        groups: dict[int, list[str]] = {}
+        for rid in req_ids:
+            k = self.owner.pop(rid, None)
+            if k is not None:
+                self._load[k] -= 1
+                groups.setdefault(k, []).append(rid)
+        for k, rids in groups.items():
+            self._send(k, ("drop", rids))
 
     def fill(self, turn: int, work, out: np.ndarray, seq: int = 0) -> None:
-        """Start filling shared buffer `turn` for `work`; wait(turn, out) copies the rows into `out` (nothing to
-        copy where `out` is that buffer). seq > 0: the worker stores it in flags[turn] when the rows are in."""
-        self._send(("fill", turn, work, seq))
+        """Start filling shared buffer `turn` for `work`, each worker its own requests' rows; wait(turn, out)
+        copies the rows into `out` (nothing to copy where `out` is that buffer). seq > 0: each worker stores it in
+        its flag for `turn` when its rows are in."""
+        shares: list[list] = [[] for _ in self.procs]
+        for w in work:
+            shares[self.owner.get(w.req_id, 0)].append(w)
+        for k, share in enumerate(shares):
+            self._send(k, ("fill", turn, share, seq))
 
     def wait(self, turn: int, out: np.ndarray) -> np.ndarray:
-        """`out`, once the worker says buffer `turn` is filled and its rows are copied into it."""
-        if not self.conn.poll(self.timeout_s):
-            raise RuntimeError(f"the grammar mask worker did not answer within {self.timeout_s:g} s")
-        try:
-            reply = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the grammar mask worker exited (exit code {self.proc.exitcode})") from None
-        if reply[0] == "error":
-            raise RuntimeError(f"the grammar mask worker failed: {reply[1]}")
-        if reply != ("filled", turn):
-            raise RuntimeError(f"the grammar mask worker answered {reply!r}, expected buffer {turn}")
+        """`out`, once every worker says buffer `turn` is filled and its rows are copied into it. Every answer is
+        read, even after a failure, so the next fill's answers are the next ones read."""
+        errors = [e for e in (self._answer(k, turn) for k in range(len(self.procs))) if e]
+        if errors:
+            raise RuntimeError(errors[0])
         if out.ctypes.data != self.buffers[turn].ctypes.data:
             out[:] = self.buffers[turn, :len(out)]
         return out
 
+    def _answer(self, k: int, turn: int) -> str | None:
+        """Worker k's answer to the fill of `turn`: None when filled, else what went wrong."""
+        conn, proc = self.conns[k], self.procs[k]
+        if not conn.poll(self.timeout_s):
+            return f"the grammar mask worker did not answer within {self.timeout_s:g} s"
+        try:
+            reply = conn.recv()
+        except EOFError:
+            return f"the grammar mask worker exited (exit code {proc.exitcode})"
+        if reply[0] == "error":
+            return f"the grammar mask worker failed: {reply[1]}"
+        if reply != ("filled", turn):
+            return f"the grammar mask worker answered {reply!r}, expected buffer {turn}"
+        return None
+
     def close(self) -> None:
         self._finalizer()
 
-    def _send(self, msg) -> None:
+    def _send(self, k: int, msg) -> None:
         try:
-            self.conn.send(msg)
+            self.conns[k].send(msg)
         except (BrokenPipeError, OSError):
-            raise RuntimeError(f"the grammar mask worker exited (exit code {self.proc.exitcode})") from None
+            raise RuntimeError(f"the grammar mask worker exited (exit code {self.procs[k].exitcode})") from None
 
 
-def _shutdown(proc, conn, shm, before_unmap) -> None:
-    try:
-        conn.send(("stop",))
-    except (BrokenPipeError, OSError):
-        pass
-    proc.join(2.0)
-    if proc.is_alive():
-        proc.kill()
+def _shutdown(procs, conns, shm, before_unmap) -> None:
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in procs:
         proc.join(2.0)
-    conn.close()
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+    for conn in conns:
+        conn.close()
     for hook in before_unmap:
         try:
             hook()
@@ -107,15 +152,17 @@ def _shutdown(proc, conn, shm, before_unmap) -> None:
     shm.unlink()
 
 
-def _serve(conn, model_dir, vocab_size: int, cfg: StructuredConfig, shm_name: str, shape, parent_pid: int) -> None:
-    """The worker's loop: apply each message in order; a fill answers ("filled", turn) or ("error", text)."""
+def _serve(conn, k: int, n: int, model_dir, vocab_size: int, cfg: StructuredConfig, shm_name: str, shape,
+           parent_pid: int) -> None:
+    """Worker k's loop: apply each message in order; a fill answers ("filled", turn) or ("error", text)."""
     import signal
 
     from minillm.structured.matchers import Matchers
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the process group: the engine stops us
     shm = shared_memory.SharedMemory(name=shm_name)
-    flags, buffers = _views(shm, shape)
+    flags, buffers = _views(shm, n, shape)
+    flags = flags[k]
     matchers = Matchers(model_dir, vocab_size, cfg)
     errors: list[str] = []   # what failed outside a fill (an open): the next fill answers with it
     try:
@@ -136,10 +183,15 @@ def _serve(conn, model_dir, vocab_size: int, cfg: StructuredConfig, shm_name: st
         shm.close()
 
 
-def _views(shm, shape) -> tuple[np.ndarray, np.ndarray]:
-    """The flags (int64 [2]) and the bitmask buffers (int32 `shape`) in the shared memory."""
-    flags = np.ndarray((2,), dtype=np.int64, buffer=shm.buf)
-    return flags, np.ndarray(shape, dtype=np.int32, buffer=shm.buf, offset=_FLAGS_BYTES)
+def _flags_bytes(n: int) -> int:
+    """The flags at the start of the shared memory (int64 [n workers, 2 turns]), rounded to 64 bytes."""
+    return (n * 16 + 63) // 64 * 64
+
+
+def _views(shm, n: int, shape) -> tuple[np.ndarray, np.ndarray]:
+    """The flags (int64 [n, 2]) and the bitmask buffers (int32 `shape`) in the shared memory."""
+    flags = np.ndarray((n, 2), dtype=np.int64, buffer=shm.buf)
+    return flags, np.ndarray(shape, dtype=np.int32, buffer=shm.buf, offset=_flags_bytes(n))
 
 
 def _apply(matchers, buffers: np.ndarray, flags: np.ndarray, msg, conn, errors: list[str]) -> None:
@@ -153,7 +205,8 @@ def _apply(matchers, buffers: np.ndarray, flags: np.ndarray, msg, conn, errors: 
             if errors:
                 raise RuntimeError("; ".join(errors))
             turn, work, seq = msg[1], msg[2], msg[3]
-            matchers.fill(work, buffers[turn, :len(work)])
+            if work:   # rows are the step's: this worker writes only its own
+                matchers.fill(work, buffers[turn])
             if seq:
                 publish_flag(flags, turn, seq)   # a stream waiting on it goes on
             conn.send(("filled", turn))

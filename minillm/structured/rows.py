@@ -13,8 +13,9 @@ never wait.
 Where the matchers run: on a thread of this process (mask_thread.py) or in a worker process (mask_worker.py,
 `structured.mask_worker`, the default on CUDA). Either way masks() hands the step's work over and returns at once,
 in one of two ways (`gpu_wait`, StructuredConfig.gpu_waits_for_masks):
-- gpu_wait (CUDA): it queues on the stream a wait for the fill's flag in mapped host memory (the filler stores the
-  step's sequence number there once the rows are written: cuda/grammar_mask.cu), then the bitmask's copy to the
+- gpu_wait (CUDA): it queues on the stream a wait for the fill's flags in mapped host memory (each filler, the
+  thread or a worker process, stores the step's sequence number in its own flag once its rows are written:
+  cuda/grammar_mask.cu), then the bitmask's copy to the
   device, and returns a FencedMask: the runner queues the sampler right behind it, so the sampler starts as soon as
   the fill is in, whatever the host is doing. Before the host waits for that step's tokens it settles the fence:
   it takes the filler's answer, and on any failure stores the flag's negative itself (the stream goes on) and
@@ -80,8 +81,8 @@ class GrammarRows:
         self.gpu_wait = gpu_wait and defer   # the stream, not the host, waits for each fill (FencedMask)
         self._seq = 0                        # the last fill's sequence number (gpu_wait)
         self._unsettled: dict[int, int] = {}   # turn -> sequence number of a fill the host has not settled
-        self._flags = None                   # numpy int64 [2] in mapped host memory, the fills' flags
-        self._status = None                  # int32 CUDA [2, 1]: how each turn's wait ended (0 / 2 / 1: timed out)
+        self._flags = None                   # numpy int64 [fillers, 2] in mapped host memory, the fills' flags
+        self._status = None                  # int32 CUDA [2, fillers]: how each wait ended (0 / 2 / 1: timed out)
         self._registered: int | None = None  # the worker's shared memory, registered with CUDA
 
     @property
@@ -97,8 +98,9 @@ class GrammarRows:
                 from minillm.structured.mask_thread import MaskThread
                 if self.gpu_wait:
                     pin = self.device.type == "cuda"
-                    self._flags = torch.zeros(2, dtype=torch.int64, pin_memory=pin).numpy()
-                self._worker = MaskThread(self.model_dir, self.vocab_size, self.cfg, self._flags)
+                    self._flags = torch.zeros(1, 2, dtype=torch.int64, pin_memory=pin).numpy()
+                flags = None if self._flags is None else self._flags[0]
+                self._worker = MaskThread(self.model_dir, self.vocab_size, self.cfg, flags)
         return self._worker
 
     def _share_worker_memory(self, worker) -> None:
@@ -154,8 +156,10 @@ class GrammarRows:
         fence = MaskFence(self, turn, self._seq)
         try:
             if self._status is None:
-                self._status = torch.zeros(2, 1, dtype=torch.int32, device=self.device)
-            wait_for_host_flag(self._status[turn], self._flags[turn:].ctypes.data, fence.seq, self._wait_timeout_s())
+                self._status = torch.zeros(2, len(self._flags), dtype=torch.int32, device=self.device)
+            for k in range(len(self._flags)):   # every filler's flag: each writes its own rows
+                wait_for_host_flag(self._status[turn, k:k + 1], self._flags[k, turn:].ctypes.data, fence.seq,
+                                   self._wait_timeout_s())
         except BaseException:
             self.settle(fence)   # the filler's answer is taken, so the next fill's is the next one read
             raise
@@ -179,7 +183,8 @@ class GrammarRows:
     def _release(self, turn: int, seq: int) -> None:
         """A stream waiting for fill `seq` goes on (the step fails on the host)."""
         from minillm.structured.matchers import publish_flag
-        publish_flag(self._flags, turn, -seq)
+        for flags in self._flags:
+            publish_flag(flags, turn, -seq)
 
     def finish(self, pending: PendingMask) -> GrammarMask:
         """The step's bitmask, once it is filled in a host buffer of ours, on its way to the device."""
