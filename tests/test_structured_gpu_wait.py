@@ -55,8 +55,8 @@ def _gpu_wait_llm(worker: bool, **kw) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("worker", [True, False])
-def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker):
+@pytest.mark.parametrize("worker,workers", [(True, 1), (True, 2), (False, 1)])
+def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker, workers):
     from minillm.sampling_params import SamplingParams
     prompts, params = _requests()
     # a constrained row asking for logprobs: its step settles before the sampler reads them back
@@ -64,7 +64,7 @@ def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker):
     params.append(SamplingParams(temperature=1.0, max_tokens=12, seed=5, logprobs=2, structured=REGEX))
     with LLM(device="cpu", max_num_seqs=8, structured_mask_worker=worker) as ref:
         want = [[c.token_ids for c in o.outputs] for o in ref.generate(prompts, params, use_tqdm=False)]
-    with _gpu_wait_llm(worker) as llm:
+    with _gpu_wait_llm(worker, structured_mask_workers=workers) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         got = [[c.token_ids for c in o.outputs] for o in outs]
         assert outs[-1].outputs[0].logprobs and len(outs[-1].outputs[0].logprobs) == len(got[-1][0])
@@ -72,7 +72,9 @@ def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker):
         assert stream.registered == ([(grammar._flags.ctypes.data, grammar._worker.shm.size)] if worker else [])
         assert not grammar._unsettled   # every fenced step was settled
     assert got == want
-    assert stream.waits == list(range(1, len(stream.waits) + 1)) and len(stream.waits) > 10
+    # every fill waited for under its own number, on each worker's flag in turn
+    assert stream.waits == [q for q in range(1, len(stream.waits) // workers + 1) for _ in range(workers)]
+    assert len(stream.waits) > 10 * workers
     assert set(stream.ends) == {0}   # the filler set each flag itself, before the host took its answer
     assert stream.registered == []   # unregistered at close
     if worker:   # preemption (a pool too small for every row: matchers rolled back) gives the same tokens too
@@ -94,7 +96,7 @@ def test_a_worker_that_stops_answering_fails_the_step_and_releases_the_stream(st
                 llm.generate(["again:"], [_params()], use_tqdm=False)
             seq = stream.waits[-1]
             assert stream.ends[-1] == 1                      # the emulated stream gave up on its own bound
-            assert -seq in grammar._flags.tolist()             # the host released it when the step failed
+            assert -seq in grammar._flags[0].tolist()          # the host released it when the step failed
             assert not grammar._unsettled
         finally:
             os.kill(worker.proc.pid, signal.SIGKILL)
@@ -150,10 +152,10 @@ def test_the_worker_stores_the_flag_of_a_fill_and_its_negative_when_it_fails():
         out = worker.buffers[0, :0]
         worker.fill(0, [], out, seq=5)   # nothing to fill: done at once
         worker.wait(0, out)
-        assert worker.flags[0] == 5
+        assert worker.flags[0, 0] == 5   # worker 0's flag for buffer 0
         worker.fill(1, [RowWork(0, "unknown", 0, (), 0, False)], np.zeros((1, 2), dtype=np.int32), seq=6)
         with pytest.raises(RuntimeError, match="grammar mask worker failed: KeyError"):
             worker.wait(1, np.zeros((1, 2), dtype=np.int32))
-        assert worker.flags.tolist() == [5, -6]
+        assert worker.flags.tolist() == [[5, -6]]
     finally:
         worker.close()
