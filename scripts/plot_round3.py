@@ -3,8 +3,10 @@
 results/prefill_kernels.png (TFLOP/s against prompt length, per kernel and head shape),
 results/moe_kernels.png (MoE layer time against tokens, fused kernels against torch._grouped_mm) and
 results/decode_steps_models.png (the decode sweep, one curve per model at its newest commit: ms per step with its
-bandwidth floor, and % of that floor, against the batch size). decode_steps.png, which `minillm bench
---decode-sweep` redraws after each sweep, compares one model's newest two commits instead.
+bandwidth floor, and % of that floor, against the batch size) and results/structured_cost.png (the cost of
+B=64 with every row constrained, worker process and GPU wait, run by run, and against the GPU's wait for the
+mask). decode_steps.png, which `minillm bench --decode-sweep` redraws after each sweep, compares one model's
+newest two commits instead.
 
 Usage: python scripts/plot_round3.py [--results results]
 """
@@ -116,6 +118,48 @@ def plot_decode_models(models: dict[str, dict[int, dict]], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def structured_runs(path: Path) -> list[dict]:
+    """Every B=64 all-constrained line with the matchers in the worker and the stream waiting for the mask."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind") == "structured_overhead" and r.get("label") == "B64-all"
+            and r.get("mask_worker") and r.get("mask_wait") == "auto" and not r.get("serial_masks")
+            and "gpu_mask_stall_ms_median" in r]
+
+
+def _setting(r: dict) -> str:
+    parts = [f"{r.get('mask_threads', 1)} fill thr"]
+    if r.get("mask_workers", 1) != 1:
+        parts.append(f"{r['mask_workers']} workers")
+    if r.get("host_threads") not in (None, 1):
+        parts.append(f"{r['host_threads']} host thr")
+    return ", ".join(parts)
+
+
+def plot_structured(rows: list[dict], out: Path) -> None:
+    cost = [100 * r["overhead_vs_unconstrained"] for r in rows]
+    stall = [r["gpu_mask_stall_ms_median"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
+    bars = a.bar(range(len(rows)), cost, color=["tab:green" if c <= 5 else "tab:red" for c in cost])
+    for bar, r in zip(bars, rows):
+        if not r.get("rounds"):   # one pass, unconstrained first (and slower while the process warms up)
+            bar.set_hatch("//")
+            bar.set_alpha(0.5)
+    a.axhline(5, color="k", ls="--", lw=1, label="target 5%; hatched: one pass, not interleaved rounds")
+    a.set_xticks(range(len(rows)), [f"{r['commit']}\n{_setting(r)}" for r in rows], rotation=90, fontsize=6)
+    a.set_ylabel("B=64 all constrained, % over unconstrained")
+    a.set_title("Structured outputs: cost per run (H200, in run order)", fontsize=9)
+    a.legend(fontsize=7)
+    b.scatter(stall, cost, s=14)
+    b.axhline(5, color="k", ls="--", lw=1)
+    b.set_xlabel("GPU wait for the mask, ms per step (median)")
+    b.set_ylabel("% over unconstrained")
+    b.set_title("The cost follows the wait", fontsize=9)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=Path("results"))
@@ -123,6 +167,7 @@ def main() -> None:
     plot_prefill(newest(args.results / "prefill_kernels.jsonl", "prefill_kernel"), args.results / "prefill_kernels.png")
     plot_moe(newest(args.results / "moe_kernels.jsonl", "moe_layer"), args.results / "moe_kernels.png")
     plot_decode_models(newest_per_model(args.results / "decode_steps.jsonl"), args.results / "decode_steps_models.png")
+    plot_structured(structured_runs(args.results / "structured.jsonl"), args.results / "structured_cost.png")
 
 
 if __name__ == "__main__":
