@@ -126,16 +126,13 @@ class RuntimeConfig:
     # feed the next step; stop checks land one step later). +16.5% offline throughput on an H200
     # (docs/perf-log.md); falls back to synchronous steps for requests with penalties.
     async_scheduling: bool = True
-    # torch's intra-op CPU threads in the engine's process. auto: 1 on a GPU (the GPU does the math; idle pool
-    # threads that wake and spin on small host ops only take cores from the stepping thread), torch's default
-    # on a CPU (the math runs there)
+    # torch's intra-op CPU threads, set when the engine starts (process-wide: it also changes the caller's torch).
+    # auto: torch's own setting is left alone. On the H200 host 1 and 16 measured the same offline (f642573).
     host_threads: int | str = "auto"
 
     def host_threads_for(self, device_type: str) -> int | None:
         """The intra-op thread count to set for an engine on device_type, or None to leave torch's."""
-        if self.host_threads == "auto":
-            return 1 if device_type == "cuda" else None
-        return self.host_threads
+        return None if self.host_threads == "auto" else self.host_threads
 
     def validate(self) -> None:
         check_types("runtime", self)

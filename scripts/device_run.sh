@@ -164,13 +164,13 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage structured64_ab_threads$t 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
           --mask-worker --mask-threads $t --rounds 3 --out "$OUT/structured.jsonl"
       done ;;
-    hostthreads)   # runtime.host_threads auto (1 on a GPU) against torch's default (16 here): structured B=64 twice
+    hostthreads)   # runtime.host_threads 1 against auto (torch's own: 16 here): structured B=64 twice
       # each (worker, three interleaved rounds a run), then the offline reference once each
-      for t in auto 16 auto 16; do
+      for t in 1 auto 1 auto; do
         stage structured64_hostthreads_$t 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
           --mask-worker --host-threads $t --rounds 3 --out "$OUT/structured.jsonl"
       done
-      for t in auto 16; do
+      for t in 1 auto; do
         stage bench_hostthreads_$t 110 python3 -m minillm bench --no-progress --set runtime.host_threads=$t \
           --output "$OUT/bench.jsonl"
       done ;;

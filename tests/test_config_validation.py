@@ -99,9 +99,9 @@ def test_duplicate_key_in_set_value_is_refused():
         load_config(None, ["sampling.stop={a: 1, a: 2}"])
 
 
-def test_host_threads_is_one_on_a_gpu_by_default_and_torchs_own_on_a_cpu():
+def test_host_threads_leaves_torchs_own_setting_unless_given():
     from minillm.config import RuntimeConfig
-    assert RuntimeConfig().host_threads_for("cuda") == 1
+    assert RuntimeConfig().host_threads_for("cuda") is None
     assert RuntimeConfig().host_threads_for("cpu") is None
     assert RuntimeConfig(host_threads=6).host_threads_for("cuda") == 6
     for bad in (0, 2000, "many"):
