@@ -16,9 +16,10 @@ in one of two ways (`gpu_wait`, StructuredConfig.gpu_waits_for_masks):
 - gpu_wait (CUDA): it queues on the stream a wait for the fill's flags in mapped host memory (each filler, the
   thread or a worker process, stores the step's sequence number in its own flag once its rows are written:
   cuda/grammar_mask.cu), then the bitmask's copy to the device, and returns a FencedMask: the runner queues the
-  sampler right behind it, so the sampler starts as soon as the fill is in, whatever the host is doing. Before the host waits for that step's tokens it settles the fence:
-  it takes the filler's answer, and on any failure stores the flag's negative itself (the stream goes on) and
-  raises, so a dead worker fails the step and never hangs the stream (the wait is also bounded in time);
+  sampler right behind it, so the sampler starts as soon as the fill is in, whatever the host is doing. Before
+  the host waits for that step's tokens it settles the fence: it takes the filler's answer, and on any failure
+  stores the flags' negative itself (the stream goes on) and raises, so a dead worker fails the step and never
+  hangs the stream (the wait is also bounded in time);
 - otherwise it returns a PendingMask, and the runner launches the step's sampler only when the next step is
   launched or this one resolved (model_runner.py): the fills run beside the host work of that interval.
 """
