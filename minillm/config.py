@@ -130,8 +130,8 @@ class RuntimeConfig:
     # auto: torch's own setting is left alone. On the H200 host 1 and 16 measured the same offline (f642573).
     host_threads: int | str = "auto"
 
-    def host_threads_for(self, device_type: str) -> int | None:
-        """The intra-op thread count to set for an engine on device_type, or None to leave torch's."""
+    def host_threads_for(self) -> int | None:
+        """The intra-op thread count to set when the engine starts, or None to leave torch's."""
         return None if self.host_threads == "auto" else self.host_threads
 
     def validate(self) -> None:

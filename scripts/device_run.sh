@@ -154,22 +154,16 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage "structured64${tag}" 80 python3 scripts/structured_bench.py --batches 64 --steps 64 $m \
           --out "$OUT/structured.jsonl"
       done ;;
-    structuredthreads)   # B=64, matchers in the worker process: xgrammar's fill on 1, 2, 4 and 8 threads
-      for t in 1 2 4 8; do
-        stage structured64_threads$t 80 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
-          --mask-threads $t --out "$OUT/structured.jsonl"
+    structuredab)   # B=64, worker: the A/B of two flag sets, "A|B" in $STRUCTURED_AB (default: 1 against 4 fill
+      # threads; e.g. "--mask-workers 1|--mask-workers 2", "--host-threads 1|--host-threads auto"), A B A B, three
+      # interleaved rounds a run
+      IFS='|' read -r ab_a ab_b <<< "${STRUCTURED_AB:---mask-threads 1|--mask-threads 4}"
+      for m in "$ab_a" "$ab_b" "$ab_a" "$ab_b"; do
+        tag=${m//-/}; tag=${tag// /_}
+        stage "structured64_ab_$tag" 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
+          --mask-worker $m --rounds 3 --out "$OUT/structured.jsonl"
       done ;;
-    structuredab)   # B=64, worker: xgrammar's fill on 1 against 4 threads, twice each, three interleaved rounds a run
-      for t in 1 4 1 4; do
-        stage structured64_ab_threads$t 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
-          --mask-worker --mask-threads $t --rounds 3 --out "$OUT/structured.jsonl"
-      done ;;
-    hostthreads)   # runtime.host_threads 1 against auto (torch's own: 16 here): structured B=64 twice
-      # each (worker, three interleaved rounds a run), then the offline reference once each
-      for t in 1 auto 1 auto; do
-        stage structured64_hostthreads_$t 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
-          --mask-worker --host-threads $t --rounds 3 --out "$OUT/structured.jsonl"
-      done
+    hostthreads)   # the offline reference with runtime.host_threads 1 against auto (torch's own: 16 here)
       for t in 1 auto; do
         stage bench_hostthreads_$t 110 python3 -m minillm bench --no-progress --set runtime.host_threads=$t \
           --output "$OUT/bench.jsonl"
@@ -178,15 +172,8 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       { nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null; cat /proc/loadavg; lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA)"; } \
         > "$OUT/host_cpu.txt" 2>&1
       for r in 1 2; do
-        ( sleep 25; top -b -n 1 -H | head -40 > "$OUT/top_$r.txt" ) &
         stage structured64_cpu$r 150 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
           --rounds 3 --out "$OUT/structured.jsonl"
-        wait
-      done ;;
-    structuredworkers)   # B=64: the matchers in one worker process against two, twice each, three rounds a run
-      for w in 1 2 1 2; do
-        stage structured64_workers$w 150 python3 scripts/structured_bench.py --batches 64 --steps 64 \
-          --mask-worker --mask-workers $w --rounds 3 --out "$OUT/structured.jsonl"
       done ;;
     structuredwarm)   # a freshly started machine: touch 48 GB of host memory first (time per GB), then B=64 twice
       stage memtouch 60 python3 -c "

@@ -101,9 +101,8 @@ def test_duplicate_key_in_set_value_is_refused():
 
 def test_host_threads_leaves_torchs_own_setting_unless_given():
     from minillm.config import RuntimeConfig
-    assert RuntimeConfig().host_threads_for("cuda") is None
-    assert RuntimeConfig().host_threads_for("cpu") is None
-    assert RuntimeConfig(host_threads=6).host_threads_for("cuda") == 6
+    assert RuntimeConfig().host_threads_for() is None
+    assert RuntimeConfig(host_threads=6).host_threads_for() == 6
     for bad in (0, 2000, "many"):
         with pytest.raises(ConfigError, match="runtime.host_threads"):
             EngineConfig.from_kwargs(host_threads=bad)

@@ -90,7 +90,7 @@ def test_a_worker_that_stops_answering_fails_the_step_and_releases_the_stream(st
         grammar = llm.engine.runner.grammar
         worker = grammar._worker
         worker.timeout_s = stream.bound_s = 1.0
-        os.kill(worker.proc.pid, signal.SIGSTOP)   # alive, but it never fills (nor sets the flag)
+        os.kill(worker.procs[0].pid, signal.SIGSTOP)   # alive, but it never fills (nor sets the flag)
         try:
             with pytest.raises(RuntimeError, match="grammar mask worker did not answer"):
                 llm.generate(["again:"], [_params()], use_tqdm=False)
@@ -99,7 +99,7 @@ def test_a_worker_that_stops_answering_fails_the_step_and_releases_the_stream(st
             assert -seq in grammar._flags[0].tolist()          # the host released it when the step failed
             assert not grammar._unsettled
         finally:
-            os.kill(worker.proc.pid, signal.SIGKILL)
+            os.kill(worker.procs[0].pid, signal.SIGKILL)
 
 
 def _params():

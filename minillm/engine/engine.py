@@ -14,7 +14,7 @@ from minillm.engine.core import EngineCore
 from minillm.engine.core_client import CoreClient, RequestsFailed
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.outputs import EngineStats, StepOutput
-from minillm.engine.prompts import PreparedPrompt, PromptPreparer
+from minillm.engine.prompts import PromptPreparer
 from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
 
@@ -79,8 +79,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = (self.prompts.recheck(prompt, params) if isinstance(prompt, PreparedPrompt)
-                      else list(self.prompts.prepare(prompt, params, enable_thinking)))
+        prompt_ids = self.prompts.admit(prompt, params, enable_thinking)
         if params.structured is not None:
             self.compile_grammar(params.structured).result()   # SpecError if it does not compile in bounds
         children = [self._make_request(request_id, i, prompt_ids, params, priority) for i in range(params.n)]

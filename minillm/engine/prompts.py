@@ -32,6 +32,16 @@ class PromptPreparer:
     def prepare(self, prompt, params: SamplingParams, enable_thinking: bool | None = None,
                 tools: list[dict] | None = None) -> PreparedPrompt:
         """tools: OpenAI function tools for the chat template (chat messages only; minillm/structured/tools.py)."""
+        return PreparedPrompt(self._checked(prompt, params, enable_thinking, tools))
+
+    def admit(self, prompt, params: SamplingParams, enable_thinking: bool | None = None) -> list[int]:
+        """add_request's prompt ids: a PreparedPrompt is only rechecked where params matter, anything else is
+        prepared here."""
+        if isinstance(prompt, PreparedPrompt):
+            return self.recheck(prompt, params)
+        return self._checked(prompt, params, enable_thinking, None)
+
+    def _checked(self, prompt, params: SamplingParams, enable_thinking: bool | None, tools) -> list[int]:
         check_request(params, self.vocab_size, self.max_num_seqs)
         _check_text(prompt, params)
         ids = self._to_ids(prompt, enable_thinking, tools)
@@ -42,7 +52,7 @@ class PromptPreparer:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         self._check_fit(ids, params)
-        return PreparedPrompt(ids)
+        return ids
 
     def recheck(self, ids: PreparedPrompt, params: SamplingParams) -> list[int]:
         """What prepare() returned, now under `params` (e.g. another max_tokens): only the checks that depend on

@@ -83,7 +83,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.device = resolve_device(cfg.runtime.device)
-        threads = cfg.runtime.host_threads_for(self.device.type)
+        threads = cfg.runtime.host_threads_for()
         if threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)

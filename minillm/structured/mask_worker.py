@@ -61,11 +61,6 @@ class MaskWorker:
         self.before_unmap: list = []
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.shm, self.before_unmap)
 
-    @property
-    def proc(self):
-        """The first worker process (one is the usual count)."""
-        return self.procs[0]
-
     def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
         k = self.owner.get(req_id)
         if k is None:
