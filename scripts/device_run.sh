@@ -175,6 +175,21 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
         stage structured64_cpu$r 150 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
           --rounds 3 --out "$OUT/structured.jsonl"
       done ;;
+    structureddiag)   # B=64 in five processes, one before and four after touching 48 GB of host memory, with the
+      # host's topology and, per process, the engine thread's busy time and where it and the worker ran
+      { nproc; lscpu; lscpu -e; cat /proc/loadavg; } > "$OUT/host_cpu.txt" 2>&1
+      stage structured64_cold 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
+        --rounds 2 --out "$OUT/structured.jsonl"
+      stage memtouch 60 python3 -c "
+import time, numpy as np
+keep = []
+for i in range(48):
+    t = time.perf_counter(); keep.append(np.ones(1 << 27)); print(i, round(time.perf_counter() - t, 3), flush=True)"
+      cp "$LOG"/memtouch.log "$OUT"/ 2>/dev/null
+      for r in 1 2 3 4; do
+        stage structured64_diag$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
+          --rounds 2 --out "$OUT/structured.jsonl"
+      done ;;
     structuredwarm)   # a freshly started machine: touch 48 GB of host memory first (time per GB), then B=64 twice
       stage memtouch 60 python3 -c "
 import time, numpy as np

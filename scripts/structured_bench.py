@@ -107,6 +107,92 @@ def stub_model(llm: LLM) -> None:
     runner.sampler.nonfinite.seen = True
 
 
+class HostClock:
+    """Where the engine thread's time goes on timed steps: blocked (CUDA event syncs, waits for a mask worker's
+    answer) or inside GrammarRows.masks (its own work, the waits within it excluded). busy = wall - blocked is
+    the host's share of a step: when it nears the GPU's step time, every extra microsecond of it shows as gap."""
+
+    def __init__(self):
+        self.blocked = self.masks = 0.0
+        self._depth = 0
+
+    def install(self) -> None:
+        from minillm.structured import mask_worker, rows
+
+        def blocking(fn):
+            def timed(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.blocked += time.perf_counter() - t0
+            return timed
+
+        def in_masks(fn):
+            def timed(*a, **kw):
+                t0, b0 = time.perf_counter(), self.blocked
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.masks += time.perf_counter() - t0 - (self.blocked - b0)
+            return timed
+
+        torch.cuda.Event.synchronize = blocking(torch.cuda.Event.synchronize)
+        mask_worker.MaskWorker._answer = blocking(mask_worker.MaskWorker._answer)
+        rows.GrammarRows.masks = in_masks(rows.GrammarRows.masks)
+
+    def read(self) -> tuple[float, float]:
+        return self.blocked, self.masks
+
+
+HOST = HostClock()
+
+
+class Placement:
+    """Which CPU the engine's main thread and each mask worker last ran on, sampled every few ms by a thread:
+    whether a slow process had its worker on the main thread's core (an SMT sibling) or another NUMA node."""
+
+    def __init__(self, worker_pids):
+        import threading
+        from collections import Counter
+
+        self.pids = {"engine": f"/proc/self/task/{threading.get_native_id()}/stat"}
+        self.pids.update({f"worker{k}": f"/proc/{pid}/stat" for k, pid in enumerate(worker_pids) if pid})
+        self.seen = {name: Counter() for name in self.pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.003):
+            for name, path in self.pids.items():
+                try:
+                    self.seen[name][int(Path(path).read_text().rsplit(")", 1)[1].split()[36])] += 1
+                except (OSError, ValueError, IndexError):
+                    pass
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        out = {}
+        for name, seen in self.seen.items():
+            if seen:
+                cpu, n = seen.most_common(1)[0]
+                out[f"{name}_cpu"] = cpu
+                out[f"{name}_cpu_share"] = n / sum(seen.values())
+                out[f"{name}_core"] = _core_of(cpu)
+        return out
+
+
+def _core_of(cpu: int) -> str:
+    """'package/core' of a logical CPU, from sysfs (two logical CPUs with the same value are SMT siblings)."""
+    base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return f"{(base / 'physical_package_id').read_text().strip()}/{(base / 'core_id').read_text().strip()}"
+    except OSError:
+        return "?"
+
+
 def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_steps: int = 0, seeded: bool = False,
              temperature: float = 1.0):
     """Step times (s) of steps where all `batch` rows decode; with prof_steps, a profiler over that many."""
@@ -119,6 +205,9 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
     times, prof = [], None
     runner, events = llm.engine.runner, None
     cpu0, nsteps = cpu_counters(llm), 0
+    blocked = masks = 0.0
+    worker = getattr(runner.grammar, "_worker", None)
+    place = Placement([p.pid for p in getattr(worker, "procs", [])]) if constrained else None
     while llm.has_unfinished_requests():
         full = llm.stats().num_running == batch
         if full and events is None and len(times) == 2 and torch.cuda.is_available():
@@ -130,11 +219,14 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
             prof_start, prof_n = time.perf_counter(), 0
-        t0 = time.perf_counter()
+        t0, (b0, m0) = time.perf_counter(), HOST.read()
         llm.step()
         nsteps += 1
         if full:
             times.append(time.perf_counter() - t0)
+            b1, m1 = HOST.read()
+            if len(times) > 2:   # as times[2:] below
+                blocked, masks = blocked + b1 - b0, masks + m1 - m0
         if prof is not None and prof_n is not None:
             prof_n += 1
             if prof_n == prof_steps:
@@ -150,7 +242,13 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
     runner.step_events = None
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_counters(llm).items()}
     cpu["steps"] = nsteps
-    return times[2:], prof, events, cpu   # the first full steps still carry prefill leftovers
+    timed = times[2:]
+    if timed:
+        cpu["host_busy_ms_per_step"] = (sum(timed) - blocked) / len(timed) * 1e3
+        cpu["host_masks_ms_per_step"] = masks / len(timed) * 1e3
+    if place is not None:
+        cpu.update(place.stop())
+    return timed, prof, events, cpu   # the first full steps still carry prefill leftovers
 
 
 def cpu_counters(llm: LLM) -> dict:
@@ -284,6 +382,7 @@ def main() -> None:
                          " each line pools every round's steps")
     ap.add_argument("--out", default="results/structured.jsonl")
     args = ap.parse_args()
+    HOST.install()
     batches = [int(b) for b in args.batches.split(",")]
     model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic",
                                                    tiny=args.stub_model))
@@ -347,8 +446,15 @@ def report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof) ->
             "steps_timed": len(times), "step_ms_median": None if med is None else med * 1e3,
             "overhead_vs_unconstrained": None if med is None or not base else med / base - 1}
     steps = sum(c["steps"] for c in cpus)
-    for key in sorted({k for c in cpus for k in c if k != "steps"}):   # per step() of the mode's runs, prefill included
+    for key in sorted({k for c in cpus for k in c if k != "steps" and k.endswith(("_s", "_switches"))}):
+        # per step() of the mode's runs, prefill included
         line[f"{key}_per_step"] = sum(c.get(key, 0.0) for c in cpus) / steps
+    for key in ("host_busy_ms_per_step", "host_masks_ms_per_step"):   # timed steps, median over rounds
+        if any(key in c for c in cpus):
+            line[key] = statistics.median(c[key] for c in cpus if key in c)
+    if "engine_cpu" in cpus[-1]:   # where the last round ran
+        line["placement"] = {k: v for k, v in cpus[-1].items() if k.startswith(("engine_c", "worker")) and
+                             not k.endswith(("_s", "_switches"))}
     line["loadavg"] = os.getloadavg()[0]
     timelines = [t for t in timelines if t]
     if timelines:   # per round, then the median over rounds
