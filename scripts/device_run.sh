@@ -190,6 +190,13 @@ for i in range(48):
         stage structured64_diag$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
           --rounds 2 --out "$OUT/structured.jsonl"
       done ;;
+    structuredspy)   # py-spy (in .whl) samples B=64 unconstrained, then all rows constrained: the engine thread's time
+      SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+      for m in none all; do
+        stage spy_$m 90 "$SPY" record --native -r 250 -f raw -o "$OUT/spy_$m.txt" -- python3 scripts/structured_bench.py \
+          --batches 64 --steps 64 --mask-worker --rounds 2 --modes $m --out "$OUT/structured_spy.jsonl"
+      done
+      stage hoststep64 120 python3 scripts/bench_host_step.py --device cuda --batch 64 --steps 300 --phases ;;
     structuredwarm)   # a freshly started machine: touch 48 GB of host memory first (time per GB), then B=64 twice
       stage memtouch 60 python3 -c "
 import time, numpy as np

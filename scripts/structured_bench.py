@@ -380,6 +380,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the three modes this many times, interleaved, after an untimed warm-up (with > 1);"
                          " each line pools every round's steps")
+    ap.add_argument("--modes", default="none,all,mixed", help="which of the three modes to run (e.g. for a profiler)")
     ap.add_argument("--out", default="results/structured.jsonl")
     args = ap.parse_args()
     HOST.install()
@@ -405,8 +406,8 @@ def main() -> None:
     spec = from_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
     llm.compile_grammar(spec).result()
     for b in batches:
-        modes = (("none", 0), ("all", b), ("mixed", b // 2))
-        pooled = {mode: ([], [], []) for mode, _ in modes}
+        modes = tuple((m, n) for m, n in (("none", 0), ("all", b), ("mixed", b // 2)) if m in args.modes.split(","))
+        pooled = {mode: ([], [], []) for mode in ("none", "all", "mixed")}
         if args.rounds > 1:   # untimed: the first steps of a process (clocks, caches, the worker) run slower
             run_mode(llm, b, b, 16, spec)
         for rnd in range(args.rounds):   # modes interleaved, so drift between rounds hits every mode alike
