@@ -179,7 +179,7 @@ from minillm.diagnostics.kv_quant_check import run_fp8_timings; [print(json.dump
       # host's topology and, per process, the engine thread's busy time and where it and the worker ran
       { nproc; lscpu; lscpu -e; cat /proc/loadavg; } > "$OUT/host_cpu.txt" 2>&1
       stage structured64_cold 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
-        --rounds 2 --out "$OUT/structured.jsonl"
+        --rounds 2 --placement --out "$OUT/structured.jsonl"
       stage memtouch 60 python3 -c "
 import time, numpy as np
 keep = []
@@ -188,7 +188,7 @@ for i in range(48):
       cp "$LOG"/memtouch.log "$OUT"/ 2>/dev/null
       for r in 1 2 3 4; do
         stage structured64_diag$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
-          --rounds 2 --out "$OUT/structured.jsonl"
+          --rounds 2 --placement --out "$OUT/structured.jsonl"
       done ;;
     structuredspy)   # py-spy (in .whl) samples B=64 unconstrained, then all rows constrained: the engine thread's time
       SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -197,6 +197,16 @@ for i in range(48):
           --batches 64 --steps 64 --mask-worker --rounds 2 --modes $m --out "$OUT/structured_spy.jsonl"
       done
       stage hoststep64 120 python3 scripts/bench_host_step.py --device cuda --batch 64 --steps 300 --phases ;;
+    structuredidle)   # py-spy without pausing the process, idle samples kept: the engine thread's wall time at B=64
+      # unconstrained, then three processes of B=64 (none / all / mixed, three rounds each)
+      SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+      stage spyidle 90 "$SPY" record --idle --nonblocking -r 1000 -f raw -o "$OUT/spyidle_none.txt" -- python3 \
+        scripts/structured_bench.py --batches 64 --steps 64 --mask-worker --rounds 2 --modes none \
+        --out "$OUT/structured_spy.jsonl"
+      for r in 1 2 3; do
+        stage structured64_r$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
+          --rounds 3 --out "$OUT/structured.jsonl"
+      done ;;
     structuredwarm)   # a freshly started machine: touch 48 GB of host memory first (time per GB), then B=64 twice
       stage memtouch 60 python3 -c "
 import time, numpy as np

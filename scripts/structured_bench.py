@@ -146,6 +146,7 @@ class HostClock:
 
 
 HOST = HostClock()
+PLACEMENT = False   # --placement: its sampling thread takes the GIL every few ms, which the engine thread then waits for
 
 
 class Placement:
@@ -207,7 +208,7 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
     cpu0, nsteps = cpu_counters(llm), 0
     blocked = masks = 0.0
     worker = getattr(runner.grammar, "_worker", None)
-    place = Placement([p.pid for p in getattr(worker, "procs", [])]) if constrained else None
+    place = Placement([p.pid for p in getattr(worker, "procs", [])]) if constrained and PLACEMENT else None
     while llm.has_unfinished_requests():
         full = llm.stats().num_running == batch
         if full and events is None and len(times) == 2 and torch.cuda.is_available():
@@ -380,10 +381,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the three modes this many times, interleaved, after an untimed warm-up (with > 1);"
                          " each line pools every round's steps")
+    ap.add_argument("--placement", action="store_true",
+                    help="sample which CPUs the engine thread and the mask workers run on (a thread of its own)")
     ap.add_argument("--modes", default="none,all,mixed", help="which of the three modes to run (e.g. for a profiler)")
     ap.add_argument("--out", default="results/structured.jsonl")
     args = ap.parse_args()
     HOST.install()
+    global PLACEMENT
+    PLACEMENT = args.placement
     batches = [int(b) for b in args.batches.split(",")]
     model = args.model or str(synthetic_model_dir(Path(tempfile.mkdtemp()) / "qwen3-0.6b-synthetic",
                                                    tiny=args.stub_model))

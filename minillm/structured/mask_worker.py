@@ -83,9 +83,12 @@ class MaskWorker:
         """Start filling shared buffer `turn` for `work`, each worker its own requests' rows; wait(turn, out)
         copies the rows into `out` (nothing to copy where `out` is that buffer). seq > 0: each worker stores it in
         its flag for `turn` when its rows are in."""
-        shares: list[list] = [[] for _ in self.procs]
-        for w in work:
-            shares[self.owner.get(w.req_id, 0)].append(w)
+        if len(self.procs) == 1:
+            shares = [work]
+        else:
+            shares = [[] for _ in self.procs]
+            for w in work:   # RowWork layout: w[1] is the request id
+                shares[self.owner.get(w[1], 0)].append(w)
         for k, share in enumerate(shares):
             self._send(k, ("fill", turn, share, seq))
 

@@ -33,7 +33,6 @@ import torch
 from minillm.config import StructuredConfig
 from minillm.sampling.grammar_mask import (GrammarMask, register_host_memory, unregister_host_memory,
                                            wait_for_host_flag)
-from minillm.structured.matchers import RowWork
 
 
 @dataclass
@@ -146,7 +145,7 @@ class GrammarRows:
         pending = PendingMask(self, self._turn, len(rows), index)
         return pending if self.defer else self.finish(pending)
 
-    def _fenced(self, turn: int, work: list[RowWork], index: list[int] | None) -> FencedMask:
+    def _fenced(self, turn: int, work: list[tuple], index: list[int] | None) -> FencedMask:
         """Hand the fill over with a new sequence number, then queue the stream's wait for it and the copy."""
         matchers = self.matchers
         bitmask = self._host_buffer(turn, len(work))
@@ -203,7 +202,8 @@ class GrammarRows:
             self._worker.close()
             self._worker = None
 
-    def _work(self, sampled, rows, seq_lens, prev) -> list[RowWork]:
+    def _work(self, sampled, rows, seq_lens, prev) -> list[tuple]:
+        """Each constrained row's RowWork, as a plain tuple in its field order (matchers.RowWork says why)."""
         pending = None
         work = []
         sent = self.sent
@@ -211,15 +211,22 @@ class GrammarRows:
             r = sampled[i]
             rid, ids, prompt = r.request_id, r.all_token_ids, r.num_prompt_tokens
             before = int(seq_lens[i]) - prompt
-            start = min(sent[rid], before)
-            if prompt + before > len(ids) and pending is None:
-                pending = _pending_tokens(prev)
+            start = sent[rid]
             if start + 1 == before:   # the common case, one new token: no generator
-                tokens = (_output_token(r, start, pending),)
+                k = prompt + start
+                if k < len(ids):
+                    tokens = (ids[k],)
+                else:
+                    if pending is None:
+                        pending = _pending_tokens(prev)
+                    tokens = (pending[rid],)
             else:
+                start = min(start, before)
+                if prompt + before > len(ids) and pending is None:
+                    pending = _pending_tokens(prev)
                 tokens = tuple(_output_token(r, k, pending) for k in range(start, before))
             sent[rid] = before
-            work.append(RowWork(j, rid, start, tokens, before, before < r.sampling_params.min_tokens))
+            work.append((j, rid, start, tokens, before, before < r.sampling_params.min_tokens))
         return work
 
     def _device_mask(self, bitmask: torch.Tensor, turn: int, index: list[int] | None) -> GrammarMask:
