@@ -207,6 +207,21 @@ for i in range(48):
         stage structured64_r$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
           --rounds 3 --out "$OUT/structured.jsonl"
       done ;;
+    structured3)   # B=64 in three processes (three rounds each), then B=16 (the persistent kernel's batch) once
+      for r in 1 2 3; do
+        stage structured64_p$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
+          --rounds 3 --out "$OUT/structured.jsonl"
+      done
+      stage structured16 60 python3 scripts/structured_bench.py --batches 16 --steps 64 --mask-worker --rounds 2 \
+        --out "$OUT/structured.jsonl" ;;
+    firstcall)   # the first isfinite / exponential_ / argmax over bf16 logits of a fresh process, then the second
+      stage firstcall 60 python3 -c "
+import time, torch
+x = torch.randn(64, 151936, device='cuda').bfloat16(); torch.cuda.synchronize()
+for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_', lambda: torch.empty_like(x, dtype=torch.float32).exponential_()), ('argmax', lambda: x.argmax(-1))):
+    for k in range(2):
+        t = time.perf_counter(); f(); torch.cuda.synchronize(); print(name, k, round((time.perf_counter() - t) * 1e3, 2), 'ms', flush=True)"
+      cp "$LOG"/firstcall.log "$OUT"/ 2>/dev/null ;;
     structuredwarm)   # a freshly started machine: touch 48 GB of host memory first (time per GB), then B=64 twice
       stage memtouch 60 python3 -c "
 import time, numpy as np

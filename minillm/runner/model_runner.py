@@ -247,12 +247,12 @@ class ModelRunner:
                 hidden = self.graphs.replay(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-            inflight = self._sample(so, reqs, step, hidden, prof, prev, marks)
+            inflight = self._sample(so, reqs, step, hidden, prof, prev, marks, beside=path != "megakernel")
         inflight.started = started
         return inflight
 
     def _sample(self, so: SchedulerOutput, reqs, step, hidden, prof, prev: InFlight | None,
-                marks: list | None = None) -> InFlight:
+                marks: list | None = None, beside: bool = True) -> InFlight:
         """The LM head and the sampler over the step's sampled rows, and the copy of their tokens to the host."""
         sampled = reqs if all(so.sample) else list(compress(reqs, so.sample))
         if not sampled:
@@ -272,7 +272,7 @@ class ModelRunner:
         # the stream waits for it (FencedMask: the sampler is queued now, the host settles the fence before it
         # waits for the tokens) or the sampler waits for complete(), the next launch or this step's resolve
         # (minillm/structured/rows.py).
-        mask = self.grammar.masks(sampled, seq_lens, prev)
+        mask = self.grammar.masks(sampled, seq_lens, prev, beside)
         batch = self.sampling.get(sampled, seq_lens)
         inflight = InFlight(so.sampled_req_ids(), None, None, None, None, sampled=sampled, marks=marks)
         if isinstance(mask, PendingMask):
