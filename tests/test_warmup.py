@@ -22,6 +22,12 @@ def test_warm_up_writes_nothing_to_the_kv_cache(tiny_model):
         k.normal_()
         v.normal_()
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    calls = []
+    warm = runner.sampler.warm_up
+    runner.sampler.warm_up = lambda logits: (calls.append(logits.shape), warm(logits))
     assert warm_up_shapes(runner) > 0
     for (k, v), (k0, v0) in zip(runner.kv_caches, before):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+    # the sampler's kernels are warmed on the widest logits, and its non-finite watch still checks the first step
+    assert calls == [(8, runner.vocab_size)]
+    assert not runner.sampler.nonfinite.seen and runner.sampler.nonfinite._calls == 0

@@ -67,6 +67,16 @@ class Sampler:
         self._fused_steps = 0
         self.nonfinite = NonFiniteWatch()
 
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Run, once, the torch kernels a first step meets on logits like these (the non-finite check's, greedy
+        argmax in their dtype and in fp32, the noise of temperature sampling), so that their lazy loading
+        happens at start-up; the sampler's own state is untouched."""
+        torch.isfinite(logits).all()
+        logits.argmax(dim=-1)
+        wide = logits.float()
+        wide.argmax(dim=-1)
+        wide.exponential_()
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, grammar: GrammarMask | None = None
                  ) -> SamplerResult:
         """Sample one token per row. ``logits`` [N, V] is float32, bfloat16 or float16; float32 logits are used
