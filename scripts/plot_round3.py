@@ -138,7 +138,7 @@ def _setting(r: dict) -> str:
 def plot_structured(rows: list[dict], out: Path) -> None:
     cost = [100 * r["overhead_vs_unconstrained"] for r in rows]
     stall = [r["gpu_mask_stall_ms_median"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.8, 1, 1]})
     bars = a.bar(range(len(rows)), cost, color=["tab:green" if c <= 5 else "tab:red" for c in cost])
     for bar, r in zip(bars, rows):
         if not r.get("rounds"):   # one pass, unconstrained first (and slower while the process warms up)
@@ -153,8 +153,13 @@ def plot_structured(rows: list[dict], out: Path) -> None:
     b.axhline(5, color="k", ls="--", lw=1)
     b.set_xlabel("GPU wait for the mask, ms per step (median)")
     b.set_ylabel("% over unconstrained")
-    b.set_title("The cost follows the wait", fontsize=9)
-    for ax in (a, b):
+    b.set_title("Until c6c3bb3 the cost followed the wait", fontsize=9)
+    busy = [(r["host_busy_ms_per_step"], x) for r, x in zip(rows, cost) if "host_busy_ms_per_step" in r]
+    c.scatter([h for h, _ in busy], [x for _, x in busy], s=14, color="tab:purple")
+    c.axhline(5, color="k", ls="--", lw=1)
+    c.set_xlabel("engine thread busy, ms per step")
+    c.set_title("Since: it follows the host's own time", fontsize=9)
+    for ax in (a, b, c):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
