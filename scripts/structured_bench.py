@@ -114,32 +114,33 @@ class HostClock:
 
     def __init__(self):
         self.blocked = self.masks = 0.0
-        self._depth = 0
+
+    def blocking(self, fn):
+        """fn, its wall time counted as blocked."""
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.blocked += time.perf_counter() - t0
+        return timed
+
+    def in_masks(self, fn):
+        """fn, its wall time less what it spent blocked counted as masks time."""
+        def timed(*a, **kw):
+            t0, b0 = time.perf_counter(), self.blocked
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.masks += time.perf_counter() - t0 - (self.blocked - b0)
+        return timed
 
     def install(self) -> None:
         from minillm.structured import mask_worker, rows
 
-        def blocking(fn):
-            def timed(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    self.blocked += time.perf_counter() - t0
-            return timed
-
-        def in_masks(fn):
-            def timed(*a, **kw):
-                t0, b0 = time.perf_counter(), self.blocked
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    self.masks += time.perf_counter() - t0 - (self.blocked - b0)
-            return timed
-
-        torch.cuda.Event.synchronize = blocking(torch.cuda.Event.synchronize)
-        mask_worker.MaskWorker._answer = blocking(mask_worker.MaskWorker._answer)
-        rows.GrammarRows.masks = in_masks(rows.GrammarRows.masks)
+        torch.cuda.Event.synchronize = self.blocking(torch.cuda.Event.synchronize)
+        mask_worker.MaskWorker._answer = self.blocking(mask_worker.MaskWorker._answer)
+        rows.GrammarRows.masks = self.in_masks(rows.GrammarRows.masks)
 
     def read(self) -> tuple[float, float]:
         return self.blocked, self.masks

@@ -1,6 +1,7 @@
 """scripts/structured_bench.py gpu_timeline: the GPU's busy fraction and stalls from each step's four timing events."""
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,26 @@ def test_gpu_timeline_splits_each_step_into_forward_stall_sampler_and_gap():
     assert out["gpu_sampler_ms_median"] == pytest.approx(0.2)
     assert out["gpu_gap_ms_median"] == pytest.approx(0.1)
     assert bench.gpu_timeline(events[:2]) == {}
+
+
+def test_host_clock_counts_blocked_time_and_masks_time_without_it():
+    spec = importlib.util.spec_from_file_location("structured_bench", SCRIPTS / "structured_bench.py")
+    sys.path.insert(0, str(SCRIPTS))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    clock = bench.HostClock()
+    busy = lambda s: time.sleep(s)   # noqa: E731 - stands in for host work
+    wait = clock.blocking(lambda: time.sleep(0.05))
+
+    def masks():
+        busy(0.02)
+        wait()
+        return "mask"
+
+    assert clock.in_masks(masks)() == "mask"
+    blocked, in_masks = clock.read()
+    assert 0.05 <= blocked < 0.09
+    assert 0.02 <= in_masks < 0.045   # the wait inside it is not masks time
+    with pytest.raises(ValueError):
+        clock.blocking(lambda: (_ for _ in ()).throw(ValueError("x")))()
+    assert clock.read()[0] > blocked   # a wait that raised still counts

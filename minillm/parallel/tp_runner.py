@@ -71,7 +71,7 @@ class _NoGrammar:
     def update(self, so) -> None:
         pass
 
-    def masks(self, sampled, seq_lens, prev):
+    def masks(self, sampled, seq_lens, prev, beside: bool = True):
         return None
 
     def close(self) -> None:
