@@ -222,17 +222,6 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
     for k in range(2):
         t = time.perf_counter(); f(); torch.cuda.synchronize(); print(name, k, round((time.perf_counter() - t) * 1e3, 2), 'ms', flush=True)"
       cp "$LOG"/firstcall.log "$OUT"/ 2>/dev/null ;;
-    structuredwarm)   # a freshly started machine: touch 48 GB of host memory first (time per GB), then B=64 twice
-      stage memtouch 60 python3 -c "
-import time, numpy as np
-keep = []
-for i in range(48):
-    t = time.perf_counter(); keep.append(np.ones(1 << 27)); print(i, round(time.perf_counter() - t, 3), flush=True)"
-      cp "$LOG"/memtouch.log "$OUT"/ 2>/dev/null
-      for r in 1 2; do
-        stage structured64_warm$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
-          --rounds 2 --out "$OUT/structured.jsonl"
-      done ;;
     samplerbench)   # the sampler per call at B = 1..256: top_p 0.9 with the threshold kernel and with the sort
       stage samplerbench 100 python3 scripts/bench_sampler.py --out "$OUT/bench_sampler.jsonl" --batches 1,8,64,256 \
         --iters 50 ;;
