@@ -190,7 +190,8 @@ for i in range(48):
         stage structured64_diag$r 60 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
           --rounds 2 --placement --out "$OUT/structured.jsonl"
       done ;;
-    structuredspy)   # py-spy --native (in .whl) over B=64 unconstrained, then all constrained: where, not how long (it pauses the process: steps 5-30x slower)
+    structuredspy)   # py-spy --native (in .whl) over B=64 unconstrained, then all constrained: where the time goes,
+      # not how long (it pauses the process: steps 5-30x slower)
       SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
       for m in none all; do
         stage spy_$m 90 "$SPY" record --native -r 250 -f raw -o "$OUT/spy_$m.txt" -- python3 scripts/structured_bench.py \
