@@ -48,7 +48,25 @@ __global__ void wait_host_flag_kernel(const volatile int64_t* flag, int64_t expe
   *status = result;
 }
 
+// The host-flag wait's counterpart: the step's sampled tokens into mapped host memory, then `value` into the
+// flag, so that a reader that sees the flag sees the tokens (each thread fences its stores at system scope
+// before the block barrier; the flag is stored after it). One block: a step samples at most a few thousand rows.
+__global__ void publish_host_tokens_kernel(const int64_t* __restrict__ tokens, int64_t n, volatile int64_t* dst,
+                                           volatile int64_t* flag, int64_t value) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = tokens[i];
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = value;
+}
+
 }  // namespace
+
+cudaError_t launch_publish_host_tokens(const int64_t* tokens, int64_t n, int64_t* dst, int64_t* flag, int64_t value,
+                                       cudaStream_t stream) {
+  if (n < 0) return cudaErrorInvalidValue;
+  publish_host_tokens_kernel<<<1, 256, 0, stream>>>(tokens, n, dst, flag, value);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_wait_host_flag(const int64_t* flag, int64_t expect, int64_t timeout_ns, int32_t* status,
                                   cudaStream_t stream) {

@@ -19,4 +19,9 @@ cudaError_t launch_grammar_mask(float* logits, int64_t row_stride, const int32_t
 cudaError_t launch_wait_host_flag(const int64_t* flag, int64_t expect, int64_t timeout_ns, int32_t* status,
                                   cudaStream_t stream);
 
+// Queues on `stream`: tokens[0, n) (device int64) into dst (a device pointer to mapped host memory), then value into
+// *flag (likewise), visible to the host in that order.
+cudaError_t launch_publish_host_tokens(const int64_t* tokens, int64_t n, int64_t* dst, int64_t* flag, int64_t value,
+                                       cudaStream_t stream);
+
 }  // namespace minillm

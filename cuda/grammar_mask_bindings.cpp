@@ -43,6 +43,15 @@ void grammar_mask_(Tensor& logits, const Tensor& bitmask, const std::optional<Te
                                                          cudaGetErrorString(err)));
 }
 
+// The device address of host memory that cudaHostRegister mapped (or pinned memory), or a clear error.
+void* mapped_device_pointer(int64_t addr, const char* op, const char* what) {
+  void* dev = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(addr), 0);
+  TORCH_CHECK(err == cudaSuccess, minillm::bindings::msg(op, ": ", what, " is not in mapped host memory: ",
+                                                         cudaGetErrorString(err)));
+  return dev;
+}
+
 // status: int32 CUDA [1]; flag_addr: the host address of an int64 in pinned or cudaHostRegister'ed (mapped) memory.
 void wait_host_flag_(Tensor& status, int64_t flag_addr, int64_t expect, int64_t timeout_ns) {
   MINILLM_CHECK(status.is_cuda() && status.scalar_type() == at::kInt && status.numel() == 1,
@@ -51,14 +60,25 @@ void wait_host_flag_(Tensor& status, int64_t flag_addr, int64_t expect, int64_t 
   MINILLM_CHECK(expect > 0 && timeout_ns > 0, "expect and timeout_ns must be positive, got ", expect, " and ",
                 timeout_ns);
   const c10::cuda::CUDAGuard guard(status.device());
-  void* dev = nullptr;
-  cudaError_t err = cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(flag_addr), 0);
-  TORCH_CHECK(err == cudaSuccess, minillm::bindings::msg("minillm.wait_host_flag_: the flag is not in mapped host "
-                                                         "memory: ", cudaGetErrorString(err)));
-  err = minillm::launch_wait_host_flag(static_cast<const int64_t*>(dev), expect, timeout_ns,
-                                       status.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream());
+  void* dev = mapped_device_pointer(flag_addr, "minillm.wait_host_flag_", "the flag");
+  const cudaError_t err = minillm::launch_wait_host_flag(static_cast<const int64_t*>(dev), expect, timeout_ns,
+                                                         status.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, minillm::bindings::msg("minillm.wait_host_flag_: CUDA error ",
                                                          cudaGetErrorString(err)));
+}
+
+// tokens: contiguous int64 CUDA [n]; dst_addr / flag_addr: host addresses of int64 [n] / int64 in mapped memory.
+void publish_host_tokens_(const Tensor& tokens, int64_t dst_addr, int64_t flag_addr, int64_t value) {
+  MINILLM_CHECK(tokens.is_cuda() && tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.is_contiguous(),
+                "tokens must be a contiguous int64 CUDA tensor [n], got ", tokens.sizes(), " ", tokens.scalar_type(),
+                " on ", tokens.device());
+  const c10::cuda::CUDAGuard guard(tokens.device());
+  const char* op = "minillm.publish_host_tokens_";
+  auto* dst = static_cast<int64_t*>(mapped_device_pointer(dst_addr, op, "the token buffer"));
+  auto* flag = static_cast<int64_t*>(mapped_device_pointer(flag_addr, op, "the flag"));
+  const cudaError_t err = minillm::launch_publish_host_tokens(tokens.data_ptr<int64_t>(), tokens.numel(), dst, flag,
+                                                              value, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, minillm::bindings::msg(op, ": CUDA error ", cudaGetErrorString(err)));
 }
 
 }  // namespace
@@ -66,9 +86,11 @@ void wait_host_flag_(Tensor& status, int64_t flag_addr, int64_t expect, int64_t 
 TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("grammar_mask_(Tensor(a!) logits, Tensor bitmask, Tensor? rows) -> ()");
   m.def("wait_host_flag_(Tensor(a!) status, int flag_addr, int expect, int timeout_ns) -> ()");
+  m.def("publish_host_tokens_(Tensor tokens, int dst_addr, int flag_addr, int value) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("grammar_mask_", &grammar_mask_);
   m.impl("wait_host_flag_", &wait_host_flag_);
+  m.impl("publish_host_tokens_", &publish_host_tokens_);
 }

@@ -19,6 +19,7 @@
 #   checks    `minillm check-kernels --quick` -> $OUT/kernels.jsonl
 #   matrix    the start-up matrix; fp8, benchfp8, sweepfp8: the fp8 KV cache; structured: constrained decoding cost
 #   parallelab  scripts/parallel_ab.sh: the offline bench on this tree against .old/, interleaved
+#   structuredold  structured decode cost, the .old/ tree against this one in alternating processes
 #   http      scripts/http_latency.py: latency through the HTTP server vs in-process -> $OUT/latency_http.jsonl
 #
 # MINILLM_COMMIT names the commit on the results lines (a copied tree may carry a stale .git).
@@ -215,6 +216,15 @@ for i in range(48):
       done
       stage structured16 60 python3 scripts/structured_bench.py --batches 16 --steps 64 --mask-worker --rounds 2 \
         --out "$OUT/structured.jsonl" ;;
+    structuredold)   # B=64 all / half constrained, the tree in .old/ against this one, alternating processes
+      wait
+      for r in 1 2; do
+        stage structured64_old$r 70 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD \
+          python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker --rounds 3 \
+          --out $OUT/structured_old.jsonl"
+        stage structured64_new$r 70 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
+          --rounds 3 --out "$OUT/structured.jsonl"
+      done ;;
     firstcall)   # the first isfinite / exponential_ / argmax over bf16 logits of a fresh process, then the second
       stage firstcall 60 python3 -c "
 import time, torch

@@ -109,11 +109,38 @@ def stub_model(llm: LLM) -> None:
 
 class HostClock:
     """Where the engine thread's time goes on timed steps: blocked (CUDA event syncs, waits for a mask worker's
-    answer) or inside GrammarRows.masks (its own work, the waits within it excluded). busy = wall - blocked is
-    the host's share of a step: when it nears the GPU's step time, every extra microsecond of it shows as gap."""
+    answer) or inside a named part of the step (its own work, the waits within it excluded; parts nest, so
+    masks includes its own sub-parts). busy = wall - blocked is the host's share of a step: when it nears the
+    GPU's step time, every extra microsecond of it shows as gap."""
+
+    # (module, class, method, part name): the step's host work, from schedule to output processing, and
+    # GrammarRows.masks with its pieces.
+    PARTS = (("minillm.engine.scheduler", "Scheduler", "schedule", "schedule"),
+             ("minillm.engine.scheduler", "Scheduler", "update", "scheduler_update"),
+             ("minillm.engine.scheduler", "Scheduler", "apply_sampled_tokens", "apply_tokens"),
+             ("minillm.runner.model_runner", "ModelRunner", "update_states", "runner_states"),
+             ("minillm.runner.input_batch", "InputBuilder", "build", "inputs"),
+             ("minillm.runner.cuda_graphs", "DecodeGraphs", "replay", "replay"),
+             ("minillm.model.qwen3", "QwenForCausalLM", "compute_logits", "lm_head"),
+             ("minillm.sampling.batch", "SamplingBatchCache", "get", "sampling_batch"),
+             ("minillm.sampling.sampler", "Sampler", "__call__", "sampler"),
+             ("minillm.runner.model_runner", "ModelRunner", "resolve", "resolve"),
+             ("minillm.engine.output_processor", "OutputProcessor", "process", "outputs"),
+             ("minillm.structured.rows", "GrammarRows", "masks", "masks"),
+             ("minillm.structured.rows", "GrammarRows", "_work", "masks_work"),
+             ("minillm.structured.rows", "GrammarRows", "_queue_waits", "masks_queue"),
+             ("minillm.structured.rows", "GrammarRows", "settle", "masks_settle"),
+             ("minillm.structured.rows", "GrammarRows", "publish", "masks_publish"),
+             ("minillm.structured.mask_worker", "MaskWorker", "fill", "masks_send"),
+             ("minillm.structured.mask_worker", "MaskWorker", "ring", "masks_ring"))
 
     def __init__(self):
-        self.blocked = self.masks = 0.0
+        self.blocked = 0.0
+        self.parts: dict[str, float] = {}
+
+    @property
+    def masks(self) -> float:
+        return self.parts.get("masks", 0.0)
 
     def blocking(self, fn):
         """fn, its wall time counted as blocked."""
@@ -125,25 +152,34 @@ class HostClock:
                 self.blocked += time.perf_counter() - t0
         return timed
 
-    def in_masks(self, fn):
-        """fn, its wall time less what it spent blocked counted as masks time."""
+    def part(self, name: str, fn):
+        """fn, its wall time less what it spent blocked counted as part `name`."""
+        self.parts.setdefault(name, 0.0)
+
         def timed(*a, **kw):
             t0, b0 = time.perf_counter(), self.blocked
             try:
                 return fn(*a, **kw)
             finally:
-                self.masks += time.perf_counter() - t0 - (self.blocked - b0)
+                self.parts[name] += time.perf_counter() - t0 - (self.blocked - b0)
         return timed
 
+    def in_masks(self, fn):
+        return self.part("masks", fn)
+
     def install(self) -> None:
-        from minillm.structured import mask_worker, rows
+        import importlib
+
+        from minillm.structured import mask_worker
 
         torch.cuda.Event.synchronize = self.blocking(torch.cuda.Event.synchronize)
         mask_worker.MaskWorker._answer = self.blocking(mask_worker.MaskWorker._answer)
-        rows.GrammarRows.masks = self.in_masks(rows.GrammarRows.masks)
+        for module, cls, method, name in self.PARTS:
+            owner = getattr(importlib.import_module(module), cls)
+            setattr(owner, method, self.part(name, getattr(owner, method)))
 
-    def read(self) -> tuple[float, float]:
-        return self.blocked, self.masks
+    def read(self) -> tuple[float, dict[str, float]]:
+        return self.blocked, dict(self.parts)
 
 
 HOST = HostClock()
@@ -207,7 +243,7 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
     times, prof = [], None
     runner, events = llm.engine.runner, None
     cpu0, nsteps = cpu_counters(llm), 0
-    blocked = masks = 0.0
+    blocked, parts = 0.0, {}
     worker = getattr(runner.grammar, "_worker", None)
     place = Placement([p.pid for p in getattr(worker, "procs", [])]) if constrained and PLACEMENT else None
     while llm.has_unfinished_requests():
@@ -221,14 +257,16 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
             prof_start, prof_n = time.perf_counter(), 0
-        t0, (b0, m0) = time.perf_counter(), HOST.read()
+        t0, (b0, p0) = time.perf_counter(), HOST.read()
         llm.step()
         nsteps += 1
         if full:
             times.append(time.perf_counter() - t0)
-            b1, m1 = HOST.read()
+            b1, p1 = HOST.read()
             if len(times) > 2:   # as times[2:] below
-                blocked, masks = blocked + b1 - b0, masks + m1 - m0
+                blocked += b1 - b0
+                for k, v in p1.items():
+                    parts[k] = parts.get(k, 0.0) + v - p0.get(k, 0.0)
         if prof is not None and prof_n is not None:
             prof_n += 1
             if prof_n == prof_steps:
@@ -247,7 +285,8 @@ def run_mode(llm: LLM, batch: int, constrained: int, steps: int, spec, prof_step
     timed = times[2:]
     if timed:
         cpu["host_busy_ms_per_step"] = (sum(timed) - blocked) / len(timed) * 1e3
-        cpu["host_masks_ms_per_step"] = masks / len(timed) * 1e3
+        cpu["host_masks_ms_per_step"] = parts.get("masks", 0.0) / len(timed) * 1e3
+        cpu["host_parts_ms_per_step"] = {k: v / len(timed) * 1e3 for k, v in parts.items()}
     if place is not None:
         cpu.update(place.stop())
     return timed, prof, events, cpu   # the first full steps still carry prefill leftovers
@@ -459,6 +498,9 @@ def report(args, llm, b, mode, constrained, pooled, mask_threads, host, prof) ->
     for key in ("host_busy_ms_per_step", "host_masks_ms_per_step"):   # timed steps, median over rounds
         if any(key in c for c in cpus):
             line[key] = statistics.median(c[key] for c in cpus if key in c)
+    parts = [c["host_parts_ms_per_step"] for c in cpus if "host_parts_ms_per_step" in c]
+    if parts:
+        line["host_parts_ms_per_step"] = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in parts[0]}
     if "engine_cpu" in cpus[-1]:   # where the last round ran
         line["placement"] = {k: v for k, v in cpus[-1].items() if k.startswith(("engine_c", "worker")) and
                              not k.endswith(("_s", "_switches"))}

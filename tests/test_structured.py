@@ -124,6 +124,42 @@ def test_matcher_rolls_back_to_the_outputs_the_engine_holds(service):
     assert st.accepted == 1 and st.history == ids[:1] and np.array_equal(got, want.numpy())
 
 
+def test_a_steady_fill_follows_on_from_the_last_with_the_sampled_tokens(service):
+    """fill_next: the last fill's rows, each one output further, its token read by the row's slot, and
+    min_tokens' ban lifted where the request reaches it: the bitmask of the fill the engine would have sent."""
+    import xgrammar as xgr
+    from minillm.structured.matchers import GrammarState, Matchers, RowWork
+
+    tok = __import__("tokenizers").Tokenizer.from_file(DEMO_TOKENIZER)
+    ids = [tok.token_to_id(c) for c in "abc"]
+    spec = from_structured_outputs({"regex": "[a-z]{1,8}"})
+    assert None not in ids
+    eos = ids[2]   # stands in for EOS: min_tokens bans it, and the grammar allows it in both rows
+
+    def matchers():
+        m = Matchers(None, 4096, StructuredConfig())
+        for rid in "rs":   # min_tokens 2: the banned token is cleared while fewer than 2 outputs precede
+            m.states[rid] = GrammarState(xgr.GrammarMatcher(service.compiled(spec)), banned=(eos,), min_tokens=2)
+        return m
+
+    first = [RowWork(0, "r", 0, (), 0, True, 3), RowWork(1, "s", 0, (ids[0],), 1, True, 1)]
+    tokens = np.full(4, -1, dtype=np.int64)
+    tokens[3], tokens[1] = ids[0], ids[1]
+    steady, full = matchers(), matchers()
+    got, want = np.zeros((2, 128), dtype=np.int32), np.zeros((2, 128), dtype=np.int32)
+    steady.fill(first, got)
+    steady.fill_next(tokens, got)
+    full.fill(first, want)
+    full.fill([RowWork(0, "r", 0, (ids[0],), 1, True, 3), RowWork(1, "s", 1, (ids[1],), 2, False, 1)], want)
+    assert np.array_equal(got, want)
+    assert steady.states["s"].history == ids[:2] and steady.last[1][4:] == (2, False, 1)
+    allowed = lambda row, t: bool((int(row[t // 32]) >> (t % 32)) & 1)   # noqa: E731
+    assert not allowed(got[0], eos) and allowed(got[1], eos)   # r still under min_tokens, s past it
+    steady.drop(["s"])
+    with pytest.raises(RuntimeError, match="dropped"):
+        steady.fill_next(tokens, got)
+
+
 def test_min_tokens_ban_clears_eos_bits_unless_nothing_else_is_allowed():
     from minillm.structured.matchers import _ban
 

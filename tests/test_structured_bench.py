@@ -53,9 +53,14 @@ def test_host_clock_counts_blocked_time_and_masks_time_without_it():
         return "mask"
 
     assert clock.in_masks(masks)() == "mask"
-    blocked, in_masks = clock.read()
+    blocked, parts = clock.read()
     assert 0.05 <= blocked < 0.09
-    assert 0.02 <= in_masks < 0.045   # the wait inside it is not masks time
+    assert 0.02 <= parts["masks"] < 0.045   # the wait inside it is not masks time
+    inner = clock.part("inner", lambda: busy(0.01))
+    clock.part("outer", lambda: (busy(0.01), inner(), wait()))()
+    parts = clock.read()[1]
+    assert 0.01 <= parts["inner"] < 0.025
+    assert 0.02 <= parts["outer"] < 0.045   # nested parts are counted in both; waits in neither
     with pytest.raises(ValueError):
         clock.blocking(lambda: (_ for _ in ()).throw(ValueError("x")))()
     assert clock.read()[0] > blocked   # a wait that raised still counts

@@ -11,6 +11,7 @@ from minillm.llm import LLM
 from minillm.sampling.grammar_mask import GrammarMask, apply_grammar_mask
 from minillm.sampling_params import SamplingParams
 from minillm.structured.spec import from_structured_outputs
+from test_structured_gpu_wait import _count_rings
 
 pytestmark = pytest.mark.gpu
 
@@ -161,8 +162,42 @@ def test_registered_shared_memory_is_pinned_and_waited_on():
         shm.unlink()
 
 
+def test_published_tokens_reach_registered_memory_behind_the_stream_then_their_flag():
+    """cuda/grammar_mask.cu publish_host_tokens (GrammarRows.publish): queued behind ~50 ms of GPU work, the flag
+    is not set before that work ends; once the host sees it, the tokens (reference: the device tensor) are there."""
+    import time
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    _flag_kernel()
+    from minillm.sampling.grammar_mask import publish_host_tokens, register_host_memory, unregister_host_memory
+    shm = shared_memory.SharedMemory(create=True, size=64 + 8 * 300)
+    try:
+        flag = np.ndarray((1,), dtype=np.int64, buffer=shm.buf)
+        dst = np.ndarray((300,), dtype=np.int64, buffer=shm.buf, offset=64)
+        flag[:], dst[:] = 0, -1
+        register_host_memory(flag.ctypes.data, shm.size)
+        try:
+            tokens = torch.randint(0, 151936, (300,), dtype=torch.int64, device="cuda")
+            torch.cuda._sleep(50_000_000)   # ~50 ms of spinning on the stream
+            publish_host_tokens(tokens, dst.ctypes.data, flag.ctypes.data, 9)
+            assert flag[0] == 0
+            end = time.monotonic() + 10
+            while flag[0] != 9 and time.monotonic() < end:
+                pass
+            assert flag[0] == 9 and np.array_equal(dst, tokens.cpu().numpy())
+        finally:
+            torch.cuda.synchronize()
+            unregister_host_memory(flag.ctypes.data)
+        del flag, dst
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 @pytest.mark.parametrize("worker,workers", [(True, 1), (True, 2), (False, 1)])
-def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(worker, workers):
+def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(monkeypatch, worker, workers):
     """structured.mask_wait auto (the stream waits on the fill's flags, the sampler queued behind the forward) gives
     the tokens of mask_wait host (the sampler launched by the host once the fill is in): seeds, greedy, n > 1,
     min_tokens, unconstrained rows beside constrained ones; one worker, two (the stream waits on both flags), or
@@ -177,7 +212,9 @@ def test_the_stream_waiting_for_masks_gives_the_host_launched_tokens(worker, wor
         llm = LLM(device="cuda", max_num_seqs=16, num_kv_blocks=512, structured_mask_worker=worker,
                   structured_mask_workers=workers, structured_mask_wait=wait)
         assert llm.engine.runner.grammar.gpu_wait is (wait == "auto")
+        rings = _count_rings(monkeypatch)
         outs[wait] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert bool(rings) is (worker and wait == "auto")   # steady steps followed on from published tokens
         assert not llm.engine.runner.grammar._unsettled
         llm.close()
         del llm

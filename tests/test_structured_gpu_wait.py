@@ -58,7 +58,7 @@ def _gpu_wait_llm(worker: bool, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("worker,workers", [(True, 1), (True, 2), (False, 1)])
-def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker, workers):
+def test_the_stream_waiting_gives_the_host_launched_tokens(stream, monkeypatch, worker, workers):
     from minillm.sampling_params import SamplingParams
     prompts, params = _requests()
     # a constrained row asking for logprobs: its step settles before the sampler reads them back
@@ -66,6 +66,7 @@ def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker, worke
     params.append(SamplingParams(temperature=1.0, max_tokens=12, seed=5, logprobs=2, structured=REGEX))
     with LLM(device="cpu", max_num_seqs=8, structured_mask_worker=worker) as ref:
         want = [[c.token_ids for c in o.outputs] for o in ref.generate(prompts, params, use_tqdm=False)]
+    rings = _count_rings(monkeypatch)
     with _gpu_wait_llm(worker, structured_mask_workers=workers) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         got = [[c.token_ids for c in o.outputs] for o in outs]
@@ -78,12 +79,71 @@ def test_the_stream_waiting_gives_the_host_launched_tokens(stream, worker, worke
     assert stream.waits == [q for q in range(1, len(stream.waits) // workers + 1) for _ in range(workers)]
     assert len(stream.waits) > 10 * workers
     assert set(stream.ends) == {0}   # the filler set each flag itself, before the host took its answer
+    # with a worker, most decode steps were handed over by a ring alone (the steady path), the rest as messages
+    assert (len(rings) > len(stream.waits) // workers // 2) if worker else not rings
     assert stream.registered == []   # unregistered at close
     if worker:   # preemption (a pool too small for every row: matchers rolled back) gives the same tokens too
         with _gpu_wait_llm(worker, num_kv_blocks=12, max_model_len=128) as llm:
             small = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
             assert llm.stats().num_preemptions > 0
         assert small == want
+
+
+def _count_rings(monkeypatch) -> list:
+    from minillm.structured.mask_worker import MaskWorker
+    rings, ring = [], MaskWorker.ring
+    monkeypatch.setattr(MaskWorker, "ring", lambda self, turn, seq: (rings.append(seq), ring(self, turn, seq))[1])
+    return rings
+
+
+def test_a_sleeping_worker_wakes_for_a_ring_and_a_failed_ring_names_its_error():
+    """MaskWorker alone: a full fill, its step's tokens published as GrammarRows.publish stores them, then a ring
+    after the worker has gone to sleep (past its spin): the bitmask is the in-process matcher's one token further.
+    A ring for a request the worker no longer holds fails with its reason, and the worker serves on."""
+    import time
+
+    import numpy as np
+    import xgrammar as xgr
+
+    from minillm.model.loader import DEMO_MODEL_DIR
+    from minillm.structured import mask_worker
+    from minillm.structured.compiler import grammar_service
+    from minillm.structured.matchers import publish_flag
+
+    cfg, vocab = StructuredConfig(), 4096
+    worker = mask_worker.MaskWorker(DEMO_MODEL_DIR, vocab, cfg, 4)
+    try:
+        shared = worker.shared
+        worker.open("r", REGEX, (), (), 0)
+        worker.fill(1, [(0, "r", 0, (), 0, False, 2)], worker.buffers[1, :1], seq=1)
+        worker.wait(1, worker.buffers[1, :1])
+        matcher = xgr.GrammarMatcher(grammar_service(DEMO_MODEL_DIR, vocab, cfg).compiled(REGEX))
+        want = xgr.allocate_token_bitmask(1, vocab)
+        matcher.fill_next_token_bitmask(want)
+        token = int(np.flatnonzero(np.unpackbits(want.numpy().view(np.uint8), bitorder="little"))[0])
+        shared.tokens[1, :3] = (-1, -1, token)   # fill 1's step sampled `token` in row 2
+        publish_flag(shared.token_flags, 1, 1)
+        end = time.monotonic() + 10
+        while not shared.sleeping[0] and time.monotonic() < end:
+            time.sleep(0.01)
+        assert shared.sleeping[0] == 1   # past _SPIN_S with nothing to do
+        worker.ring(0, 2)
+        worker.settle_ring(0, 2)
+        assert matcher.accept_token(token)
+        matcher.fill_next_token_bitmask(want)
+        assert np.array_equal(worker.buffers[0, :1], want.numpy()) and worker.flags[0, 0] == 2
+        worker.drop(["r"])
+        shared.tokens[0, :3] = (-1, -1, token)
+        publish_flag(shared.token_flags, 0, 2)
+        worker.ring(1, 3)
+        with pytest.raises(RuntimeError, match="dropped"):
+            worker.settle_ring(1, 3)
+        assert worker.flags[0, 1] == -3
+        worker.fill(0, [], worker.buffers[0, :0], seq=4)   # it serves on
+        worker.wait(0, worker.buffers[0, :0])
+        assert worker.flags[0, 0] == 4
+    finally:
+        worker.close()
 
 
 def test_a_worker_that_stops_answering_fails_the_step_and_releases_the_stream(stream):

@@ -278,11 +278,14 @@ class ModelRunner:
         if isinstance(mask, PendingMask):
             inflight.pending = lambda: self._run_deferred(inflight, logits, batch, mask)
             return inflight
+        fence = None
         if isinstance(mask, FencedMask):
-            inflight.fence, mask = mask.fence, mask.mask
+            inflight.fence, fence, mask = mask.fence, mask.fence, mask.mask
             if batch.logprobs is not None:
                 inflight.settle()   # the sampler reads logprobs back at once: the host sees a failure first
         self._run_sampler(inflight, logits, batch, mask)
+        if fence is not None:   # the next step's fill may follow on from these tokens
+            self.grammar.publish(fence, inflight.token_ids)
         return inflight
 
     def _run_deferred(self, inflight: InFlight, logits, batch, mask) -> None:

@@ -46,6 +46,13 @@ def wait_for_host_flag(status: torch.Tensor, flag_addr: int, expect: int, timeou
     torch.ops.minillm.wait_host_flag_(status, flag_addr, expect, max(1, int(timeout_s * 1e9)))
 
 
+def publish_host_tokens(tokens: torch.Tensor, dst_addr: int, flag_addr: int, value: int) -> None:
+    """Queue on the current CUDA stream: int64 CUDA `tokens` [n] into the int64 [n] at host address `dst_addr`,
+    then `value` into the int64 at `flag_addr` (both in mapped memory: register_host_memory). A host reader that
+    sees the flag sees the tokens (wait_for_host_flag's counterpart)."""
+    torch.ops.minillm.publish_host_tokens_(tokens.contiguous(), dst_addr, flag_addr, value)
+
+
 def register_host_memory(addr: int, nbytes: int) -> None:
     """Page-lock and map host memory that torch did not allocate (a shared-memory segment), so that copies
     from it run asynchronously and wait_for_host_flag can poll a flag in it."""

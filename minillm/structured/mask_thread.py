@@ -31,8 +31,9 @@ class MaskThread:
         self._changes: list[tuple[str, Future]] = []   # opens and drops not yet checked
         self._fills: dict[int, Future] = {}
 
-    def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
-        self._changes.append(("open", self._pool.submit(self.matchers.open, req_id, spec, banned, eos_ids)))
+    def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...], min_tokens: int = 0) -> None:
+        self._changes.append(("open", self._pool.submit(self.matchers.open, req_id, spec, banned, eos_ids,
+                                                        min_tokens)))
 
     def drop(self, req_ids) -> None:
         self._changes.append(("drop", self._pool.submit(self.matchers.drop, list(req_ids))))

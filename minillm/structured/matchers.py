@@ -6,6 +6,9 @@ A matcher always stands at a known point of its request's output: it has accepte
 tokens of `history` (the output tokens it has been sent). A RowWork says how many outputs precede the token
 sampled now (`before`) and brings `history` up to date first (`start`, `tokens`: history[start:] becomes
 tokens). The matcher then accepts what it has not seen or rolls back what the engine no longer holds.
+
+A steady decode step (the same rows as the step before, each one token further) needs no RowWork from the
+engine: fill_next builds it from the last fill's and the tokens that step sampled (GrammarRows.masks says when).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class GrammarState:
     failed: bool = False            # a token the grammar refused (cannot happen under the mask): left unmasked
     banned: tuple[int, ...] = ()    # what min_tokens bans: EOS (unless ignore_eos) and the stop token ids
     history: list[int] = field(default_factory=list)   # the output tokens sent so far
+    min_tokens: int = 0             # the request's min_tokens: fill_next bans below it, as the engine does
 
 
 class RowWork(NamedTuple):
@@ -38,6 +42,7 @@ class RowWork(NamedTuple):
     tokens: tuple[int, ...]
     before: int                     # outputs preceding the token sampled now
     ban: bool                       # min_tokens is not reached: clear the banned tokens (unless nothing else is left)
+    slot: int = -1                  # the row among the step's sampled rows (its token's index): fill_next reads it
 
 
 class Matchers:
@@ -45,14 +50,15 @@ class Matchers:
         self.model_dir, self.vocab_size, self.cfg = model_dir, vocab_size, cfg
         self.states: dict[str, GrammarState] = {}
         self._batch = None
+        self.last: list[tuple] = []     # the last fill's RowWork (fill_next follows on from it)
 
-    def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...]) -> None:
+    def open(self, req_id: str, spec, banned: tuple[int, ...], eos_ids: tuple[int, ...], min_tokens: int = 0) -> None:
         import xgrammar as xgr
         from minillm.structured.compiler import grammar_service
 
         compiled = grammar_service(self.model_dir, self.vocab_size, self.cfg).compiled(spec)
         self.states[req_id] = GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=list(eos_ids) or None),
-                                           banned=banned)
+                                           banned=banned, min_tokens=min_tokens)
 
     def drop(self, req_ids) -> None:
         for rid in req_ids:
@@ -61,10 +67,13 @@ class Matchers:
     def fill(self, work: list[tuple], bitmask: np.ndarray) -> None:
         """Bring each row's matcher to its outputs and write its bitmask row (int32 [rows, words]); a row whose
         matcher refused a token or has terminated is left all ones (unconstrained: its token is dropped)."""
+        self.last = work
+        if not work:
+            return
         states = [self.states[w[1]] for w in work]
         self._advance_all(work, states)
         matchers, rows, groups = [], [], {}
-        for (row, _, _, _, _, ban), st in zip(work, states):
+        for (row, _, _, _, _, ban, *_), st in zip(work, states):
             if st.failed or st.matcher.is_terminated():
                 bitmask[row] = -1
                 continue
@@ -82,7 +91,7 @@ class Matchers:
         """The common case, one new token per row, goes to xgrammar in one batched call; rollbacks and catch-ups
         (preemption, a resync) go row by row."""
         one, tokens = [], []
-        for (_, _, start, new, before, _), st in zip(work, states):
+        for (_, _, start, new, before, *_), st in zip(work, states):
             history = st.history
             if start == len(history) and len(new) == 1:   # the common case: one more output
                 history.append(new[0])
@@ -100,6 +109,18 @@ class Matchers:
                 st.failed = not ok
                 st.accepted += 1
 
+    def fill_next(self, tokens: np.ndarray, bitmask: np.ndarray) -> None:
+        """fill() for the step after the last fill, with the same rows each one output further: `tokens` (int64,
+        by sampled row) are what that step sampled, each row's new output."""
+        states = self.states
+        work = []
+        for row, rid, _, _, before, _, slot in self.last:
+            st = states.get(rid)
+            if st is None:
+                raise RuntimeError(f"a steady fill follows a row whose request {rid!r} was dropped")
+            work.append((row, rid, before, (int(tokens[slot]),), before + 1, before + 1 < st.min_tokens, slot))
+        self.fill(work, bitmask)
+
     def _fill(self, matchers, bitmask: np.ndarray, rows: list[int]) -> None:
         view = torch.from_numpy(bitmask)
         if len(matchers) == 1:
@@ -114,11 +135,17 @@ class Matchers:
 _BARRIER = threading.Lock()
 
 
-def publish_flag(flags: np.ndarray, turn: int, value: int) -> None:
-    """Store a fill's flag (its sequence number, negative if it failed) once its rows are written. Taking a lock
-    is a full memory barrier on every CPU, so a CUDA stream that sees the flag also sees the rows."""
+def memory_barrier() -> None:
+    """A full memory barrier on every CPU (taking a lock is one): orders this thread's stores before its later
+    loads and stores, as seen by another process or a CUDA stream reading the same memory."""
     with _BARRIER:
         pass
+
+
+def publish_flag(flags: np.ndarray, turn: int, value: int) -> None:
+    """Store a fill's flag (its sequence number, negative if it failed) once its rows are written: whoever sees
+    the flag (a CUDA stream, the engine) also sees the rows."""
+    memory_barrier()
     flags[turn] = value
 
 

@@ -20,7 +20,10 @@ in one of two ways (`gpu_wait`, StructuredConfig.gpu_waits_for_masks):
   the sampler starts right after the forward, whatever the host is doing. Before
   the host waits for that step's tokens it settles the fence: it takes the filler's answer, and on any failure
   stores the flags' negative itself (the stream goes on) and raises, so a dead worker fails the step and never
-  hangs the stream (the wait is also bounded in time);
+  hangs the stream (the wait is also bounded in time). With a worker process, a steady decode step (the rows of
+  the step before, each one output further) is handed over without a message or any per-row work
+  (_follows, mask_worker.py): the GPU stores each fenced step's tokens in the worker's memory behind its
+  sampler (publish), and the next step's fill follows on from them;
 - otherwise it returns a PendingMask, and the runner launches the step's sampler only when the next step is
   launched or this one resolved (model_runner.py): the fills run beside the host work of that interval.
 """
@@ -28,12 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from operator import is_
 
 import torch
 
 from minillm.config import StructuredConfig
-from minillm.sampling.grammar_mask import (GrammarMask, register_host_memory, unregister_host_memory,
-                                           wait_for_host_flag)
+from minillm.sampling.grammar_mask import (GrammarMask, publish_host_tokens, register_host_memory,
+                                           unregister_host_memory, wait_for_host_flag)
 
 
 @dataclass
@@ -54,6 +58,7 @@ class MaskFence:
     rows: "GrammarRows"
     turn: int
     seq: int
+    ring: bool = False   # a steady fill: the workers answer in their flags (MaskWorker.settle_ring)
 
     def settle(self) -> None:
         self.rows.settle(self)
@@ -87,6 +92,10 @@ class GrammarRows:
         self._dev = self._dev_index = None   # gpu_wait: the bitmasks and row indices on the device, per turn
         self._copies = None                  # the stream the waits and those copies run on
         self._free: list = [None, None]      # per turn: an event behind the last sampler that read its buffers
+        # What a steady step follows on from (_follows): the last fill's sampled rows (the list masks() got),
+        # request ids and row indices, and the last fill whose tokens were published.
+        self._last: tuple[list, list[str], list[int] | None] | None = None
+        self._published = 0
 
     @property
     def matchers(self):
@@ -123,13 +132,16 @@ class GrammarRows:
         ended = [rid for rid in so.finished_ids if self.sent.pop(rid, None) is not None]
         if ended:
             self.matchers.drop(ended)
+            self._last = None
         for new in so.new_requests:
             sp = new.sampling_params
             if sp.structured is not None:
                 banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(new.eos_token_ids))
                 banned = tuple(sorted(t for t in banned if 0 <= t < self.vocab_size))
-                self.matchers.open(new.req_id, sp.structured, banned, tuple(sorted(new.eos_token_ids)))
+                self.matchers.open(new.req_id, sp.structured, banned, tuple(sorted(new.eos_token_ids)),
+                                   sp.min_tokens)
                 self.sent[new.req_id] = 0
+                self._last = None
 
     def masks(self, sampled, seq_lens, prev, beside: bool = True) -> GrammarMask | PendingMask | None:
         """The bitmask of this step's constrained rows (None when there is none: the sampler skips masking).
@@ -138,27 +150,59 @@ class GrammarRows:
         the stream's wait for the fill may run beside the step's forward pass (_queue_waits)."""
         if not self.sent:
             return None
+        if self._follows(sampled, prev):
+            return self._follow(sampled, prev, beside)
         rows = [i for i, r in enumerate(sampled) if r.request_id in self.sent]
         if not rows:
+            self._last = None
             return None
         work = self._work(sampled, rows, seq_lens, prev)
         index = None if len(rows) == len(sampled) else rows
         self._turn ^= 1
         if self.gpu_wait:
-            return self._fenced(self._turn, work, index, beside)
+            self._last = (sampled, [w[1] for w in work], index) if self.worker else None
+            return self._fenced(self._turn, len(work), work, index, beside)
         self.matchers.fill(self._turn, work, self._host_buffer(self._turn, len(rows)).numpy())
         pending = PendingMask(self, self._turn, len(rows), index)
         return pending if self.defer else self.finish(pending)
 
-    def _fenced(self, turn: int, work: list[tuple], index: list[int] | None, beside: bool) -> FencedMask:
-        """Hand the fill over with a new sequence number, then queue the waits for it and the copy, and return
-        the mask the sampler reads once the copy is in (see _queue_waits)."""
+    def _follows(self, sampled, prev) -> bool:
+        """Whether this step's constrained rows are the last fill's, each one output further, that output being
+        what the step before sampled (published to the worker): the same sampled rows, in order, as the step
+        launched before, which was the last fill's, with no constrained request opened or ended since."""
+        last = self._last
+        return (last is not None and prev is not None and prev.sampled is last[0] and self._published == self._seq
+                and len(sampled) == len(last[0]) and all(map(is_, sampled, last[0])))
+
+    def _follow(self, sampled, prev, beside: bool) -> FencedMask:
+        """The steady step's fill: the last fill's rows, each one output further (_follows). The step before's
+        fill is settled first (as the full path does before it reads that step's tokens), so at most one fill is
+        ever unsettled: a failed one fails this launch and leaves no later stream wait behind."""
+        _, rids, index = self._last
+        self._last = None   # until the hand-over below is made
+        prev.settle()
+        sent = self.sent
+        for rid in rids:
+            sent[rid] += 1
+        self._turn ^= 1
+        fenced = self._fenced(self._turn, len(rids), None, index, beside)
+        self._last = (sampled, rids, index)
+        return fenced
+
+    def _fenced(self, turn: int, n: int, work: list[tuple] | None, index: list[int] | None,
+                beside: bool) -> FencedMask:
+        """Hand the fill of n rows over with a new sequence number (work None: a steady fill, MaskWorker.ring),
+        then queue the waits for it and the copy, and return the mask the sampler reads once the copy is in
+        (see _queue_waits)."""
         matchers = self.matchers
-        bitmask = self._host_buffer(turn, len(work))
+        bitmask = self._host_buffer(turn, n)
         self._seq += 1
-        matchers.fill(turn, work, bitmask.numpy(), self._seq)
+        if work is None:
+            matchers.ring(turn, self._seq)
+        else:
+            matchers.fill(turn, work, bitmask.numpy(), self._seq)
         self._unsettled[turn] = self._seq
-        fence = MaskFence(self, turn, self._seq)
+        fence = MaskFence(self, turn, self._seq, ring=work is None)
         try:
             mask = self._queue_waits(turn, fence.seq, bitmask, index, beside)
         except BaseException:
@@ -218,10 +262,29 @@ class GrammarRows:
             return
         del self._unsettled[fence.turn]
         try:
-            self._worker.wait(fence.turn, self._host_buffer(fence.turn, 1).numpy())
+            if fence.ring:
+                self._worker.settle_ring(fence.turn, fence.seq)
+            else:
+                self._worker.wait(fence.turn, self._host_buffer(fence.turn, 1).numpy())
         except BaseException:
             self._release(fence.turn, fence.seq)
             raise
+
+    def publish(self, fence: MaskFence, token_ids) -> None:
+        """Behind a fenced step's sampler, its tokens (by sampled row) into the worker's memory, where the next
+        step's steady fill reads them (mask_worker._follow): queued on CUDA, stored at once on the CPU."""
+        if self._last is None:   # the next step cannot follow on from this one
+            return
+        shared = self._worker.shared
+        slot = fence.seq % 2
+        if self.device.type == "cuda":
+            publish_host_tokens(token_ids, shared.tokens[slot].ctypes.data, shared.token_flags[slot:].ctypes.data,
+                                fence.seq)
+        else:
+            from minillm.structured.matchers import publish_flag
+            shared.tokens[slot, :len(token_ids)] = token_ids.numpy()
+            publish_flag(shared.token_flags, slot, fence.seq)
+        self._published = fence.seq
 
     def _release(self, turn: int, seq: int) -> None:
         """A stream waiting for fill `seq` goes on (the step fails on the host)."""
@@ -270,7 +333,7 @@ class GrammarRows:
                     pending = _pending_tokens(prev)
                 tokens = tuple(_output_token(r, k, pending) for k in range(start, before))
             sent[rid] = before
-            work.append((j, rid, start, tokens, before, before < r.sampling_params.min_tokens))
+            work.append((j, rid, start, tokens, before, before < r.sampling_params.min_tokens, i))
         return work
 
     def _device_mask(self, bitmask: torch.Tensor, turn: int, index: list[int] | None) -> GrammarMask:
