@@ -48,7 +48,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/install.lo
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
   | tee -a "$SUMMARY"
 if [[ -d .old ]]; then   # build the previous commit's kernels meanwhile (its own cache key)
-  (cd .old && MINILLM_COMMIT=old PYTHONPATH=$PWD timeout 400 python3 -c \
+  (cd .old && MINILLM_COMMIT=old PYTHONPATH=$PWD:$PYTHONPATH timeout 400 python3 -c \
     "from minillm.ops.build import load_extension; load_extension()" > "$LOG/oldbuild.log" 2>&1) &
 fi
 stage build 240 python3 -c "from minillm.ops.build import load_extension; load_extension(); print('extension ok')"
@@ -218,8 +218,8 @@ for i in range(48):
         --out "$OUT/structured.jsonl" ;;
     structuredold)   # B=64 all / half constrained, the tree in .old/ against this one, alternating processes
       wait
-      for r in 1 2; do
-        stage structured64_old$r 70 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD \
+      for r in 1 2 3; do
+        stage structured64_old$r 70 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD:$PYTHONPATH \
           python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker --rounds 3 \
           --out $OUT/structured_old.jsonl"
         stage structured64_new$r 70 python3 scripts/structured_bench.py --batches 64 --steps 64 --mask-worker \
@@ -281,17 +281,17 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
     oldsweep)   # the same sweep (this tree's module) over the previous commit's engine
       wait
       cp minillm/bench/decode_sweep.py .old/minillm/bench/decode_sweep.py
-      stage oldsweep 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m \
+      stage oldsweep 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD:$PYTHONPATH python3 -m \
         minillm.bench.decode_sweep --output $OUT/decode_steps_old.jsonl" ;;
     bench)
       stage bench 200 python3 -m minillm bench --no-progress --repeat 2 --output "$OUT/bench.jsonl" ;;
     oldmkbench)   # megakernel_bench on the tree in .old/ (its own kernels), for an A/B in the same run
       wait
-      stage oldmk_bench 150 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 \
+      stage oldmk_bench 150 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD:$PYTHONPATH python3 \
         scripts/megakernel_bench.py --out $OUT/megakernel_bench_old.jsonl" ;;
     oldbench)
       wait
-      stage oldbench 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD python3 -m minillm \
+      stage oldbench 200 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD:$PYTHONPATH python3 -m minillm \
         bench --no-progress --repeat 2 --output $OUT/bench_old.jsonl" ;;
     ncu)   # Nsight Compute: one megakernel launch at B=1 and B=8 (context 512), full set with source counters
       for b in 1 8; do

@@ -109,7 +109,7 @@ def stub_model(llm: LLM) -> None:
 
 class HostClock:
     """Where the engine thread's time goes on timed steps: blocked (CUDA event syncs, waits for a mask worker's
-    answer) or inside a named part of the step (its own work, the waits within it excluded; parts nest, so
+    answer or flag) or inside a named part of the step (its own work, the waits within it excluded; parts nest, so
     masks includes its own sub-parts). busy = wall - blocked is the host's share of a step: when it nears the
     GPU's step time, every extra microsecond of it shows as gap."""
 
@@ -174,6 +174,7 @@ class HostClock:
 
         torch.cuda.Event.synchronize = self.blocking(torch.cuda.Event.synchronize)
         mask_worker.MaskWorker._answer = self.blocking(mask_worker.MaskWorker._answer)
+        mask_worker.MaskWorker.settle_ring = self.blocking(mask_worker.MaskWorker.settle_ring)
         for module, cls, method, name in self.PARTS:
             owner = getattr(importlib.import_module(module), cls)
             setattr(owner, method, self.part(name, getattr(owner, method)))

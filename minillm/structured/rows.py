@@ -92,6 +92,9 @@ class GrammarRows:
         self._dev = self._dev_index = None   # gpu_wait: the bitmasks and row indices on the device, per turn
         self._copies = None                  # the stream the waits and those copies run on
         self._free: list = [None, None]      # per turn: an event behind the last sampler that read its buffers
+        self._views: dict = {}               # (turn, rows) -> the view of _dev the sampler reads
+        self._rows_sent: list = [None, None]   # per turn: (index list, its device copy) last copied
+        self._waits = None                   # per turn: each filler's flag wait (_wait_flags)
         # What a steady step follows on from (_follows): the last fill's sampled rows (the list masks() got),
         # request ids and row indices, and the last fill whose tokens were published.
         self._last: tuple[list, list[str], list[int] | None] | None = None
@@ -235,22 +238,39 @@ class GrammarRows:
             elif self._free[turn] is not None:
                 side.wait_event(self._free[turn])   # the sampler that last read these device buffers is done
             self._wait_flags(turn, seq)
-            n = bitmask.shape[0]
-            dev = self._dev[turn, :n]
+            dev = self._dev_view(turn, bitmask.shape[0])
             dev.copy_(bitmask, non_blocking=True)
-            rows = None
-            if index is not None:
-                rows = self._index[turn][:len(index)]
-                rows.copy_(torch.as_tensor(index, dtype=torch.int64))
-                rows = self._dev_index[turn, :len(index)].copy_(rows, non_blocking=True)
+            rows = None if index is None else self._dev_rows(turn, index)
         main.wait_stream(side)
         self._free[turn ^ 1] = main.record_event()   # behind the sampler that reads the other turn's buffers
         return GrammarMask(dev, rows)
 
+    # The views below are kept: a step at 64 rows made ~0.1 ms of torch calls on the engine thread here.
+    def _dev_view(self, turn: int, n: int) -> torch.Tensor:
+        view = self._views.get((turn, n))
+        if view is None:
+            view = self._views[(turn, n)] = self._dev[turn, :n]
+        return view
+
+    def _dev_rows(self, turn: int, index: list[int]) -> torch.Tensor:
+        """The constrained rows' indices on the device (turn's buffer), copied unless this very list was the
+        last copied there (a steady step reuses the last fill's)."""
+        last = self._rows_sent[turn]
+        if last is not None and last[0] is index:
+            return last[1]
+        rows = self._index[turn][:len(index)]
+        rows.copy_(torch.as_tensor(index, dtype=torch.int64))
+        dev = self._dev_index[turn, :len(index)].copy_(rows, non_blocking=True)
+        self._rows_sent[turn] = (index, dev)
+        return dev
+
     def _wait_flags(self, turn: int, seq: int) -> None:
-        for k in range(len(self._flags)):
-            wait_for_host_flag(self._status[turn, k:k + 1], self._flags[k, turn:].ctypes.data, seq,
-                               self._wait_timeout_s())
+        if self._waits is None:   # per turn, each filler's (status view, flag address)
+            self._waits = [[(self._status[t, k:k + 1], self._flags[k, t:].ctypes.data) for k in range(len(self._flags))]
+                           for t in range(2)]
+        timeout_s = self._wait_timeout_s()
+        for status, addr in self._waits[turn]:
+            wait_for_host_flag(status, addr, seq, timeout_s)
 
     def _wait_timeout_s(self) -> float:
         # Longer than the worker's own answer may take (MaskWorker.timeout_s), so the host's error comes first.
@@ -305,6 +325,7 @@ class GrammarRows:
         if self._registered is not None:   # the worker's close unregisters it (before_unmap)
             self._registered = None
             self._host, self._flags = [], None   # views of the worker's memory, unmapped below
+        self._waits = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None
