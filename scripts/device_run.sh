@@ -330,6 +330,14 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
             --model $model --output "$OUT/bench.jsonl"
         done
       done ;;
+    ncumoe)   # Nsight Compute, basic set: each kernel of one Qwen3-30B-A3B MoE layer at 1 and 8 tokens, run alone
+      for t in 1 8; do
+        stage ncumoe_t$t 120 ncu --clock-control none --set basic -k "regex:moe_|dot_kernel|gemv" --launch-count 12 \
+          -f -o "$LOG/moe_t$t" python3 scripts/moe_bench.py --out /dev/null --tokens $t --layers 1 --replays 2
+        ncu -i "$LOG/moe_t$t.ncu-rep" --page details > "$OUT/ncu_moe_t$t.txt" 2>&1
+      done ;;
+    moebench1)   # moebench at 1 and 8 tokens only
+      stage moebench1 90 python3 scripts/moe_bench.py --tokens 1,8 --out "$OUT/moe_kernels.jsonl" ;;
     ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel on sm_90, T=4096 causal, 16/8 heads
       stage ncuprefill 200 ncu --clock-control none --set full -k regex:paged_prefill_wgmma --launch-count 1 -f \
         -o "$LOG/prefill_wgmma" python3 scripts/prefill_bench.py --out /dev/null --lengths 4096
