@@ -3,6 +3,12 @@
 //   torch.ops.minillm.moe_gate_up(x, w13, order, offsets, active, top_k, act!)
 //   torch.ops.minillm.moe_down(act, w2, weights, order, offsets, active, top_k, pairs!)
 //   torch.ops.minillm.moe_combine(pairs, top_k, out!)
+//   torch.ops.minillm.moe_route_gemv(x, router, top_k, renormalize, counter!)
+//       -> (logits, ids, weights, counts, offsets, order, active)
+//   torch.ops.minillm.moe_down_combine(act, w2, ids, weights, order, top_k, out!)
+// moe_route_gemv is moe_route with the router GEMV in (logits = x router^T in fp32, returned too); counter is the
+// caller's int32 word, 0 between launches (the kernel leaves it so). moe_down_combine is moe_down then
+// moe_combine in one launch.
 // The three expert ops write into caller buffers (declared (a!)), so that check-kernels can hand them
 // NaN-poisoned ones and the engine keeps one allocation per shape. The checks here are the limits that
 // minillm/ops/moe_ops.py states in COVERAGE and fused_shape_reason(), plus what only a tensor shows (device,
@@ -81,6 +87,45 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route(const Tenso
                                          at::cuda::getCurrentCUDAStream()),
                "moe_route");
   return {ids, weights, counts, offsets, order, active};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route_gemv(const Tensor& x_in,
+                                                                                const Tensor& router,
+                                                                                int64_t top_k, bool renormalize,
+                                                                                Tensor& counter) {
+  MINILLM_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a CUDA tensor [tokens, hidden], got ", x_in.sizes());
+  const minillm::ScalarType dtype = expert_dtype(x_in, "x");
+  // rows of 4-element (8-byte) loads; a fresh copy otherwise (contiguous() keeps a misaligned contiguous view)
+  const bool rows_ok = x_in.stride(1) == 1 && x_in.stride(0) % 4 == 0 &&
+                       reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 8 == 0;
+  const Tensor x = rows_ok ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
+  const int64_t t = x.size(0), h = x.size(1);
+  MINILLM_CHECK(t <= minillm::kMoeRouteGemvTokens, "x: tokens must be at most ",
+                int64_t(minillm::kMoeRouteGemvTokens), ", got ", t);
+  MINILLM_CHECK(h >= 4 && h % 4 == 0, "x: hidden must be a positive multiple of 4, got ", h);
+  check_on(router, x, "router");
+  MINILLM_CHECK(router.scalar_type() == at::kFloat && router.dim() == 2 && router.size(1) == h &&
+                    router.is_contiguous() && aligned16(router),
+                "router must be a contiguous, 16-byte aligned float32 [experts, ", h, "] tensor, got ",
+                router.scalar_type(), " ", router.sizes());
+  const int64_t e = router.size(0);
+  MINILLM_CHECK(e >= 1 && e <= minillm::kMoeMaxExperts, "router: experts must be in [1, ",
+                int64_t(minillm::kMoeMaxExperts), "], got ", e);
+  check_top_k(top_k, e);
+  check_int32(counter, x, "counter", 1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto i32 = x.options().dtype(at::kInt), f32 = x.options().dtype(at::kFloat);
+  Tensor logits = at::empty({t, e}, f32), ids = at::empty({t, top_k}, i32), weights = at::empty({t, top_k}, f32);
+  Tensor counts = at::empty({e}, i32), offsets = at::empty({e + 1}, i32), order = at::empty({t * top_k}, i32);
+  Tensor active = at::empty({e + 1}, i32);
+  check_launch(minillm::launch_moe_route_gemv(
+                   x.data_ptr(), x.stride(0), router.data_ptr<float>(), int(t), int(e), int(h), int(top_k),
+                   renormalize, logits.data_ptr<float>(), ids.data_ptr<int32_t>(), weights.data_ptr<float>(),
+                   counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
+                   active.data_ptr<int32_t>(), reinterpret_cast<unsigned*>(counter.data_ptr<int32_t>()), dtype,
+                   at::cuda::getCurrentCUDAStream()),
+               "moe_route_gemv");
+  return {logits, ids, weights, counts, offsets, order, active};
 }
 
 void moe_gate_up(const Tensor& x_in, const Tensor& w13, const Tensor& order, const Tensor& offsets,
@@ -179,6 +224,49 @@ void moe_combine(const Tensor& pairs, int64_t top_k, Tensor& out) {
                "moe_combine");
 }
 
+void moe_down_combine(const Tensor& act, const Tensor& w2, const Tensor& ids, const Tensor& weights,
+                      const Tensor& order, int64_t top_k, Tensor& out) {
+  MINILLM_CHECK(act.is_cuda() && act.dim() == 2 && act.is_contiguous() && aligned16(act),
+                "act must be a contiguous, 16-byte aligned CUDA tensor [pairs, intermediate], got ", act.sizes());
+  const minillm::ScalarType dtype = expert_dtype(act, "act");
+  const int64_t n = act.size(0), i = act.size(1);
+  MINILLM_CHECK(w2.dim() == 3 && w2.size(2) == i && w2.is_contiguous() && aligned16(w2) &&
+                    w2.scalar_type() == act.scalar_type(),
+                "w2 must be a contiguous, 16-byte aligned [experts, hidden, ", i, "] tensor of act's dtype, got ",
+                w2.scalar_type(), " ", w2.sizes());
+  check_on(w2, act, "w2");
+  const int64_t e = w2.size(0), h = w2.size(1);
+  MINILLM_CHECK(e >= 1 && e <= minillm::kMoeMaxExperts, "w2: experts must be in [1, ",
+                int64_t(minillm::kMoeMaxExperts), "], got ", e);
+  check_top_k(top_k, e);
+  MINILLM_CHECK(n % top_k == 0, "act: rows must be tokens * top_k, got ", n, " rows for top_k=", top_k);
+  MINILLM_CHECK(i % 8 == 0, "intermediate must be a multiple of 8, got ", i);
+  MINILLM_CHECK(h % minillm::kMoeDownCombineCols == 0, "hidden must be a multiple of ",
+                int64_t(minillm::kMoeDownCombineCols), ", got ", h);
+  check_on(ids, act, "ids");
+  MINILLM_CHECK(ids.scalar_type() == at::kInt && ids.numel() == n && ids.is_contiguous(),
+                "ids must be a contiguous int32 tensor of ", n, " expert ids, got ", ids.scalar_type(), " ",
+                ids.sizes());
+  check_on(weights, act, "weights");
+  MINILLM_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == n && weights.is_contiguous(),
+                "weights must be a contiguous float32 tensor of ", n, " routing weights, got ", weights.scalar_type(),
+                " ", weights.sizes());
+  check_int32(order, act, "order", n);
+  const int64_t t = n / top_k;
+  check_on(out, act, "out");
+  MINILLM_CHECK(out.scalar_type() == act.scalar_type() && out.dim() == 2 && out.size(0) == t && out.size(1) == h &&
+                    out.stride(1) == 1 && out.stride(0) % 2 == 0 &&
+                    reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
+                "out must be a [", t, ", ", h, "] tensor of act's dtype with unit column stride and an even row ",
+                "stride, got ", out.scalar_type(), " ", out.sizes());
+  const c10::cuda::CUDAGuard guard(act.device());
+  check_launch(minillm::launch_moe_down_combine(act.data_ptr(), w2.data_ptr(), ids.data_ptr<int32_t>(),
+                                                weights.data_ptr<float>(), order.data_ptr<int32_t>(), int(t),
+                                                int(top_k), int(e), int(h), int(i), out.data_ptr(), out.stride(0),
+                                                dtype, at::cuda::getCurrentCUDAStream()),
+               "moe_down_combine");
+}
+
 // Meta implementations: the output shapes without running anything (torch.compile); the expert ops write only
 // into their buffers.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route_meta(const Tensor& logits, int64_t top_k,
@@ -189,11 +277,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route_meta(const 
           at::empty({e}, i32), at::empty({e + 1}, i32), at::empty({t * top_k}, i32), at::empty({e + 1}, i32)};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_route_gemv_meta(const Tensor& x,
+                                                                                     const Tensor& router,
+                                                                                     int64_t top_k, bool,
+                                                                                     Tensor&) {
+  const int64_t t = x.size(0), e = router.size(0);
+  const auto i32 = x.options().dtype(at::kInt), f32 = x.options().dtype(at::kFloat);
+  return {at::empty({t, e}, f32),      at::empty({t, top_k}, i32),     at::empty({t, top_k}, f32),
+          at::empty({e}, i32),         at::empty({e + 1}, i32),        at::empty({t * top_k}, i32),
+          at::empty({e + 1}, i32)};
+}
+
 void moe_gate_up_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                       Tensor&) {}
 void moe_down_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                    Tensor&) {}
 void moe_combine_meta(const Tensor&, int64_t, Tensor&) {}
+void moe_down_combine_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                           Tensor&) {}
 
 }  // namespace
 
@@ -204,6 +305,10 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
   m.def("moe_down(Tensor act, Tensor w2, Tensor weights, Tensor order, Tensor offsets, Tensor active, int top_k, "
         "Tensor(a!) pairs) -> ()");
   m.def("moe_combine(Tensor pairs, int top_k, Tensor(a!) out) -> ()");
+  m.def("moe_route_gemv(Tensor x, Tensor router, int top_k, bool renormalize, Tensor(a!) counter) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_down_combine(Tensor act, Tensor w2, Tensor ids, Tensor weights, Tensor order, int top_k, "
+        "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
@@ -211,6 +316,8 @@ TORCH_LIBRARY_IMPL(minillm, CUDA, m) {
   m.impl("moe_gate_up", &moe_gate_up);
   m.impl("moe_down", &moe_down);
   m.impl("moe_combine", &moe_combine);
+  m.impl("moe_route_gemv", &moe_route_gemv);
+  m.impl("moe_down_combine", &moe_down_combine);
 }
 
 TORCH_LIBRARY_IMPL(minillm, Meta, m) {
@@ -218,4 +325,6 @@ TORCH_LIBRARY_IMPL(minillm, Meta, m) {
   m.impl("moe_gate_up", &moe_gate_up_meta);
   m.impl("moe_down", &moe_down_meta);
   m.impl("moe_combine", &moe_combine_meta);
+  m.impl("moe_route_gemv", &moe_route_gemv_meta);
+  m.impl("moe_down_combine", &moe_down_combine_meta);
 }

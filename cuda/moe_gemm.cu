@@ -18,6 +18,11 @@
 // down: each sorted pair's output row is multiplied by its routing weight in fp32 and stored, in fp32, at the
 // pair's (token, slot) index; combine sums each token's k rows in slot order: no atomics, so the result does not
 // depend on the order in which CTAs finish.
+//
+// down_combine (a few tokens): a CTA per (token, 16 output columns); its warps take jobs of 8 weight rows of one
+// of the token's k slots, with plain 16-byte loads and fp32 FMAs (one act row: an mma's n side would use 1 of 8),
+// and the CTA sums the weighted slots in slot order in shared memory: the combine without its launch or the fp32
+// pairs buffer, at the price of reading an expert once per token that picked it instead of once per step.
 #include <algorithm>
 
 #include "common.cuh"
@@ -240,6 +245,93 @@ __global__ void moe_combine_kernel(const float* __restrict__ pairs, int k, int H
   *reinterpret_cast<uint2*>(y + static_cast<int64_t>(t) * ldy + c) = out;
 }
 
+// ---- down with the combine in, for a few tokens ---------------------------------------------------------------
+
+constexpr int kDcCols = kMoeDownCombineCols;  // output columns per CTA
+constexpr int kDcRows = 8;                    // weight rows per warp job: 8 16-byte loads per lane per batch
+
+template <typename T, int R>
+__device__ __forceinline__ void load_rows(uint4 (&r)[R], const T* w, int I, int i, uint64_t pol) {
+  if (i >= I) return;
+#pragma unroll
+  for (int j = 0; j < R; ++j) r[j] = ld_weight(w + static_cast<int64_t>(j) * I + i, pol);
+}
+
+template <typename T, int R>
+__device__ __forceinline__ void fma_rows(float (&acc)[R], const uint4 (&r)[R], const T* a, int i) {
+  float af[8];
+  unpack8<T>(ld_x(a + i), af);
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    float wf[8];
+    unpack8<T>(r[j], wf);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) acc[j] = fmaf(wf[m], af[m], acc[j]);
+  }
+}
+
+// acc[j] = (weight row j of w) . a over I, on every lane of the warp: lane l takes the 8-element chunks at
+// 8 l + 256 m, with the next chunk's loads in flight while one is summed (two register batches, as pass_tile).
+template <typename T, int R>
+__device__ __forceinline__ void warp_dot_rows(float (&acc)[R], const T* w, const T* a, int I, uint64_t pol) {
+#pragma unroll
+  for (int j = 0; j < R; ++j) acc[j] = 0.f;
+  uint4 ra[R], rb[R];
+  const int i0 = 8 * (threadIdx.x % 32);
+  load_rows<T, R>(ra, w, I, i0, pol);
+  load_rows<T, R>(rb, w, I, i0 + 256, pol);
+  for (int i = i0; i < I; i += 512) {
+    fma_rows<T, R>(acc, ra, a, i);
+    load_rows<T, R>(ra, w, I, i + 512, pol);
+    if (i + 256 < I) fma_rows<T, R>(acc, rb, a, i + 256);
+    load_rows<T, R>(rb, w, I, i + 768, pol);
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) acc[j] = warp_sum_xor(acc[j], 1, 32);
+}
+
+// CTA (token t = blockIdx.x, columns n0 + [0, kDcCols)): warp jobs of kDcRows columns of one slot, slot-major;
+// each writes weight * dot per (slot, column) to shared memory, then the slots are summed in order. Tokens are
+// the grid's fast index, so the CTAs of tokens that share an expert read its rows close in time (from L2).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2)
+    moe_down_combine_kernel(const T* __restrict__ act, const T* __restrict__ w2, const int32_t* __restrict__ ids,
+                            const float* __restrict__ weights, const int32_t* __restrict__ order, int k, int H,
+                            int I, T* __restrict__ y, int64_t ldy) {
+  constexpr int kGroups = kDcCols / kDcRows;
+  __shared__ int act_row[kMoeMaxTopK];           // the row of act that holds pair (t, s)
+  __shared__ float part[kMoeMaxTopK][kDcCols];
+  pdl_enter();
+  const int t = blockIdx.x, n0 = blockIdx.y * kDcCols, warp = threadIdx.x / 32;
+  for (int p = threadIdx.x; p < static_cast<int>(gridDim.x) * k; p += kThreads) {  // invert order for token t
+    const int q = order[p];
+    if (q / k == t) act_row[q - t * k] = p;
+  }
+  __syncthreads();
+  const uint64_t pol = evict_first_policy();
+  for (int job = warp; job < k * kGroups; job += kWarps) {
+    const int s = job / kGroups, c0 = job % kGroups * kDcRows, q = t * k + s;
+    float acc[kDcRows];
+    warp_dot_rows<T, kDcRows>(acc, w2 + (static_cast<int64_t>(ids[q]) * H + n0 + c0) * I,
+                              act + static_cast<int64_t>(act_row[s]) * I, I, pol);
+    if (threadIdx.x % 32 == 0) {
+      const float wq = weights[q];
+#pragma unroll
+      for (int j = 0; j < kDcRows; ++j) part[s][c0 + j] = wq * acc[j];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kDcCols / 2) {  // slot order, every time: deterministic
+    const int c = 2 * threadIdx.x;
+    float v0 = part[0][c], v1 = part[0][c + 1];
+    for (int s = 1; s < k; ++s) {
+      v0 += part[s][c];
+      v1 += part[s][c + 1];
+    }
+    *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(t) * ldy + n0 + c) = DType<T>::from_float2(v0, v1);
+  }
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Experts a step can touch: at most T * k of the E, so the grid's y extent stays small at B = 1.
@@ -339,6 +431,25 @@ cudaError_t launch_moe_combine(const float* pairs, int T, int k, int H, void* y,
   if (dtype == ScalarType::kFloat16)
     return launch_kernel(moe_combine_kernel<__half>, grid, dim3(threads), 0, stream, pairs, k, H,
                          static_cast<__half*>(y), ldy);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_moe_down_combine(const void* act, const void* w2, const int32_t* ids, const float* weights,
+                                    const int32_t* order, int T, int k, int E, int H, int I, void* y, int64_t ldy,
+                                    ScalarType dtype, cudaStream_t stream) {
+  if (!gemm_ok(T, k, E, H, I) || I % 8 || H % kDcCols || H / kDcCols > 65535 || ldy % 2 || ldy < H ||
+      !aligned16(act) || !aligned16(w2) || reinterpret_cast<uintptr_t>(y) % 4)
+    return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  const dim3 grid(T, H / kDcCols);
+  if (dtype == ScalarType::kBFloat16)
+    return launch_kernel(moe_down_combine_kernel<__nv_bfloat16>, grid, dim3(kThreads), 0, stream,
+                         static_cast<const __nv_bfloat16*>(act), static_cast<const __nv_bfloat16*>(w2), ids, weights,
+                         order, k, H, I, static_cast<__nv_bfloat16*>(y), ldy);
+  if (dtype == ScalarType::kFloat16)
+    return launch_kernel(moe_down_combine_kernel<__half>, grid, dim3(kThreads), 0, stream,
+                         static_cast<const __half*>(act), static_cast<const __half*>(w2), ids, weights, order, k, H,
+                         I, static_cast<__half*>(y), ldy);
   return cudaErrorInvalidValue;
 }
 

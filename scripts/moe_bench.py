@@ -3,9 +3,10 @@
 weights): minillm's fused kernels against the torch path (torch._grouped_mm), at 1, 8, 64 and 256 tokens (and at
 prefill sizes with --tokens, where the question is the crossover: moe_ops.FUSED_MAX_TOKENS).
 
-Per token count and path: the router GEMM (fp32, as the model runs it), the routing and the experts, captured in
-one CUDA graph over `--layers` layers with their own weights and inputs (about 1.2 GB of experts each, so a replay
-reads from HBM, not L2), launched with PDL as the engine launches them. Reported per layer: the median over
+Per token count and path: the router GEMM (fp32, as the model runs it: the fused path is moe_ops.fused_moe, which
+takes it into the routing launch at a few tokens), the routing and the experts, captured in one CUDA graph over
+`--layers` layers with their own weights and inputs (about 1.2 GB of experts each, so a replay reads from HBM,
+not L2), launched with PDL as the engine launches them. Reported per layer: the median over
 replays (CUDA events) of the whole layer and of the routing alone, the experts the step touched (from the
 routing), their weight bytes (+ the router's), and the effective rate bytes / layer time. A correctness column:
 the fused layer's largest error relative to the torch path's largest value; and the experts' tensor rate,
@@ -13,7 +14,7 @@ the fused layer's largest error relative to the torch path's largest value; and 
 
 One JSON line per (tokens, path) is appended to --out, stamped with the commit and the GPU fingerprint.
 Usage: python scripts/moe_bench.py [--out results/moe_kernels.jsonl] [--tokens 1,8,64,256] [--layers 4]
-       [--replays 30]   (about 30 s on an H200)
+       [--replays 30] [--chain]   (about 30 s on an H200)
 """
 from __future__ import annotations
 
@@ -45,11 +46,14 @@ def make_layers(n: int, dev):
 
 def layer_fn(path: str, layer: dict, x: torch.Tensor, route_only: bool):
     def run():
-        logits = F.linear(x.float(), layer["router"])
-        if path == "fused":
-            r = moe_ops.route_fused(logits, K, True)
+        if path == "fused":   # as the model runs it: moe_ops picks the variants by the token count
+            if route_only:
+                return moe_ops.fused_route(x, layer["router"], K, True).counts
+            return moe_ops.fused_moe(x, layer["router"], layer["w13"], layer["w2"], K, True)
+        if path == "chain":   # the fused kernels without the small-step variants (router GEMV apart, combine apart)
+            r = moe_ops.route_fused(F.linear(x.float(), layer["router"]), K, True)
             return r.counts if route_only else moe_ops.fused_experts(x, layer["w13"], layer["w2"], r)
-        r = moe_ops.route(logits, K, True, weight_dtype=x.dtype)
+        r = moe_ops.route(F.linear(x.float(), layer["router"]), K, True, weight_dtype=x.dtype)
         return r.counts if route_only else moe_ops.grouped_experts(x, layer["w13"], layer["w2"], r,
                                                                      graph_safe=True, cuda=True)
     return run
@@ -82,6 +86,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8,64,256")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--chain", action="store_true",
+                    help="also time the fused kernels as a launch chain (impl 'chain': no route_gemv, no "
+                         "down_combine), to set moe_ops' ROUTE_GEMV_MAX_TOKENS and DOWN_COMBINE_MAX_TOKENS")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("moe_bench: error: needs a CUDA GPU", file=sys.stderr)
@@ -104,18 +111,19 @@ def main() -> int:
                    for x, L in zip(xs, layers)]
         nbytes = statistics.mean(touched) * expert_bytes + E * H * 4
         results = {}
-        for path in ("torch", "fused"):
+        for path in ("torch", "fused") + (("chain",) if args.chain else ()):
             us, outs = time_graph([layer_fn(path, L, x, False) for L, x in zip(layers, xs)], args.replays, pdl)
             route_us, _ = time_graph([layer_fn(path, L, x, True) for L, x in zip(layers, xs)], args.replays, pdl)
             results[path] = (us, route_us, outs)
         ref = torch.stack([o.float() for o in results["torch"][2]])
-        err = float((torch.stack([o.float() for o in results["fused"][2]]) - ref).abs().max() / ref.abs().max())
+        errs = {path: float((torch.stack([o.float() for o in outs]) - ref).abs().max() / ref.abs().max())
+                for path, (_, _, outs) in results.items()}
         for path, (us, route_us, _) in results.items():
             line = dict(kind="moe_layer", impl=path, tokens=t, hidden=H, experts=E, top_k=K, intermediate=I,
                         dtype="bfloat16", layers=args.layers, pdl=pdl, layer_us=us, route_us=route_us,
                         touched_experts=statistics.mean(touched), touched_bytes=nbytes,
                         tb_s=nbytes / us / 1e6, tflops=2 * t * K * 3 * H * I / us / 1e6,
-                        rel_err_vs_torch=err if path == "fused" else 0.0,
+                        rel_err_vs_torch=errs[path] if path != "torch" else 0.0,
                         speedup_vs_torch=results["torch"][0] / us)
             append_jsonl(args.out, line)
             print(f"{t:>6} {path:>6} {us:>9.1f} {route_us:>9.1f} {line['touched_experts']:>7.1f} "

@@ -25,6 +25,10 @@ GROUPED_MM_SM90 = ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kern
      "moe experts"),
     ("void minillm::(anonymous namespace)::moe_combine_kernel<__nv_bfloat16>(float const*, int, int, ...)",
      "moe experts"),
+    ("void minillm::(anonymous namespace)::moe_route_gemv_kernel<__nv_bfloat16, 4>(__nv_bfloat16 const*, ...)",
+     "moe routing"),
+    ("void minillm::(anonymous namespace)::moe_down_combine_kernel<__nv_bfloat16>(__nv_bfloat16 const*, ...)",
+     "moe experts"),
     (GROUPED_MM_SM90, "moe experts"),
     ("aten::_grouped_mm", "moe experts"),
     ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"),   # a dense GEMM stays a GEMM

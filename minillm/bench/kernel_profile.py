@@ -24,9 +24,10 @@ from dataclasses import dataclass
 # could claim them. Substrings are matched case-insensitively. The aten:: names are for the CPU fallback.
 # NOTE: the pure-PyTorch attention path runs decode through SDPA too, so there it is counted as "prefill
 # attention"; the torch MoE path routes with stock softmax/topk/sort kernels, counted as "sampler" and "other"
-# (minillm's fused routing kernel is "moe routing"); the router's own [T, H] x [H, E] linear is a "gemm".
+# (minillm's fused routing kernel is "moe routing"); the router's own [T, H] x [H, E] linear is a "gemm", except
+# where moe_route_gemv computes it inside the routing.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("moe routing", ("moe_topk", "moe_group")),
+    ("moe routing", ("moe_topk", "moe_group", "moe_route")),
     ("moe experts", ("moe_gate_up", "moe_down", "moe_combine", "grouped_mm", "groupproblemshape")),
     ("decode attention", ("paged_decode", "decode_reduce")),
     ("prefill attention", ("paged_prefill", "flash", "sdpa", "scaled_dot_product", "attention", "fmha")),

@@ -29,6 +29,7 @@ class Router(nn.Module):
         self.weight = empty_param(arch.num_experts, arch.hidden_size, dtype=torch.float32, device=device)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path's logits; the fused path computes the same inside its routing (moe_ops.fused_route)."""
         return F.linear(x.float(), self.weight)
 
 
@@ -72,13 +73,14 @@ class SparseMoeBlock(nn.Module):
         # reports the same verdict to the runner.
         self.host_sync_reason = expert_path_reason(arch, device, dtype)
         # Steps of up to fused_rows tokens run minillm's fused routing and expert kernels (the execution plan's
-        # moe verdict); longer ones take the torch path below.
+        # moe verdict; moe_ops.fused_moe picks their variants by the token count); longer ones take the torch
+        # path below.
         self.fused_rows = kernels.moe_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_rows and x.shape[0] <= self.fused_rows:
-            routing = moe_ops.route_fused(self.gate.logits(x), self.top_k, self.renormalize)
-            return moe_ops.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing)
+            return moe_ops.fused_moe(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+                                     self.top_k, self.renormalize)
         routing = moe_ops.route(self.gate.logits(x), self.top_k, self.renormalize, weight_dtype=x.dtype)
         return moe_ops.grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, routing,
                                        graph_safe=self.host_sync_reason is None, cuda=self.cuda_ops)

@@ -16,7 +16,10 @@ puts a model on them, minillm/runner/plan.py): `route_fused` (two launches: soft
 offsets, the stable expert order and the list of experts with rows) and `fused_experts` (gate_up with SwiGLU,
 down with the routing weight, a fixed-order combine: three launches over the touched experts only, each
 expert's weights read once). Graph-safe: every size depends on the token count alone. Their torch twins are
-`route_twin` and `experts_twin`.
+`route_twin` and `experts_twin`. For a few tokens two fused variants cut the launches (each costs a few
+microseconds at decode, more than the work in it): `route_gemv` takes the router GEMV into the routing launch,
+and `fused_experts(down_combine=True)` the combine into the down launch. `fused_moe` is the layer on the fused
+kernels, and `moe_variant` the one place that decides which variants a step of T tokens takes.
 """
 from __future__ import annotations
 
@@ -42,6 +45,14 @@ DOWN_COLS = 32          # kMoeDownCols: hidden_size is a multiple
 # Qwen3-30B-A3B layer, 3cc5ae7): fused 481 vs 540 us at 256 tokens, 703 vs 588 at 512, and 2.2-3.8x slower from
 # 1,024 to 16,384 (66 TFLOP/s against grouped_mm's 109-252).
 FUSED_MAX_TOKENS = 256
+ROUTE_GEMV_TOKENS = 16   # kMoeRouteGemvTokens: the most tokens route_gemv takes
+DOWN_COMBINE_COLS = 16   # kMoeDownCombineCols: hidden_size is a multiple (so is DOWN_COLS)
+# Steps of up to this many tokens route in one launch (route_gemv; its last CTA's top-k and grouping grow with
+# T) and take down with the combine in (its CTAs read each expert once per token that picked it, where moe_down
+# reads it once per step). Not yet measured against the launch chains (scripts/moe_bench.py --chain at 1-16
+# tokens says where each stops paying).
+ROUTE_GEMV_MAX_TOKENS = 16
+DOWN_COMBINE_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -179,21 +190,79 @@ def route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> R
     return Routing(weights, ids, order, counts, offsets, active)
 
 
+_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def route_counter(device: torch.device) -> torch.Tensor:
+    """route_gemv's ticket counter on this device: one int32 word that is 0 between launches (each launch leaves
+    it so). Made at the first use, which the runner's warm-up makes outside any graph capture. One per device, so
+    route_gemv must not run on two streams of a device at once (the engine runs its layers in one stream)."""
+    device = torch.device(device)
+    counter = _ROUTE_COUNTERS.get(device)
+    if counter is None:
+        with torch.inference_mode(False):   # a plain tensor: the op writes it, in inference mode or not
+            counter = _ROUTE_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def route_gemv(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+               renormalize: bool) -> tuple[Routing, torch.Tensor]:
+    """route_fused(F.linear(x.float(), router_weight)) in one launch, for up to ROUTE_GEMV_TOKENS tokens: x [T, H]
+    bf16 / fp16, router_weight [E, H] fp32. Returns the routing and the fp32 logits it chose on (each product and
+    sum in fp32, in another order than cuBLAS: last-bit differences)."""
+    logits, ids, weights, counts, offsets, order, active = torch.ops.minillm.moe_route_gemv(
+        x, router_weight, top_k, renormalize, route_counter(x.device))
+    return Routing(weights, ids, order, counts, offsets, active), logits
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing, *,
                   act: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, down_combine: bool = False) -> torch.Tensor:
     """grouped_experts on the fused kernels, for a route_fused routing. act [T*k, I] (x's dtype), pairs [T*k, H]
-    (fp32) and out [T, H] are the kernels' buffers; None allocates them (check-kernels passes NaN-filled ones)."""
+    (fp32) and out [T, H] are the kernels' buffers; None allocates them (check-kernels passes NaN-filled ones).
+    down_combine: down and combine in one launch, no pairs (the same sums, each dot product in another order)."""
     t, k = routing.experts.shape
     n, h, i = t * k, x.shape[-1], w2.shape[-1]
     act = torch.empty(n, i, dtype=x.dtype, device=x.device) if act is None else act
-    pairs = torch.empty(n, h, dtype=torch.float32, device=x.device) if pairs is None else pairs
     out = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
     ops = torch.ops.minillm
     ops.moe_gate_up(x, w13, routing.order, routing.offsets, routing.active, k, act)
+    if down_combine:
+        ops.moe_down_combine(act, w2, routing.experts, routing.weights, routing.order, k, out)
+        return out
+    pairs = torch.empty(n, h, dtype=torch.float32, device=x.device) if pairs is None else pairs
     ops.moe_down(act, w2, routing.weights, routing.order, routing.offsets, routing.active, k, pairs)
     ops.moe_combine(pairs, k, out)
     return out
+
+
+@dataclass(frozen=True)
+class MoeVariant:
+    """Which fused kernels a step takes: routing in one launch with the router GEMV; down with the combine."""
+    route_gemv: bool
+    down_combine: bool
+
+
+def moe_variant(tokens: int) -> MoeVariant:
+    """The one decision, on the token count alone (a graph captured for T tokens keeps it)."""
+    return MoeVariant(route_gemv=tokens <= ROUTE_GEMV_MAX_TOKENS, down_combine=tokens <= DOWN_COMBINE_MAX_TOKENS)
+
+
+def fused_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
+                variant: MoeVariant | None = None) -> Routing:
+    """The routing of fused_moe: route_gemv, or the fp32 router GEMV and route_fused (as Router.logits)."""
+    variant = variant or moe_variant(x.shape[0])
+    if variant.route_gemv:
+        return route_gemv(x, router_weight, top_k, renormalize)[0]
+    return route_fused(F.linear(x.float(), router_weight), top_k, renormalize)
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """The MoE layer on the fused kernels: x [T, H], the fp32 router weight [E, H], the stacked experts."""
+    variant = moe_variant(x.shape[0])
+    routing = fused_route(x, router_weight, top_k, renormalize, variant)
+    return fused_experts(x, w13, w2, routing, down_combine=variant.down_combine)
 
 
 def active_experts(counts: torch.Tensor) -> torch.Tensor:
