@@ -119,20 +119,27 @@ def plot_decode_models(models: dict[str, dict[int, dict]], out: Path) -> None:
 
 
 def structured_runs(path: Path) -> list[dict]:
-    """Every B=64 all-constrained line with the matchers in the worker and the stream waiting for the mask."""
+    """Every B=64 all-constrained line with the matchers in the worker and the stream waiting for the mask, in
+    the order the runs started."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("kind") == "structured_overhead" and r.get("label") == "B64-all"
+    runs = [r for r in rows if r.get("kind") == "structured_overhead" and r.get("label") == "B64-all"
             and r.get("mask_worker") and r.get("mask_wait") == "auto" and not r.get("serial_masks")
             and "gpu_mask_stall_ms_median" in r]
+    return sorted(runs, key=lambda r: r.get("date", ""))   # run order: an A/B's two trees alternate
 
 
 def _setting(r: dict) -> str:
-    parts = [f"{r.get('mask_threads', 1)} fill thr"]
+    parts = [] if r.get("mask_threads", 1) == 1 else [f"{r['mask_threads']} fill thr"]
     if r.get("mask_workers", 1) != 1:
         parts.append(f"{r['mask_workers']} workers")
-    if r.get("host_threads") not in (None, 1):
-        parts.append(f"{r['host_threads']} host thr")
+    if r.get("host_threads") == 1:
+        parts.append("1 host thr")
     return ", ".join(parts)
+
+
+def _rings(r: dict) -> bool:
+    """Whether the run's tree hands steady steps to the worker through shared memory (its bench times the ring)."""
+    return "masks_ring" in r.get("host_parts_ms_per_step", {})
 
 
 def plot_structured(rows: list[dict], out: Path) -> None:
@@ -145,7 +152,7 @@ def plot_structured(rows: list[dict], out: Path) -> None:
             bar.set_hatch("//")
             bar.set_alpha(0.5)
     a.axhline(5, color="k", ls="--", lw=1, label="target 5%; hatched: one pass, not interleaved rounds")
-    a.set_xticks(range(len(rows)), [f"{r['commit']}\n{_setting(r)}" for r in rows], rotation=90, fontsize=6)
+    a.set_xticks(range(len(rows)), [f"{r['commit']} {_setting(r)}" for r in rows], rotation=90, fontsize=5)
     a.set_ylabel("B=64 all constrained, % over unconstrained")
     a.set_title("Structured outputs: cost per run (H200, in run order)", fontsize=9)
     a.legend(fontsize=7)
@@ -154,11 +161,15 @@ def plot_structured(rows: list[dict], out: Path) -> None:
     b.set_xlabel("GPU wait for the mask, ms per step (median)")
     b.set_ylabel("% over unconstrained")
     b.set_title("Until c6c3bb3 the cost followed the wait", fontsize=9)
-    busy = [(r["host_busy_ms_per_step"], x) for r, x in zip(rows, cost) if "host_busy_ms_per_step" in r]
-    c.scatter([h for h, _ in busy], [x for _, x in busy], s=14, color="tab:purple")
+    for ring, color, label in ((False, "tab:purple", "fill handed over each step"),
+                               (True, "tab:green", "steady steps ring the worker (32f0121 on)")):
+        busy = [(r["host_busy_ms_per_step"], x) for r, x in zip(rows, cost)
+                if "host_busy_ms_per_step" in r and _rings(r) == ring]
+        c.scatter([h for h, _ in busy], [x for _, x in busy], s=14, color=color, label=label)
     c.axhline(5, color="k", ls="--", lw=1)
     c.set_xlabel("engine thread busy, ms per step")
-    c.set_title("Since: it follows the host's own time", fontsize=9)
+    c.set_title("Since: the host's own time decides", fontsize=9)
+    c.legend(fontsize=7)
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
     fig.tight_layout()
