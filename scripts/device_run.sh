@@ -336,6 +336,12 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
           -f -o "$LOG/moe_t$t" python3 scripts/moe_bench.py --out /dev/null --tokens $t --layers 1 --replays 2
         ncu -i "$LOG/moe_t$t.ncu-rep" --page details > "$OUT/ncu_moe_t$t.txt" 2>&1
       done ;;
+    moechain)   # moebench at 1-16 tokens with the launch chain the one-launch variants replace (--chain)
+      stage moechain 120 python3 scripts/moe_bench.py --tokens 1,2,4,8,16 --chain --out "$OUT/moe_kernels.jsonl" ;;
+    moesweep1)   # the Qwen3-30B-A3B preset's decode step at B = 1 and 8 (dummy weights)
+      stage moesweep1 200 python3 -c "from minillm.config import EngineConfig; \
+from minillm.bench.decode_sweep import sweep_and_record; \
+sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'), '$OUT/decode_steps.jsonl', (1, 8))" ;;
     moebench1)   # moebench at 1 and 8 tokens only
       stage moebench1 90 python3 scripts/moe_bench.py --tokens 1,8 --out "$OUT/moe_kernels.jsonl" ;;
     ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel on sm_90, T=4096 causal, 16/8 heads
