@@ -332,7 +332,8 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       done ;;
     ncumoe)   # Nsight Compute, basic set: each kernel of one Qwen3-30B-A3B MoE layer at 1 and 8 tokens, run alone
       for t in 1 8; do
-        stage ncumoe_t$t 120 ncu --clock-control none --set basic -k "regex:moe_|dot_kernel|gemv" --launch-count 12 \
+        stage ncumoe_t$t 120 ncu --clock-control none --set basic -k "regex:moe_route_gemv|moe_gate_up|moe_down" \
+          --launch-count 6 \
           -f -o "$LOG/moe_t$t" python3 scripts/moe_bench.py --out /dev/null --tokens $t --layers 1 --replays 2
         ncu -i "$LOG/moe_t$t.ncu-rep" --page details > "$OUT/ncu_moe_t$t.txt" 2>&1
       done ;;
@@ -342,6 +343,9 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       stage moesweep1 200 python3 -c "from minillm.config import EngineConfig; \
 from minillm.bench.decode_sweep import sweep_and_record; \
 sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'), '$OUT/decode_steps.jsonl', (1, 8))" ;;
+    moevariants)   # moebench at 1-32 tokens with each small-step variant pair forced (sets moe_ops' two constants)
+      stage moevariants 150 python3 scripts/moe_bench.py --tokens 1,2,4,8,12,16,24,32 --variants \
+        --out "$OUT/moe_kernels.jsonl" ;;
     moebench1)   # moebench at 1 and 8 tokens only
       stage moebench1 90 python3 scripts/moe_bench.py --tokens 1,8 --out "$OUT/moe_kernels.jsonl" ;;
     ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel on sm_90, T=4096 causal, 16/8 heads

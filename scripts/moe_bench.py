@@ -14,7 +14,7 @@ the fused layer's largest error relative to the torch path's largest value; and 
 
 One JSON line per (tokens, path) is appended to --out, stamped with the commit and the GPU fingerprint.
 Usage: python scripts/moe_bench.py [--out results/moe_kernels.jsonl] [--tokens 1,8,64,256] [--layers 4]
-       [--replays 30] [--chain]   (about 30 s on an H200)
+       [--replays 30] [--chain] [--variants]   (about 30 s on an H200)
 """
 from __future__ import annotations
 
@@ -44,12 +44,29 @@ def make_layers(n: int, dev):
                  router=0.05 * torch.randn(E, H, generator=g, device=dev)) for _ in range(n)]
 
 
+# --variants: each small-step variant pair forced (gemv: the one-launch routing; comb: down with the combine in)
+VARIANT_PATHS = {"gemv+comb": moe_ops.MoeVariant(True, True), "gemv": moe_ops.MoeVariant(True, False),
+                 "comb": moe_ops.MoeVariant(False, True)}
+
+
+def paths(chain: bool, variants: bool, tokens: int) -> tuple[str, ...]:
+    """The paths timed at this token count: the gemv variants only where the routing kernel takes the count."""
+    forced = [p for p, v in VARIANT_PATHS.items() if variants and (not v.route_gemv
+                                                                    or tokens <= moe_ops.ROUTE_GEMV_TOKENS)]
+    return ("torch", "fused") + (("chain",) if chain or variants else ()) + tuple(forced)
+
+
 def layer_fn(path: str, layer: dict, x: torch.Tensor, route_only: bool):
     def run():
         if path == "fused":   # as the model runs it: moe_ops picks the variants by the token count
             if route_only:
                 return moe_ops.fused_route(x, layer["router"], K, True).counts
             return moe_ops.fused_moe(x, layer["router"], layer["w13"], layer["w2"], K, True)
+        if path in VARIANT_PATHS:   # one variant forced, whatever moe_variant would pick
+            v = VARIANT_PATHS[path]
+            r = moe_ops.fused_route(x, layer["router"], K, True, v)
+            return r.counts if route_only else moe_ops.fused_experts(x, layer["w13"], layer["w2"], r,
+                                                                     down_combine=v.down_combine)
         if path == "chain":   # the fused kernels without the small-step variants (router GEMV apart, combine apart)
             r = moe_ops.route_fused(F.linear(x.float(), layer["router"]), K, True)
             return r.counts if route_only else moe_ops.fused_experts(x, layer["w13"], layer["w2"], r)
@@ -89,6 +106,8 @@ def main() -> int:
     ap.add_argument("--chain", action="store_true",
                     help="also time the fused kernels as a launch chain (impl 'chain': no route_gemv, no "
                          "down_combine), to set moe_ops' ROUTE_GEMV_MAX_TOKENS and DOWN_COMBINE_MAX_TOKENS")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time each variant pair forced (impls 'gemv+comb', 'gemv', 'comb', and 'chain')")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("moe_bench: error: needs a CUDA GPU", file=sys.stderr)
@@ -103,7 +122,7 @@ def main() -> int:
     pdl = pdl_supported(dev)
     layers = make_layers(args.layers, dev)
     expert_bytes = 3 * H * I * torch.tensor([], dtype=DTYPE).element_size()
-    print(f"{'tokens':>6} {'path':>6} {'layer us':>9} {'route us':>9} {'experts':>7} {'MB':>7} {'TB/s':>6} "
+    print(f"{'tokens':>6} {'path':>9} {'layer us':>9} {'route us':>9} {'experts':>7} {'MB':>7} {'TB/s':>6} "
           f"{'TFLOP/s':>7} {'rel err':>8}")
     for t in [int(v) for v in args.tokens.split(",")]:
         xs = [torch.randn(t, H, device=dev).to(DTYPE) for _ in layers]
@@ -111,7 +130,7 @@ def main() -> int:
                    for x, L in zip(xs, layers)]
         nbytes = statistics.mean(touched) * expert_bytes + E * H * 4
         results = {}
-        for path in ("torch", "fused") + (("chain",) if args.chain else ()):
+        for path in paths(args.chain, args.variants, t):
             us, outs = time_graph([layer_fn(path, L, x, False) for L, x in zip(layers, xs)], args.replays, pdl)
             route_us, _ = time_graph([layer_fn(path, L, x, True) for L, x in zip(layers, xs)], args.replays, pdl)
             results[path] = (us, route_us, outs)
@@ -126,7 +145,7 @@ def main() -> int:
                         rel_err_vs_torch=errs[path] if path != "torch" else 0.0,
                         speedup_vs_torch=results["torch"][0] / us)
             append_jsonl(args.out, line)
-            print(f"{t:>6} {path:>6} {us:>9.1f} {route_us:>9.1f} {line['touched_experts']:>7.1f} "
+            print(f"{t:>6} {path:>9} {us:>9.1f} {route_us:>9.1f} {line['touched_experts']:>7.1f} "
                   f"{nbytes / 1e6:>7.1f} {line['tb_s']:>6.2f} {line['tflops']:>7.1f} {line['rel_err_vs_torch']:>8.1e}")
     print(f"-> {args.out}")
     return 0

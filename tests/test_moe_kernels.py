@@ -634,6 +634,15 @@ def test_moe_bench_refuses_without_a_gpu(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_moe_bench_variants_force_each_pair_and_skip_the_gemv_past_its_token_limit():
+    mod = _bench_module()
+    assert mod.paths(False, False, 1) == ("torch", "fused")
+    assert mod.paths(True, False, 1) == ("torch", "fused", "chain")
+    assert mod.paths(False, True, 1) == ("torch", "fused", "chain", "gemv+comb", "gemv", "comb")
+    assert mod.paths(False, True, moe_ops.ROUTE_GEMV_TOKENS + 1) == ("torch", "fused", "chain", "comb")
+    assert mod.VARIANT_PATHS["comb"] == moe_ops.MoeVariant(route_gemv=False, down_combine=True)
+
+
 @pytest.mark.gpu
 def test_moe_bench_appends_a_line_per_path_and_token_count(tmp_path, monkeypatch):
     _gpu()
