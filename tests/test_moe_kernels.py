@@ -489,7 +489,7 @@ def test_route_gemv_refuses_bad_tensors_naming_them():
 COMBINE_SHAPES = [  # tokens, experts, top_k, hidden, intermediate, routing rule
     (1, 128, 8, 2048, 768, None), (2, 128, 8, 2048, 768, None), (8, 128, 8, 2048, 768, None),
     (16, 128, 8, 2048, 768, None), (5, 16, 4, 256, 128, None), (3, 64, 1, 512, 256, None),
-    (6, 8, 8, 256, 160, None), (12, 16, 2, 256, 128, "one")]   # k = E, I not a multiple of 256; one expert
+    (6, 8, 8, 256, 160, None), (12, 16, 2, 256, 128, "one"), (24, 128, 8, 2048, 768, None)]   # k = E, I not a multiple of 256; one expert
 
 
 @pytest.mark.gpu

@@ -62,13 +62,14 @@ def expert_cases(quick: bool):
     yield "a3b B=1 down+combine", 1, 128, 8, 2048, 768, None, True
     yield "a3b B=8 down+combine", 8, 128, 8, 2048, 768, None, True
     yield "top1 down+combine", 3, 64, 1, 512, 256, None, True
+    yield "a3b B=16 down+combine", 16, 128, 8, 2048, 768, None, True
     if not quick:
         yield "a3b B=64", 64, 128, 8, 2048, 768, None, False
         yield "a3b B=256", 256, 128, 8, 2048, 768, None, False
         yield "E=16 k=4 B=13", 13, 16, 4, 256, 128, None, False
         yield "H=128 (two row warps at T <= 8)", 5, 16, 2, 128, 128, None, False
         yield "all-on-one down+combine", 16, 16, 2, 256, 128, "one", True
-        yield "a3b B=16 down+combine", 16, 128, 8, 2048, 768, None, True
+        yield "a3b B=24 down+combine", 24, 128, 8, 2048, 768, None, True
 
 
 def router_logits(t: int, e: int, seed: int, rule: str | None, device="cpu"):

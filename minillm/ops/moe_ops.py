@@ -49,10 +49,12 @@ ROUTE_GEMV_TOKENS = 16   # kMoeRouteGemvTokens: the most tokens route_gemv takes
 DOWN_COMBINE_COLS = 16   # kMoeDownCombineCols: hidden_size is a multiple (so is DOWN_COLS)
 # Steps of up to this many tokens route in one launch (route_gemv; its last CTA's top-k and grouping grow with
 # T) and take down with the combine in (its CTAs read each expert once per token that picked it, where moe_down
-# reads it once per step). Not yet measured against the launch chains (scripts/moe_bench.py --chain at 1-16
-# tokens says where each stops paying).
+# reads it once per step). Measured on the H200 (scripts/moe_bench.py --variants, one Qwen3-30B-A3B layer,
+# b0ac424): both on against the launch chain 37.4 / 92.4 / 151.1 / 185.4 / 226.0 us against 44.1 / 106.8 /
+# 165.8 / 210.6 / 251.4 at 1 / 4 / 8 / 12 / 16 tokens; the combine alone still won at 24 (299.5 against 312.2)
+# and was even at 32 (343.9 against 346.0). 16 is as far as the GPU tests have checked it.
 ROUTE_GEMV_MAX_TOKENS = 16
-DOWN_COMBINE_MAX_TOKENS = 8
+DOWN_COMBINE_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
