@@ -162,8 +162,13 @@ void moe_gate_up(const Tensor& x_in, const Tensor& w13, const Tensor& order, con
                "moe_gate_up");
 }
 
-void moe_down(const Tensor& act, const Tensor& w2, const Tensor& weights, const Tensor& order,
-              const Tensor& offsets, const Tensor& active, int64_t top_k, Tensor& pairs) {
+// What both down launches take: act [pairs, intermediate] and w2 [experts, hidden, intermediate] of one dtype.
+struct DownOperands {
+  minillm::ScalarType dtype;
+  int64_t n, i, e, h;  // pairs, intermediate, experts, hidden
+};
+
+DownOperands check_down_operands(const Tensor& act, const Tensor& w2, int64_t top_k) {
   MINILLM_CHECK(act.is_cuda() && act.dim() == 2 && act.is_contiguous() && aligned16(act),
                 "act must be a contiguous, 16-byte aligned CUDA tensor [pairs, intermediate], got ", act.sizes());
   const minillm::ScalarType dtype = expert_dtype(act, "act");
@@ -178,6 +183,12 @@ void moe_down(const Tensor& act, const Tensor& w2, const Tensor& weights, const 
                 int64_t(minillm::kMoeMaxExperts), "], got ", e);
   check_top_k(top_k, e);
   MINILLM_CHECK(n % top_k == 0, "act: rows must be tokens * top_k, got ", n, " rows for top_k=", top_k);
+  return {dtype, n, i, e, h};
+}
+
+void moe_down(const Tensor& act, const Tensor& w2, const Tensor& weights, const Tensor& order,
+              const Tensor& offsets, const Tensor& active, int64_t top_k, Tensor& pairs) {
+  const auto [dtype, n, i, e, h] = check_down_operands(act, w2, top_k);
   MINILLM_CHECK(i % minillm::kMoeTileK == 0 && i / minillm::kMoeTileK >= minillm::kMoeKWarps,
                 "intermediate must be a multiple of ", int64_t(minillm::kMoeTileK), " and at least ",
                 int64_t(minillm::kMoeTileK * minillm::kMoeKWarps), ", got ", i);
@@ -226,20 +237,7 @@ void moe_combine(const Tensor& pairs, int64_t top_k, Tensor& out) {
 
 void moe_down_combine(const Tensor& act, const Tensor& w2, const Tensor& ids, const Tensor& weights,
                       const Tensor& order, int64_t top_k, Tensor& out) {
-  MINILLM_CHECK(act.is_cuda() && act.dim() == 2 && act.is_contiguous() && aligned16(act),
-                "act must be a contiguous, 16-byte aligned CUDA tensor [pairs, intermediate], got ", act.sizes());
-  const minillm::ScalarType dtype = expert_dtype(act, "act");
-  const int64_t n = act.size(0), i = act.size(1);
-  MINILLM_CHECK(w2.dim() == 3 && w2.size(2) == i && w2.is_contiguous() && aligned16(w2) &&
-                    w2.scalar_type() == act.scalar_type(),
-                "w2 must be a contiguous, 16-byte aligned [experts, hidden, ", i, "] tensor of act's dtype, got ",
-                w2.scalar_type(), " ", w2.sizes());
-  check_on(w2, act, "w2");
-  const int64_t e = w2.size(0), h = w2.size(1);
-  MINILLM_CHECK(e >= 1 && e <= minillm::kMoeMaxExperts, "w2: experts must be in [1, ",
-                int64_t(minillm::kMoeMaxExperts), "], got ", e);
-  check_top_k(top_k, e);
-  MINILLM_CHECK(n % top_k == 0, "act: rows must be tokens * top_k, got ", n, " rows for top_k=", top_k);
+  const auto [dtype, n, i, e, h] = check_down_operands(act, w2, top_k);
   MINILLM_CHECK(i % 8 == 0, "intermediate must be a multiple of 8, got ", i);
   MINILLM_CHECK(h % minillm::kMoeDownCombineCols == 0, "hidden must be a multiple of ",
                 int64_t(minillm::kMoeDownCombineCols), ", got ", h);
