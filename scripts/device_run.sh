@@ -346,6 +346,19 @@ sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'),
     moevariants)   # moebench at 1-32 tokens with each small-step variant pair forced (sets moe_ops' two constants)
       stage moevariants 150 python3 scripts/moe_bench.py --tokens 1,2,4,8,12,16,24,32 --variants \
         --out "$OUT/moe_kernels.jsonl" ;;
+    mkshapes)   # the persistent kernel against the graph path on shapes whose weights stream in passes ($MK_MODELS)
+      for m in ${MK_MODELS:-qwen3-1.7b qwen2.5-0.5b qwen2.5-1.5b}; do
+        stage mkbench_$m 200 python3 scripts/megakernel_bench.py --model $m --batches 1,8,16 --contexts 128,2048 \
+          --replays 100 --out "$OUT/megakernel_bench.jsonl"
+      done ;;
+    modelsweep)   # engine decode steps at B = 1, 8, 16 of $SWEEP_MODELS (dummy weights), the megakernel on, then off
+      for m in ${SWEEP_MODELS:-qwen3-1.7b qwen2.5-0.5b}; do
+        for on in True False; do
+          stage sweep_${m}_mk$on 200 python3 -c "from minillm.config import EngineConfig; \
+from minillm.bench.decode_sweep import sweep_and_record; \
+sweep_and_record(EngineConfig.from_kwargs('$m', load_format='dummy', megakernel=$on), '$OUT/decode_steps.jsonl', (1, 8, 16))"
+        done
+      done ;;
     moebench1)   # moebench at 1 and 8 tokens only
       stage moebench1 90 python3 scripts/moe_bench.py --tokens 1,8 --out "$OUT/moe_kernels.jsonl" ;;
     ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel on sm_90, T=4096 causal, 16/8 heads
