@@ -57,7 +57,7 @@ for s in "$@"; do
   case "$s" in
     build) ;;
     mk)
-      stage mk_tests 150 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
+      stage mk_tests 240 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
     mkbench)
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
