@@ -555,11 +555,17 @@ struct PhasePlan {
 struct Phases {
   PhasePlan ph[4];  // by MegaPhase
 };
-struct Cursor {     // the next pass to copy (thread kIssuer)
+// The next pass to copy and what copying it needs (thread kIssuer), in shared memory: out of line, start_pass would
+// otherwise read the launch parameters with generic loads that miss after every grid barrier.
+struct Cursor {
+  const char* w[4];         // packed weights, by MegaPhase
+  const char* norm[2];      // ln1, ln2
+  unsigned char* slot[kMegaMaxSlots];
+  int layers, hidden, slots, nw_half;
   int layer, phase, pass;
-  unsigned issued;  // passes copied so far: the next goes to slot issued % slots
+  unsigned issued;          // passes copied so far: the next goes to slot issued % slots
 };
-static_assert(sizeof(PhasePlan) == 40 && sizeof(Cursor) == 16, "minillm/ops/megakernel.py: smem_plan counts these");
+static_assert(sizeof(PhasePlan) == 40 && sizeof(Cursor) == 104, "minillm/ops/megakernel.py: smem_plan counts these");
 
 static_assert(kMegaMaxSlots == 3, "slot_at and the region layout assume three slots");
 // Slot s of the plan: selects, not an indexed array (which would live on the stack).
@@ -570,17 +576,16 @@ __device__ __forceinline__ unsigned char* slot_at(const Smem& sm, const Megakern
 struct Pass {
   Range g;      // granules
   int k0, kp;   // first k-pair, k-pairs
-  bool last_k;  // the group's sums are complete after this pass
 };
 
 __device__ __forceinline__ Pass pass_of(const PhasePlan& pp, int i) {
   const int grp = i / pp.nk, kk = i % pp.nk;
   const int g0 = min(pp.gran.begin + grp * pp.group, pp.gran.end), k0 = kk * pp.kstep;
-  return {{g0, min(g0 + pp.group, pp.gran.end)}, k0, min(pp.kstep, pp.kpairs - k0), kk == pp.nk - 1};
+  return {{g0, min(g0 + pp.group, pp.gran.end)}, k0, min(pp.kstep, pp.kpairs - k0)};
 }
 
 // `total` granules of `kpairs` k-pairs, split over the CTAs in units of `unit` granules (GU: pairs). A CTA without
-// granules still has one (empty) pass, so that every CTA walks the same phases.
+// granules still has one (empty) group, so that every CTA walks the same phases.
 __device__ __forceinline__ PhasePlan phase_plan(int total, int unit, int kpairs, int group, int kstep) {
   const Range r = split_range(total / unit);
   PhasePlan pp;
@@ -588,7 +593,7 @@ __device__ __forceinline__ PhasePlan phase_plan(int total, int unit, int kpairs,
   pp.group = group, pp.kstep = kstep, pp.kpairs = kpairs;
   pp.nk = (kpairs + kstep - 1) / kstep;
   const int n = pp.gran.end - pp.gran.begin;
-  pp.passes = n == 0 ? 1 : (n + group - 1) / group * pp.nk;
+  pp.passes = max(1, (n + group - 1) / group) * pp.nk;
   pp.layer_elems = (int64_t)total * kMegaGranuleRows * kpairs * 32;
   return pp;
 }
@@ -608,37 +613,31 @@ __device__ __forceinline__ Phases make_phases(const Dims& d, const MegakernelSme
 }
 
 // Thread kIssuer: arms the next pass's slot and starts its copy (burst: all of it now; else paced by pump_all). The
-// first pass of QKV and of GU also copies the phase's norm weight, on the same mbarrier, into its half of sm.nw: the
+// first pass of QKV and of GU also copies the phase's norm weight, on the same mbarrier, into its half of `nw`: the
 // norm then reads shared memory after the pass's wait instead of HBM after a grid barrier. Its previous reader,
 // the same phase's norm a layer earlier, is done: a layer has at least 4 passes and at most kMegaMaxSlots are ahead.
-// Inlined: out of line, its reads of the launch parameters would be generic loads that miss after a grid barrier.
-__device__ __forceinline__ void start_pass(const MegakernelParams& p, const Smem& sm, const MegakernelSmemPlan& plan,
-                                           bool burst) {
-  Cursor& c = *sm.cur;
-  if (c.layer >= p.num_layers) return;
-  const int s = c.issued % plan.slots;
-  const PhasePlan& pp = sm.ph->ph[c.phase];
-  const Pass ps = pass_of(pp, c.pass);
+// Out of line (one copy: the layer loop must fit the instruction caches).
+__device__ __noinline__ void start_pass(Cursor* c, const Phases* phs, Pending* pend, uint64_t* bars, unsigned char* nw,
+                                        bool burst) {
+  if (c->layer >= c->layers) return;
+  const int s = c->issued % c->slots, ph = c->phase;
+  const PhasePlan& pp = phs->ph[ph];
+  const Pass ps = pass_of(pp, c->pass);
   const unsigned n = ps.g.end - ps.g.begin, run = ps.kp * 512u, bytes = n * run;
-  const void* base = c.phase == kPhaseQkv ? p.w_qkv : c.phase == kPhaseO ? p.w_o : c.phase == kPhaseGu ? p.w_gu : p.w_down;
-  const char* src = static_cast<const char*>(base) +
-                    2 * (c.layer * pp.layer_elems + ((int64_t)ps.g.begin * pp.kpairs + ps.k0) * 256);
-  const bool normed = c.pass == 0 && (c.phase == kPhaseQkv || c.phase == kPhaseGu);
-  const unsigned nbytes = normed ? 2u * p.hidden : 0u;
+  const char* src = c->w[ph] + 2 * (c->layer * pp.layer_elems + ((int64_t)ps.g.begin * pp.kpairs + ps.k0) * 256);
+  const bool normed = c->pass == 0 && (ph == kPhaseQkv || ph == kPhaseGu);
+  const unsigned nbytes = normed ? 2u * c->hidden : 0u;
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  mbar_expect_tx(&sm.bars[s], bytes + nbytes);
+  mbar_expect_tx(&bars[s], bytes + nbytes);
   const bool whole = ps.kp == pp.kpairs;  // the pass's granules are one contiguous range
-  sm.pend[s] = Pending{src, slot_at(sm, plan, s), &sm.bars[s], whole ? bytes : run, pp.kpairs * 512u, n == 0 ? 0u : whole ? 1u : n,
-                       0u, 0u};
-  if (normed) {
-    const char* w = static_cast<const char*>(c.phase == kPhaseQkv ? p.ln1 : p.ln2) + 2LL * c.layer * p.hidden;
-    bulk_g2s(sm.nw + (c.phase == kPhaseGu) * (plan.nw / 2), w, nbytes, &sm.bars[s]);
-  }
-  if (burst) pace_pump(&sm.pend[s], ~0u);
-  ++c.issued;
-  if (++c.pass == pp.passes) {
-    c.pass = 0;
-    if (++c.phase == 4) c.phase = 0, ++c.layer;
+  pend[s] = Pending{src, c->slot[s], &bars[s], whole ? bytes : run, pp.kpairs * 512u, n == 0 ? 0u : whole ? 1u : n, 0u, 0u};
+  if (normed)
+    bulk_g2s(nw + (ph == kPhaseGu) * c->nw_half, c->norm[ph == kPhaseGu] + 2LL * c->layer * c->hidden, nbytes, &bars[s]);
+  if (burst) pace_pump(&pend[s], ~0u);
+  ++c->issued;
+  if (++c->pass == pp.passes) {
+    c->pass = 0;
+    if (++c->phase == 4) c->phase = 0, ++c->layer;
   }
 }
 
@@ -1104,52 +1103,104 @@ __device__ void final_norm(const MegakernelParams& p) {
 // the GEMV on it; once every warp is done with the slot, the slot takes the pass `slots` ahead (start_pass), and
 // after a group's last k-pass comes its epilogue. QKV and GU first normalise the residual stream into the A tile.
 // `pt`: the phase's first timeline point (weights landed; then norm done for QKV / GU; then GEMV done).
-template <typename T, int kPh, bool kStamps>
+// Where the consumer is in the ring: the slot of its next pass and each slot's mbarrier parity (bit s), kept by
+// increments (the slot count is a launch parameter, and divisions by it cost ~20 instructions).
+struct RingPos {
+  int slot;
+  unsigned parity;
+};
+
+// The whole-slice plan (kStream false): one pass a phase; QKV and GU use slot 0, O and DOWN slot 1, each twice a
+// layer, so every phase's slot and mbarrier parity are constants.
+template <typename T, int kPh, bool kStamps, bool kStream>
 __device__ __forceinline__ void gemv_phase(const MegakernelParams& p, const Dims& d, const Smem& sm,
-                                           const MegakernelSmemPlan& plan, int layer, unsigned& used, bool serial,
-                                           const NormIn& nin, T* act, float4* red, int pt) {
+                                           const MegakernelSmemPlan& plan, int layer, RingPos& rp, bool serial,
+                                           bool burst, const NormIn& nin, T* act, float4* red, int pt) {
   constexpr bool kSmemA = kPh == kPhaseQkv || kPh == kPhaseGu;
   const PhasePlan& pp = sm.ph->ph[kPh];
   const bool issuer = threadIdx.x == kIssuer;
   uint32_t old_resid[2];
-  for (int i = 0; i < pp.passes; ++i) {
-    const Pass ps = pass_of(pp, i);
-    const int s = used % plan.slots, n = ps.g.end - ps.g.begin;
-    if (!kSmemA && ps.k0 == 0) resid_prefetch<T>(p, d, ps.g, old_resid);
+  if constexpr (!kStream) {
+    constexpr int s = kSmemA ? 0 : 1;
+    constexpr unsigned parity = kPh == kPhaseGu || kPh == kPhaseDown;
+    const Range gr = pp.gran;
+    if (!kSmemA) resid_prefetch<T>(p, d, gr, old_resid);
     if (issuer) {
-      if (serial) start_pass(p, sm, plan, true);
-      pump_all(sm.pend, plan.slots, s, ~0u);  // whatever is left of this pass (none at the default pace)
+      if (serial) start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, true);
+      pump_all(sm.pend, 2, s, ~0u);  // whatever is left of this pass (none at the default pace)
     }
-    mbar_wait(&sm.bars[s], (used / plan.slots) & 1, kPh);
-    if (i == 0) stamp<kStamps>(p, layer, pt);
-    if (kSmemA && i == 0) {
+    mbar_wait(&sm.bars[s], parity, kPh);
+    stamp<kStamps>(p, layer, pt);
+    if (kSmemA) {
       norm_to_act<T>(nin, kPh == kPhaseQkv && layer == 0, reinterpret_cast<const T*>(sm.nw + (kPh == kPhaseGu) * (plan.nw / 2)),
                      act);
       __syncthreads();
       stamp<kStamps>(p, layer, pt + 1);
     }
-    const uint4* w = reinterpret_cast<const uint4*>(slot_at(sm, plan, s));
+    const uint4* w = reinterpret_cast<const uint4*>(s == 0 ? sm.w : sm.w + plan.slot[0]);
     if (kSmemA)
-      gemv_smem_a<T>(w, n, ps.k0, ps.kp, ps.k0 == 0, act, act_stride(d.H), red);
+      gemv_smem_a<T>(w, gr.end - gr.begin, 0, pp.kpairs, true, act, act_stride(d.H), red);
     else
-      gemv_global_a<T>(w, n, ps.k0, ps.kp, ps.k0 == 0, static_cast<const uint4*>(kPh == kPhaseO ? p.attn_frag : p.h_frag),
-                       pp.kpairs, p.batch, red);
+      gemv_global_a<T>(w, gr.end - gr.begin, 0, pp.kpairs, true,
+                       static_cast<const uint4*>(kPh == kPhaseO ? p.attn_frag : p.h_frag), pp.kpairs, p.batch, red);
     __syncthreads();  // every warp is done with slot s and has staged its sums
-    ++used;
-    if (i + 1 == pp.passes) stamp<kStamps>(p, layer, pt + (kSmemA ? 2 : 1));
+    stamp<kStamps>(p, layer, pt + (kSmemA ? 2 : 1));
     if (issuer && !serial) {
-      start_pass(p, sm, plan, false);
-      pump_all(sm.pend, plan.slots, s, kPaceBytes);
+      start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, burst);
+      pump_all(sm.pend, 2, s, kPaceBytes);
     }
-    if (!ps.last_k) continue;
-    if (kPh == kPhaseQkv) qkv_epilogue<T>(p, d, layer, ps.g, red);
-    if (kPh == kPhaseGu) swiglu_epilogue<T>(p, ps.g, red);
-    if (!kSmemA) residual_epilogue<T>(p, d, ps.g, red, old_resid);
-    if (i + 1 < pp.passes) __syncthreads();  // the next group stages into `red`
+    if (kPh == kPhaseQkv) qkv_epilogue<T>(p, d, layer, gr, red);
+    if (kPh == kPhaseGu) swiglu_epilogue<T>(p, gr, red);
+    if (!kSmemA) residual_epilogue<T>(p, d, gr, red, old_resid);
+  } else {
+  // Groups of the CTA's granules (one empty group when it has none), each in nk k-passes: pass_of's order.
+  for (int g0 = pp.gran.begin; g0 < pp.gran.end || g0 == pp.gran.begin; g0 += pp.group) {
+    const Range gr{g0, min(g0 + pp.group, pp.gran.end)};
+    const bool last_group = gr.end >= pp.gran.end;
+    if (!kSmemA) resid_prefetch<T>(p, d, gr, old_resid);
+    for (int k0 = 0; k0 < pp.kpairs; k0 += pp.kstep) {
+      const int s = rp.slot;
+      const bool first = g0 == pp.gran.begin && k0 == 0, last = last_group && k0 + pp.kstep >= pp.kpairs;
+      if (issuer) {
+        if (serial) start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, true);
+        pump_all(sm.pend, plan.slots, s, ~0u);  // whatever is left of this pass (none at the default pace)
+      }
+      mbar_wait(&sm.bars[s], (rp.parity >> s) & 1u, kPh);
+      if (first) {
+        stamp<kStamps>(p, layer, pt);
+        if (kSmemA) {
+          norm_to_act<T>(nin, kPh == kPhaseQkv && layer == 0,
+                         reinterpret_cast<const T*>(sm.nw + (kPh == kPhaseGu) * (plan.nw / 2)), act);
+          __syncthreads();
+          stamp<kStamps>(p, layer, pt + 1);
+        }
+      }
+      const uint4* w = reinterpret_cast<const uint4*>(slot_at(sm, plan, s));
+      const int n = gr.end - gr.begin, kp = min(pp.kstep, pp.kpairs - k0);
+      if (kSmemA)
+        gemv_smem_a<T>(w, n, k0, kp, k0 == 0, act, act_stride(d.H), red);
+      else
+        gemv_global_a<T>(w, n, k0, kp, k0 == 0, static_cast<const uint4*>(kPh == kPhaseO ? p.attn_frag : p.h_frag),
+                         pp.kpairs, p.batch, red);
+      __syncthreads();  // every warp is done with slot s and has staged its sums
+      rp.parity ^= 1u << s;
+      rp.slot = s + 1 == plan.slots ? 0 : s + 1;
+      if (last) stamp<kStamps>(p, layer, pt + (kSmemA ? 2 : 1));
+      if (issuer && !serial) {
+        start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, burst);
+        pump_all(sm.pend, plan.slots, s, kPaceBytes);
+      }
+    }
+    if (kPh == kPhaseQkv) qkv_epilogue<T>(p, d, layer, gr, red);
+    if (kPh == kPhaseGu) swiglu_epilogue<T>(p, gr, red);
+    if (!kSmemA) residual_epilogue<T>(p, d, gr, red, old_resid);
+    if (last_group) break;
+    __syncthreads();  // the next group stages into `red`
+  }
   }
 }
 
-template <typename T, int D, bool kStamps>
+template <typename T, int D, bool kStamps, bool kStream>
 __global__ void __launch_bounds__(kMegaThreads, 1)
     decode_megakernel(const __grid_constant__ MegakernelParams p, const __grid_constant__ MegakernelSmemPlan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1166,21 +1217,27 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
   sm.plan = reinterpret_cast<AttnPlan*>(sm.cur + 1);
   const Dims d(p);
   unsigned* counter = p.sync;
-  unsigned epoch = 0, used = 0;  // used: passes consumed so far (pass j waits on slot j % slots, parity (j / slots) & 1)
-  // Stamped variant only: each pass copied right before its wait (kMegaProfSerialWeights), a diagnosis.
+  unsigned epoch = 0;
+  RingPos rp{0, 0u};  // pass j of the launch waits on slot j % slots
+  // Stamped variant only: each pass copied right before its wait (kMegaProfSerialWeights), or unpaced.
   const bool serial = kStamps && (p.prof_flags & kMegaProfSerialWeights);
+  const bool burst = kStamps && (p.prof_flags & kMegaProfBurstWeights);  // the stamped variant only, a diagnosis
   const NormIn nin{p.resid, p.embed, p.input_ids, p.vocab_size, p.hidden, p.batch, p.eps};
 
   if (threadIdx.x == kIssuer) {
     *sm.ph = make_phases(d, plan);
-    *sm.cur = Cursor{0, 0, 0, 0u};
+    *sm.cur = Cursor{{static_cast<const char*>(p.w_qkv), static_cast<const char*>(p.w_o), static_cast<const char*>(p.w_gu),
+                      static_cast<const char*>(p.w_down)},
+                     {static_cast<const char*>(p.ln1), static_cast<const char*>(p.ln2)},
+                     {slot_at(sm, plan, 0), slot_at(sm, plan, 1), slot_at(sm, plan, 2)},
+                     p.num_layers, p.hidden, plan.slots, plan.nw / 2, 0, 0, 0, 0u};
     for (int s = 0; s < plan.slots; ++s) {
       mbar_init(&sm.bars[s]);
       sm.pend[s] = Pending{nullptr, nullptr, nullptr, 0u, 0u, 0u, 0u, 0u};
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     if (!serial)
-      for (int s = 0; s < plan.slots; ++s) start_pass(p, sm, plan, true);
+      for (int s = 0; s < plan.slots; ++s) start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, true);
   }
   if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
@@ -1190,25 +1247,25 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
 
   for (int layer = 0; layer < p.num_layers; ++layer) {
     if (layer == 0) stamp<kStamps>(p, 0, 0);  // later layers: stamped as the previous layer's last barrier is passed
-    gemv_phase<T, kPhaseQkv, kStamps>(p, d, sm, plan, layer, used, serial, nin, act, red, 1);
+    gemv_phase<T, kPhaseQkv, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 1);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
     grid_arrive<kStamps>(counter, p, layer, 4);
     if ((int)blockIdx.x < sm.plan->items) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
     grid_wait(counter, ++epoch);
     stamp<kStamps>(p, layer, 5);
-    if (threadIdx.x == kIssuer) pump_all(sm.pend, plan.slots, used % plan.slots, kPaceBytes);
+    if (threadIdx.x == kIssuer) pump_all(sm.pend, plan.slots, rp.slot, kPaceBytes);
 
     for (int item = blockIdx.x; item < sm.plan->items; item += gridDim.x) {
       attention_item<T, D>(p, d, layer, sm, item, item == (int)blockIdx.x);
       __syncthreads();
     }
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 6);
-    gemv_phase<T, kPhaseO, kStamps>(p, d, sm, plan, layer, used, serial, nin, act, red, 8);
+    gemv_phase<T, kPhaseO, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 8);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
-    gemv_phase<T, kPhaseGu, kStamps>(p, d, sm, plan, layer, used, serial, nin, act, red, 12);
+    gemv_phase<T, kPhaseGu, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 12);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
-    gemv_phase<T, kPhaseDown, kStamps>(p, d, sm, plan, layer, used, serial, nin, act, red, 17);
+    gemv_phase<T, kPhaseDown, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 17);
     // Its second stamp (point 20) is the next layer's point 0 (after the last layer: overwritten by the final one).
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 19);
   }
@@ -1284,7 +1341,7 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, int smem_limit, Mega
   bool ok = whole_max <= kMaxGran && (p.slot_limit == 0 || std::max(w0, w1) <= p.slot_limit) &&
             place_rest(whole_max) + w0 + w1 <= smem_limit;
   if (ok) {
-    plan->slots = 2, plan->slot[0] = w0, plan->slot[1] = w1;
+    plan->slots = 2, plan->streamed = 0, plan->slot[0] = w0, plan->slot[1] = w1;
     for (int ph = 0; ph < 4; ++ph) plan->group[ph] = shape[ph].granules, plan->kstep[ph] = shape[ph].kpairs;
   }
   // Otherwise passes through equal slots: three (two copies in flight while one is read), else two.
@@ -1299,7 +1356,7 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, int smem_limit, Mega
       groups = std::max(groups, plan->group[ph]);
     }
     if (!ok) continue;
-    plan->slots = slots;
+    plan->slots = slots, plan->streamed = 1;
     for (int s = 0; s < slots; ++s) plan->slot[s] = round_up(need, 128);
     place_rest(groups);
   }
@@ -1310,9 +1367,9 @@ cudaError_t megakernel_smem_plan(const MegakernelParams& p, int smem_limit, Mega
 }
 
 namespace {
-template <typename T, int D, bool kStamps>
+template <typename T, int D, bool kStamps, bool kStream>
 cudaError_t launch_variant(const MegakernelParams& p, const MegakernelSmemPlan& plan, cudaStream_t stream) {
-  auto kernel = mk::decode_megakernel<T, D, kStamps>;
+  auto kernel = mk::decode_megakernel<T, D, kStamps, kStream>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.total);
   if (err != cudaSuccess) return err;
   // Registers and shared memory must fit one CTA per SM. Asked once per variant and size, so that launches during
@@ -1340,10 +1397,15 @@ cudaError_t launch_variant(const MegakernelParams& p, const MegakernelSmemPlan& 
   return cudaLaunchKernelEx(&cfg, kernel, p, plan);
 }
 
-// The variant with timeline stamps only when a buffer is given: the stamps' branches are not in the fast kernel.
+// The variant with timeline stamps only when a buffer is given: the stamps' branches are not in the fast kernel. The
+// whole-slice plan has a variant of its own, whose phases know their slot and parity at compile time.
 template <typename T, int D>
 cudaError_t launch_typed(const MegakernelParams& p, const MegakernelSmemPlan& plan, cudaStream_t stream) {
-  return p.prof != nullptr ? launch_variant<T, D, true>(p, plan, stream) : launch_variant<T, D, false>(p, plan, stream);
+  if (plan.streamed)
+    return p.prof != nullptr ? launch_variant<T, D, true, true>(p, plan, stream)
+                             : launch_variant<T, D, false, true>(p, plan, stream);
+  return p.prof != nullptr ? launch_variant<T, D, true, false>(p, plan, stream)
+                           : launch_variant<T, D, false, false>(p, plan, stream);
 }
 }  // namespace
 

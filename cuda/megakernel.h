@@ -82,7 +82,7 @@ struct MegakernelParams {
   // [(num_layers * kMegaProfPoints + 1) * num_ctas * 2] timeline stamps, or null (the default: no stamps)
   unsigned long long* prof;
   // With prof: kMegaProfSerialWeights issues every weight slice just before it is waited for instead of a phase
-  // ahead (a diagnosis: the steps' costs with no weight stream in flight).
+  // ahead (a diagnosis: the steps' costs with no weight stream in flight); kMegaProfBurstWeights (below) unpaced.
   int prof_flags;
   // Largest weight slot in bytes, 0 = whatever shared memory allows: tests set it small to force many passes.
   int slot_limit;
@@ -90,6 +90,8 @@ struct MegakernelParams {
 
 // 64-bit words of the timeline buffer of a launch.
 constexpr int kMegaProfSerialWeights = 1;
+// With prof: kMegaProfBurstWeights issues each pass whole when its slot frees instead of paced (a diagnosis).
+constexpr int kMegaProfBurstWeights = 2;
 
 inline int64_t megakernel_prof_words(int num_layers, int num_ctas) {
   return ((int64_t)num_layers * kMegaProfPoints + 1) * num_ctas * 2;
@@ -106,6 +108,7 @@ enum MegaPhase : int { kPhaseQkv = 0, kPhaseO = 1, kPhaseGu = 2, kPhaseDown = 3 
 struct MegakernelSmemPlan {
   int slot[kMegaMaxSlots];  // bytes of each weight slot (0 past `slots`)
   int slots;
+  int streamed;             // 0: the whole-slice plan
   int group[4], kstep[4];   // per MegaPhase
   int uni, qtile, misc, nw, total;  // nw: the two norm weights that ride with the QKV / GU passes
 };

@@ -160,9 +160,10 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
     check_buffer(*profile, "profile", device, at::kLong, minillm::megakernel_prof_words(int(layers), int(num_ctas)));
     p.prof = reinterpret_cast<unsigned long long*>(profile->data_ptr<int64_t>());
   }
-  MINILLM_CHECK(profile_flags == 0 || (profile && profile_flags == minillm::kMegaProfSerialWeights),
-                "profile_flags must be 0, or ", int64_t(minillm::kMegaProfSerialWeights),
-                " (serial weight copies) with a profile buffer; got ", profile_flags);
+  MINILLM_CHECK(profile_flags == 0 || (profile && (profile_flags == minillm::kMegaProfSerialWeights ||
+                                                   profile_flags == minillm::kMegaProfBurstWeights)),
+                "profile_flags must be 0, or ", int64_t(minillm::kMegaProfSerialWeights), " (serial weight copies) or ",
+                int64_t(minillm::kMegaProfBurstWeights), " (unpaced) with a profile buffer; got ", profile_flags);
   p.prof_flags = int(profile_flags);
   MINILLM_CHECK(slot_limit >= 0 && slot_limit <= (1 << 20), "slot_limit must be 0 (no limit) or a byte count up to ",
                 int64_t(1 << 20), ", got ", slot_limit);
@@ -189,7 +190,7 @@ void decode_megakernel_meta(const Tensor&, const Tensor&, const Tensor&, const T
                             const std::optional<Tensor>&, int64_t, int64_t) {}
 
 // The plan megakernel_smem_plan makes for a shape (minillm/ops/megakernel.py: smem_plan mirrors it; the GPU tests
-// compare the two): [slots, slot bytes x kMegaMaxSlots, group x 4, kstep x 4, uni, qtile, misc, nw, total], or an
+// compare the two): [slots, streamed, slot bytes x kMegaMaxSlots, group x 4, kstep x 4, uni, qtile, misc, nw, total], or an
 // empty list when no plan fits.
 std::vector<int64_t> decode_megakernel_plan(int64_t hidden, int64_t intermediate, int64_t num_heads,
                                             int64_t num_kv_heads, int64_t head_dim, int64_t num_ctas,
@@ -201,7 +202,7 @@ std::vector<int64_t> decode_megakernel_plan(int64_t hidden, int64_t intermediate
   p.slot_limit = int(slot_limit);
   minillm::MegakernelSmemPlan plan;
   if (minillm::megakernel_smem_plan(p, int(smem_limit), &plan) != cudaSuccess) return {};
-  std::vector<int64_t> out{plan.slots};
+  std::vector<int64_t> out{plan.slots, plan.streamed};
   for (int s = 0; s < minillm::kMegaMaxSlots; ++s) out.push_back(plan.slot[s]);
   for (int ph = 0; ph < 4; ++ph) out.push_back(plan.group[ph]);
   for (int ph = 0; ph < 4; ++ph) out.push_back(plan.kstep[ph]);

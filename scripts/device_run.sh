@@ -72,6 +72,9 @@ for s in "$@"; do
     schedtimeline)   # the timeline under each weight-issue schedule (DecodeMegakernel.forward(schedule=...))
       stage schedtimeline 150 python3 scripts/megakernel_bench.py --timeline --schedules ahead,serial \
         --batches 1,8 --contexts 128,512 --out "$OUT/megakernel_timeline_sched.jsonl" ;;
+    streamtimeline)   # the timeline of a streamed plan ($MK_MODEL, default qwen3-1.7b) under each copy schedule
+      stage streamtimeline 150 python3 scripts/megakernel_bench.py --timeline --model ${MK_MODEL:-qwen3-1.7b} \
+        --schedules ahead,burst,serial --batches 1,16 --contexts 128 --out "$OUT/megakernel_timeline_stream.jsonl" ;;
     profile)   # torch.profiler over engine decode steps: kernels per step by category (scripts/profile_decode.py)
       for b in 1 8 64 256; do
         stage profile_b$b 120 python3 scripts/profile_decode.py --batch $b --context 512 --steps 20 \

@@ -126,7 +126,7 @@ def main() -> int:
                     help="smallest attention partition in 16-token chunks (kernels.megakernel_min_chunks)")
     ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
     ap.add_argument("--schedules", default="ahead",
-                    help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial; "
+                    help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial, burst; "
                          "DecodeMegakernel.forward)")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]

@@ -41,7 +41,7 @@ DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
 PROF_POINTS = 20       # timeline stamps per layer (megakernel.h: kMegaProfPoints)
 # Weight-issue schedules of a stamped launch, forward(schedule=...): the op's profile_flags (megakernel.h)
-PROF_SCHEDULES = {"ahead": 0, "serial": 1}
+PROF_SCHEDULES = {"ahead": 0, "serial": 1, "burst": 2}
 ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
@@ -235,7 +235,7 @@ MAX_SLOTS = 3          # weight slots in shared memory (megakernel.h: kMegaMaxSl
 PHASES = ("qkv", "o", "gate_up", "down")
 # Bytes of the kernel's bookkeeping structs (decode_megakernel.cu static_asserts them): Pending, PhasePlan, Cursor,
 # and the attention plan (3 + 4 x 16 + 1 ints, then 2 x 16 int64).
-_PENDING, _PHASE_PLAN, _CURSOR = 48, 40, 16
+_PENDING, _PHASE_PLAN, _CURSOR = 48, 40, 104
 _ATTN_PLAN = 4 * (3 + 4 * MAX_BATCH + 1) + 8 * 2 * MAX_BATCH
 
 
@@ -297,7 +297,7 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
     regions = rest(whole_max)
     if (whole_max <= MAX_GRANULES and (slot_limit == 0 or max(w0, w1) <= slot_limit)
             and sum(regions.values()) + w0 + w1 <= smem_limit):
-        plan = dict(slots=2, slot=[w0, w1, 0], group=[s[0] for s in shape], kstep=[s[2] for s in shape], **regions)
+        plan = dict(slots=2, streamed=0, slot=[w0, w1, 0], group=[s[0] for s in shape], kstep=[s[2] for s in shape], **regions)
     for slots in range(MAX_SLOTS, 1, -1):
         if plan is not None:
             break
@@ -308,7 +308,7 @@ def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_d
         if any(x is None for x in shapes):
             continue
         need = _up(max(512 * g * k for g, k in shapes))
-        plan = dict(slots=slots, slot=[need] * slots + [0] * (MAX_SLOTS - slots), group=[g for g, _ in shapes],
+        plan = dict(slots=slots, streamed=1, slot=[need] * slots + [0] * (MAX_SLOTS - slots), group=[g for g, _ in shapes],
                     kstep=[k for _, k in shapes], **rest(max(g for g, _ in shapes)))
     if plan is None:
         return None
@@ -323,13 +323,13 @@ def cta_passes(total: int, unit: int, kpairs: int, group: int, kstep: int, num_c
                ) -> list[tuple[int, int, int, int, bool]]:
     """The passes CTA `cta` makes over one phase of `total` granules (decode_megakernel.cu: phase_plan, pass_of):
     (first granule, end granule, first k-pair, k-pairs, last k-pass of its group). Its granules are its share of
-    total / unit units (contiguous, sizes differing by at most one); a CTA without any still makes one empty pass."""
+    total / unit units (contiguous, sizes differing by at most one); a CTA without any makes one empty group's passes."""
     units = total // unit
     begin, end = cta * units // num_ctas * unit, (cta + 1) * units // num_ctas * unit
     nk = _cdiv(kpairs, kstep)
     n = end - begin
     out = []
-    for i in range(1 if n == 0 else _cdiv(n, group) * nk):
+    for i in range(max(1, _cdiv(n, group)) * nk):
         grp, kk = divmod(i, nk)
         g0 = min(begin + grp * group, end)
         out.append((g0, min(g0 + group, end), kk * kstep, min(kstep, kpairs - kk * kstep), kk == nk - 1))
@@ -340,7 +340,7 @@ def plan_list(plan: dict | None) -> list[int]:
     """smem_plan's result in the order of torch.ops.minillm.decode_megakernel_plan (empty: no plan)."""
     if plan is None:
         return []
-    return [plan["slots"], *plan["slot"], *plan["group"], *plan["kstep"],
+    return [plan["slots"], plan["streamed"], *plan["slot"], *plan["group"], *plan["kstep"],
             *(plan[k] for k in ("uni", "qtile", "misc", "nw", "total"))]
 
 
@@ -503,7 +503,8 @@ class DecodeMegakernel:
                 profile: torch.Tensor | None = None, schedule: str = "ahead") -> torch.Tensor:
         """The step's hidden rows. `profile`: a profile_buffer() to stamp (a separate, slower variant).
         `schedule` (with profile only, a diagnosis): "ahead" copies each weight slice a phase ahead (the plain
-        kernel's schedule), "serial" just before it is waited for (no weight stream in flight)."""
+        kernel's schedule), "serial" just before it is waited for (no weight stream in flight), "burst" whole
+        as soon as its slot frees (no pacing)."""
         b = input_ids.shape[0]
         if self._caches is None:
             raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
