@@ -351,9 +351,22 @@ COVERAGE = KernelCoverage("decode_megakernel", dtypes=("bfloat16", "float16"), h
                           block_sizes=BLOCK_SIZES, max_gqa_group=MAX_GROUP, min_capability=(9, 0), graph_safe=True)
 
 
+# Shapes (hidden, intermediate, heads, KV heads, head dim) whose streamed plan measured faster than the graph decode
+# path; on other shapes that need one, the engine keeps the graph path. Empty: at f25bb0b's predecessor 4a26d7b the
+# streamed Qwen3-1.7B step took 0.54-0.66x the graph path's speed, Qwen2.5-0.5B 0.91-1.03x (docs/megakernel.md).
+STREAMED_WINS: frozenset = frozenset()
+
+
+def shape_key(arch) -> tuple[int, int, int, int, int]:
+    return (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.num_key_value_heads,
+            arch.head_dim)
+
+
 def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int, *, num_ctas: int = 132,
-                       smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0)) -> str | None:
-    """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig."""
+                       smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0),
+                       streamed: bool | None = None) -> str | None:
+    """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig. streamed: whether
+    a plan whose weights stream in passes counts (None: where STREAMED_WINS lists the shape)."""
     if getattr(arch, "num_experts", 0):
         return "a mixture-of-experts MLP (the megakernel's MLP phases are dense)"
     if tuple(capability) < COVERAGE.min_capability:
@@ -374,6 +387,9 @@ def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int,
     if plan is None:
         return (f"no shared-memory plan fits {smem_limit} bytes per CTA on {num_ctas} SMs (the norm tile, attention "
                 f"ring and at least two weight slots of one k-pair)")
+    if plan["streamed"] and not (streamed or (streamed is None and shape_key(arch) in STREAMED_WINS)):
+        return ("its weights would stream through shared memory in passes, measured slower than the graph path on "
+                "this shape (STREAMED_WINS, docs/megakernel.md)")
     return None
 
 
@@ -414,7 +430,7 @@ class DecodeMegakernel:
         if self.device.type != "cuda":
             raise ValueError("DecodeMegakernel needs the model on a CUDA device")
         self.limits = device_limits(self.device)
-        reason = unsupported_reason(arch, self.dtype, block_size, max_batch, **self.limits)
+        reason = unsupported_reason(arch, self.dtype, block_size, max_batch, **self.limits, streamed=True)
         if reason is None and slot_limit and self._plan(arch, slot_limit) is None:
             reason = f"no plan with weight slots of at most {slot_limit} bytes"
         if reason is not None:
