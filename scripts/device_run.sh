@@ -354,6 +354,11 @@ sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'),
         stage mkbench_$m 200 python3 scripts/megakernel_bench.py --model $m --batches 1,8,16 --contexts 128,2048 \
           --replays 100 --out "$OUT/megakernel_bench.jsonl"
       done ;;
+    mkslots)   # a streamed plan ($MK_MODEL, default qwen3-1.7b) at smaller weight slots: more, smaller passes
+      for lim in 16384 24576; do
+        stage mkslots_$lim 150 python3 scripts/megakernel_bench.py --model ${MK_MODEL:-qwen3-1.7b} --batches 1,16 \
+          --contexts 128 --replays 100 --slot-limit $lim --out "$OUT/megakernel_bench.jsonl"
+      done ;;
     modelsweep)   # engine decode steps at B = 1, 8, 16 of $SWEEP_MODELS (dummy weights), the megakernel on, then off
       for m in ${SWEEP_MODELS:-qwen3-1.7b qwen2.5-0.5b}; do
         for on in True False; do
