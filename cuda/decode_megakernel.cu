@@ -145,35 +145,43 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
       : "memory");
 }
 
-// A weight pass copied in pieces over several sync points instead of in one burst (thread kIssuer only; the state
+// Thread kIssuer only: bulk-copy `bytes` (a multiple of 16, possibly 0) into a weight buffer, completing on `bar`.
+// The buffer's previous readers finished before a __syncthreads; the proxy fence orders their generic-proxy
+// reads before the async-proxy writes.
+__device__ __forceinline__ void issue_weights(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  mbar_expect_tx(bar, bytes);
+  for (unsigned off = 0; off < bytes; off += kBulkPiece)
+    bulk_g2s(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, min(kBulkPiece, bytes - off), bar);
+}
+
+// A weight slice copied in pieces over several sync points instead of in one burst (thread kIssuer only; the state
 // lives in shared memory). A burst of every CTA's slice puts 4-12 MB in front of every other load in the memory
 // system for 1-3 us, and each grid barrier or L2 read that overlaps it waited that long (docs/megakernel.md,
-// round 4): paced, at most kPaceBytes per CTA and slot are issued at a sync point. A pass is `runs` runs of `run`
-// bytes, `stride` bytes apart in global memory (one run per granule when the pass holds part of K), packed
-// back to back in its slot.
+// round 4): paced, at most kPacePieces x 16 KB per CTA and stream are in flight at a time.
 struct Pending {
   const char* src;
   unsigned char* dst;
   uint64_t* bar;
-  unsigned run, stride, runs, ri, off;
+  unsigned bytes, off;
 };
-static_assert(sizeof(Pending) == 48, "minillm/ops/megakernel.py: smem_plan counts 48 bytes");
-constexpr unsigned kPaceBytes = 2 * kBulkPiece;  // per slot and sync point
+constexpr unsigned kPacePieces = 2;  // 16 KB pieces per stream and sync point
 
-// Up to `bytes` more of a paced copy, in pieces of at most kBulkPiece (~0u: all of it, before its slot is waited for).
-__device__ __noinline__ void pace_pump(Pending* s, unsigned bytes) {
-  while (s->ri < s->runs && bytes > 0) {
-    const unsigned n = min(min(kBulkPiece, s->run - s->off), bytes);
-    bulk_g2s(s->dst + s->ri * s->run + s->off, s->src + (size_t)s->ri * s->stride + s->off, n, s->bar);
-    bytes -= n;
-    s->off += n;
-    if (s->off == s->run) ++s->ri, s->off = 0;
-  }
+// Starts a paced copy: the mbarrier expects all of it (plus `extra` bytes the caller copies itself) now.
+__device__ __forceinline__ void pace_start(Pending& s, const void* src, unsigned char* dst, unsigned bytes,
+                                           uint64_t* bar, unsigned extra) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  mbar_expect_tx(bar, bytes + extra);
+  s.src = static_cast<const char*>(src), s.dst = dst, s.bar = bar, s.bytes = bytes, s.off = 0;
 }
 
-// Pumps every slot's copy, slot `first` first and by `first_bytes`, the others by kPaceBytes.
-__device__ __noinline__ void pump_all(Pending* pend, int slots, int first, unsigned first_bytes) {
-  for (int k = 0; k < slots; ++k) pace_pump(&pend[(first + k) % slots], k == 0 ? first_bytes : kPaceBytes);
+// The next `pieces` pieces of a paced copy (all of them: before its buffer is waited for).
+__device__ __noinline__ void pace_pump(Pending* s, unsigned pieces) {
+  for (; s->off < s->bytes && pieces > 0; --pieces) {
+    const unsigned n = min(kBulkPiece, s->bytes - s->off);
+    bulk_g2s(s->dst + s->off, s->src + s->off, n, s->bar);
+    s->off += n;
+  }
 }
 
 // Grid-wide barrier number `epoch` (1, 2, ...), in two halves so that work can be issued between them. Arrive:
@@ -231,18 +239,18 @@ struct AttnPlan {  // attention work split, computed once per launch from seq_le
 // minillm/ops/megakernel.py (smem_plan) sizes this as 4 x (3 + 4 x 16 + 1) + 8 x 2 x 16 bytes.
 static_assert(sizeof(AttnPlan) == 4 * (3 + 4 * kMegaMaxBatch + 1) + 8 * 2 * kMegaMaxBatch, "AttnPlan layout");
 
+struct Phase;
 struct Phases;
-struct Cursor;
 
 struct Smem {
-  unsigned char* w;    // the weight slots, back to back (slot_at): pass j of the launch goes to slot j % slots
+  unsigned char* w0;   // QKV / GU weight slices
+  unsigned char* w1;   // O / DOWN weight slices
   unsigned char* uni;  // norm output (A tile) | GEMV cross-warp sums | attention ring and merges
   unsigned char* qtile;
-  unsigned char* nw;   // the layer's norm weights, [2][nw / 2 bytes]: ln1 rides with QKV's first pass, ln2 with GU's
-  uint64_t* bars;      // [slots] mbarriers
-  Pending* pend;       // [slots] the paced copies
-  Phases* ph;          // this CTA's pass plan of each phase (kept in shared memory, not in registers)
-  Cursor* cur;         // the next pass to copy
+  unsigned char* nw;   // the layer's norm weight (ln1 with the QKV slice, ln2 with the GU slice), [hidden]
+  uint64_t* bars;      // [2] mbarriers of w0 / w1
+  Pending* pend;       // [2] the paced copies into w0 / w1
+  Phases* ph;          // this CTA's weight slices (kept in shared memory, not in registers)
   AttnPlan* plan;
 };
 
@@ -398,12 +406,12 @@ __device__ __noinline__ void norm_to_act(const NormIn in, bool from_embed, const
 // a_hi are the A registers of its two k-steps.
 template <typename T>
 __device__ __forceinline__ void mma_kpair(float (&acc)[kMaxGran][4], const uint32_t (&a_lo)[4],
-                                          const uint32_t (&a_hi)[4], const uint4* w, int n_gran, int kpp, int kp,
+                                          const uint32_t (&a_hi)[4], const uint4* w, int n_gran, int kpairs, int kp,
                                           int lane) {
 #pragma unroll
   for (int g = 0; g < kMaxGran; ++g) {
     if (g < n_gran) {
-      const uint4 b = w[((int64_t)g * kpp + kp) * 32 + lane];
+      const uint4 b = w[((int64_t)g * kpairs + kp) * 32 + lane];
       mma16816<T>(acc[g], a_lo, b.x, b.y);
       mma16816<T>(acc[g], a_hi, b.z, b.w);
     }
@@ -415,16 +423,6 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kMaxGran][4]) {
   for (int g = 0; g < kMaxGran; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
 }
 
-// The warp's sums of the group's earlier k-passes (gemv_stage wrote them; each lane reads back its own slots).
-__device__ __forceinline__ void load_acc(float (&acc)[kMaxGran][4], int n_gran, const float4* red) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int g = 0; g < kMaxGran; ++g) {
-    const float4 c = g < n_gran ? red[(warp * n_gran + g) * 32 + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
-    acc[g][0] = c.x, acc[g][1] = c.y, acc[g][2] = c.z, acc[g][3] = c.w;
-  }
-}
-
 // Stages every warp's accumulators in `red`, which lies after the A tile: no barrier is needed between a warp's
 // last read of the tile and its stage (the previous readers of `red`, an epilogue, are a grid barrier back).
 __device__ __forceinline__ void gemv_stage(const float (&acc)[kMaxGran][4], int n_gran, float4* red) {
@@ -434,34 +432,29 @@ __device__ __forceinline__ void gemv_stage(const float (&acc)[kMaxGran][4], int 
     if (g < n_gran) red[(warp * n_gran + g) * 32 + lane] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
 }
 
-// One pass: the slot holds n_gran granules' k-pairs [k0, k0 + kpp). Each warp takes an equal share of them (in
-// k-pairs = 32 columns) for all of the pass's granules, adding to its sums of the group's earlier k-passes unless
-// `first`; the warps' partial sums are added in gemv_sum. Here A is the CTA's own norm output, the shared tile of norm_to_act:
+// Each warp takes an equal share of the K dimension (in k-pairs = 32 columns) for all of the CTA's granules; the
+// warps' partial sums are added in gemv_sum. Here A is the CTA's own norm output, the shared tile of norm_to_act:
 // for ldmatrix.x4 lane l gives the address of row l % 16 at column 8 (l / 16) of the k-step, so its four 8x8
 // matrices are rows 0-7 | 8-15 at k 0-7, then rows 0-7 | 8-15 at k 8-15: the A registers a0..a3 of m16n8k16.
 // Out of line, one copy for QKV and gate_up (the kernel's loop must fit the instruction caches), staging its sums.
 template <typename T>
-__device__ __noinline__ void gemv_smem_a(const uint4* w, int n_gran, int k0, int kpp, bool first, const T* act, int AS,
-                                         float4* red) {
+__device__ __noinline__ void gemv_smem_a(const uint4* w, int n_gran, int kpairs, const T* act, int AS, float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float acc[kMaxGran][4];
-  if (first)
-    zero_acc(acc);
-  else
-    load_acc(acc, n_gran, red);
-  const int kp_begin = warp * kpp / kWarps, kp_end = (warp + 1) * kpp / kWarps;
-  const T* arow = act + (lane & 15) * AS + 8 * (lane >> 4) + 32 * k0;
+  zero_acc(acc);
+  const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
+  const T* arow = act + (lane & 15) * AS + 8 * (lane >> 4);
   for (int kp = kp_begin; kp < kp_end && n_gran > 0; ++kp) {
     uint32_t lo[4], hi[4];
     ldmatrix_x4(lo, arow + 32 * kp);
     ldmatrix_x4(hi, arow + 32 * kp + 16);
-    mma_kpair<T>(acc, lo, hi, w, n_gran, kpp, kp, lane);
+    mma_kpair<T>(acc, lo, hi, w, n_gran, kpairs, kp, lane);
   }
   gemv_stage(acc, n_gran, red);
 }
 
-// As gemv_smem_a with A from a global row-fragment buffer of `kpairs` k-pairs a row that another phase wrote
-// (megakernel.h), read through L2 into registers, and the sums staged in `red` by the loop itself. Lane (g, q) loads row g's and row g + 8's 16 bytes of
+// As gemv_smem_a with A from a global row-fragment buffer another phase wrote (megakernel.h), read through L2 into
+// registers, and the sums staged in `red` by the loop itself. Lane (g, q) loads row g's and row g + 8's 16 bytes of
 // each k-pair: the A registers {a0, a2} and {a1, a3} of both k-steps. Rows >= batch are never read (the first version
 // read all 16 rows on every CTA: 64 KB for o_proj, 96 KB for down at any B). At B <= 8 rows 8..15 are dead, so the
 // registers of their words carry row g of the next kRound k-pairs instead: one round of loads covers 2 kRound
@@ -473,19 +466,18 @@ __device__ __noinline__ void gemv_smem_a(const uint4* w, int n_gran, int k0, int
 // the version unrolled over kMaxGran granules compiled to ~1,500 instructions per call site, most of them skipped
 // and all of them fetched again every layer (the layer loop was larger than the instruction caches; round 4).
 template <typename T>
-__device__ __noinline__ void gemv_global_a(const uint4* w, int n_gran, int k0, int kpp, bool first, const uint4* a,
-                                           int kpairs, int batch, float4* red) {
+__device__ __noinline__ void gemv_global_a(const uint4* w, int n_gran, int kpairs, const uint4* a, int batch,
+                                           float4* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int kp_begin = warp * kpp / kWarps, kp_end = (warp + 1) * kpp / kWarps;
-  if (kp_begin >= kp_end) {  // no k-pairs for this warp (fewer than 8 in the pass): it adds nothing
-    if (first)
-      for (int gi = 0; gi < n_gran; ++gi) red[(warp * n_gran + gi) * 32 + lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int kp_begin = warp * kpairs / kWarps, kp_end = (warp + 1) * kpairs / kWarps;
+  if (kp_begin >= kp_end) {  // no k-pairs for this warp (K < 256): its share of every sum is zero
+    for (int gi = 0; gi < n_gran; ++gi) red[(warp * n_gran + gi) * 32 + lane] = make_float4(0.f, 0.f, 0.f, 0.f);
     return;
   }
   const bool narrow = batch <= 8;
   const bool live0 = g < batch, live8 = narrow ? live0 : g + 8 < batch;
-  const uint4* row0 = a + ((int64_t)g * kpairs + k0) * 4 + q;
-  const uint4* row8 = narrow ? row0 : a + ((int64_t)(g + 8) * kpairs + k0) * 4 + q;
+  const uint4* row0 = a + (int64_t)g * kpairs * 4 + q;
+  const uint4* row8 = narrow ? row0 : a + (int64_t)(g + 8) * kpairs * 4 + q;
   const int second = narrow ? kRound : 0;  // k-pair offset of the words in f8
 #pragma unroll 1
   for (int kp0 = kp_begin; kp0 < kp_end; kp0 += kRound + second) {
@@ -500,11 +492,11 @@ __device__ __noinline__ void gemv_global_a(const uint4* w, int n_gran, int k0, i
     for (int gi = 0; gi < n_gran; ++gi) {
       float4* slot = red + (warp * n_gran + gi) * 32 + lane;
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      if (kp0 != kp_begin || !first) {
+      if (kp0 != kp_begin) {
         const float4 c = *slot;
         acc[0] = c.x, acc[1] = c.y, acc[2] = c.z, acc[3] = c.w;
       }
-      const uint4* wg = w + (int64_t)gi * kpp * 32 + lane;
+      const uint4* wg = w + (int64_t)gi * kpairs * 32 + lane;
 #pragma unroll
       for (int i = 0; i < kRound; ++i) {
         if (kp0 + i < kp_end) {
@@ -543,59 +535,22 @@ __device__ __forceinline__ float4 gemv_sum(const float4* red, int n_gran, int g,
   return s;
 }
 
-// ---- phases and their weight passes ------------------------------------------------------------------------
-// A CTA's slice of a phase is a contiguous range of granules (GU: of the gate/up-interleaved matrix, whole pairs)
-// over all of K. It streams through the weight slots in passes of `group` granules by `kstep` k-pairs, group-major:
-// the k-passes of one group accumulate in `red`, and the group's epilogue follows its last one.
-struct PhasePlan {
-  Range gran;
-  int group, kstep, kpairs, nk, passes;  // nk: k-passes per group
-  int64_t layer_elems;                   // elements of one layer's matrix
+// ---- phases ------------------------------------------------------------------------------------------------------
+struct Phase {  // the weight slice of one GEMV phase for this CTA
+  Range gran;       // granules (GU: gate/up pairs)
+  int64_t offset;   // elements from the layer's start
+  unsigned bytes;
 };
+
+// The four slices of a CTA, computed once and kept in shared memory: registers are the kernel's scarcest resource
+// (255 per thread), and spilled values would live in an L1 of ~28 KB next to 227 KB of shared memory.
 struct Phases {
-  PhasePlan ph[4];  // by MegaPhase
-};
-// The next pass to copy and what copying it needs (thread kIssuer), in shared memory: out of line, start_pass would
-// otherwise read the launch parameters with generic loads that miss after every grid barrier.
-struct Cursor {
-  const char* w[4];         // packed weights, by MegaPhase
-  const char* norm[2];      // ln1, ln2
-  unsigned char* slot[kMegaMaxSlots];
-  int layers, hidden, slots, nw_half;
-  int layer, phase, pass;
-  unsigned issued;          // passes copied so far: the next goes to slot issued % slots
-};
-static_assert(sizeof(PhasePlan) == 40 && sizeof(Cursor) == 104, "minillm/ops/megakernel.py: smem_plan counts these");
-
-static_assert(kMegaMaxSlots == 3, "slot_at and the region layout assume three slots");
-// Slot s of the plan: selects, not an indexed array (which would live on the stack).
-__device__ __forceinline__ unsigned char* slot_at(const Smem& sm, const MegakernelSmemPlan& plan, int s) {
-  return sm.w + (s == 0 ? 0 : s == 1 ? plan.slot[0] : plan.slot[0] + plan.slot[1]);
-}
-
-struct Pass {
-  Range g;      // granules
-  int k0, kp;   // first k-pair, k-pairs
+  Phase qkv, o, gu, down;
 };
 
-__device__ __forceinline__ Pass pass_of(const PhasePlan& pp, int i) {
-  const int grp = i / pp.nk, kk = i % pp.nk;
-  const int g0 = min(pp.gran.begin + grp * pp.group, pp.gran.end), k0 = kk * pp.kstep;
-  return {{g0, min(g0 + pp.group, pp.gran.end)}, k0, min(pp.kstep, pp.kpairs - k0)};
-}
-
-// `total` granules of `kpairs` k-pairs, split over the CTAs in units of `unit` granules (GU: pairs). A CTA without
-// granules still has one (empty) group, so that every CTA walks the same phases.
-__device__ __forceinline__ PhasePlan phase_plan(int total, int unit, int kpairs, int group, int kstep) {
-  const Range r = split_range(total / unit);
-  PhasePlan pp;
-  pp.gran = {r.begin * unit, r.end * unit};
-  pp.group = group, pp.kstep = kstep, pp.kpairs = kpairs;
-  pp.nk = (kpairs + kstep - 1) / kstep;
-  const int n = pp.gran.end - pp.gran.begin;
-  pp.passes = max(1, (n + group - 1) / group) * pp.nk;
-  pp.layer_elems = (int64_t)total * kMegaGranuleRows * kpairs * 32;
-  return pp;
+__device__ __forceinline__ Phase slice(int granules, int64_t granule_elems) {
+  const Range r = split_range(granules);
+  return {r, r.begin * granule_elems, (unsigned)((r.end - r.begin) * granule_elems * 2)};
 }
 
 struct Dims {
@@ -603,53 +558,58 @@ struct Dims {
   __device__ explicit Dims(const MegakernelParams& p)
       : H(p.hidden), I(p.inter), D(p.head_dim), Hq(p.num_heads), Hkv(p.num_kv_heads), G(p.num_heads / p.num_kv_heads),
         Nqkv((p.num_heads + 2 * p.num_kv_heads) * p.head_dim), Kq(p.num_heads * p.head_dim) {}
+  __device__ Phase qkv() const { return slice(Nqkv / 8, 8LL * H); }
+  __device__ Phase o() const { return slice(H / 8, 8LL * Kq); }
+  __device__ Phase gu() const { return slice(I / 8, 16LL * H); }
+  __device__ Phase down() const { return slice(H / 8, 8LL * I); }
 };
 
-__device__ __forceinline__ Phases make_phases(const Dims& d, const MegakernelSmemPlan& plan) {
-  return Phases{{phase_plan(d.Nqkv / 8, 1, d.H / 32, plan.group[kPhaseQkv], plan.kstep[kPhaseQkv]),
-                 phase_plan(d.H / 8, 1, d.Kq / 32, plan.group[kPhaseO], plan.kstep[kPhaseO]),
-                 phase_plan(d.I / 4, 2, d.H / 32, plan.group[kPhaseGu], plan.kstep[kPhaseGu]),
-                 phase_plan(d.H / 8, 1, d.I / 32, plan.group[kPhaseDown], plan.kstep[kPhaseDown])}};
+template <typename T>
+__device__ __forceinline__ void issue(const void* base, int64_t layer_elems, int layer, const Phase& ph,
+                                      unsigned char* buf, uint64_t* bar) {
+  issue_weights(buf, static_cast<const T*>(base) + layer * layer_elems + ph.offset, ph.bytes, bar);
 }
 
-// Thread kIssuer: arms the next pass's slot and starts its copy (burst: all of it now; else paced by pump_all). The
-// first pass of QKV and of GU also copies the phase's norm weight, on the same mbarrier, into its half of `nw`: the
-// norm then reads shared memory after the pass's wait instead of HBM after a grid barrier. Its previous reader,
-// the same phase's norm a layer earlier, is done: a layer has at least 4 passes and at most kMegaMaxSlots are ahead.
-// Out of line (one copy: the layer loop must fit the instruction caches).
-__device__ __noinline__ void start_pass(Cursor* c, const Phases* phs, Pending* pend, uint64_t* bars, unsigned char* nw,
-                                        bool burst) {
-  if (c->layer >= c->layers) return;
-  const int s = c->issued % c->slots, ph = c->phase;
-  const PhasePlan& pp = phs->ph[ph];
-  const Pass ps = pass_of(pp, c->pass);
-  const unsigned n = ps.g.end - ps.g.begin, run = ps.kp * 512u, bytes = n * run;
-  const char* src = c->w[ph] + 2 * (c->layer * pp.layer_elems + ((int64_t)ps.g.begin * pp.kpairs + ps.k0) * 256);
-  const bool normed = c->pass == 0 && (ph == kPhaseQkv || ph == kPhaseGu);
-  const unsigned nbytes = normed ? 2u * c->hidden : 0u;
+// A QKV or GU slice and, on the same mbarrier, the norm weight its phase starts with (`norm` [L][hidden] into
+// sm.nw): the norm then reads shared memory after the slice's wait instead of HBM after a grid barrier.
+template <typename T>
+__device__ __forceinline__ void issue_normed(const void* base, int64_t layer_elems, int layer, const Phase& ph,
+                                             unsigned char* buf, uint64_t* bar, const void* norm, int H,
+                                             unsigned char* nw) {
+  const unsigned nbytes = unsigned(H) * sizeof(T);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  mbar_expect_tx(&bars[s], bytes + nbytes);
-  const bool whole = ps.kp == pp.kpairs;  // the pass's granules are one contiguous range
-  pend[s] = Pending{src, c->slot[s], &bars[s], whole ? bytes : run, pp.kpairs * 512u, n == 0 ? 0u : whole ? 1u : n, 0u, 0u};
-  if (normed)
-    bulk_g2s(nw + (ph == kPhaseGu) * c->nw_half, c->norm[ph == kPhaseGu] + 2LL * c->layer * c->hidden, nbytes, &bars[s]);
-  if (burst) pace_pump(&pend[s], ~0u);
-  ++c->issued;
-  if (++c->pass == pp.passes) {
-    c->pass = 0;
-    if (++c->phase == 4) c->phase = 0, ++c->layer;
-  }
+  mbar_expect_tx(bar, ph.bytes + nbytes);
+  const char* src = reinterpret_cast<const char*>(static_cast<const T*>(base) + layer * layer_elems + ph.offset);
+  for (unsigned off = 0; off < ph.bytes; off += kBulkPiece)
+    bulk_g2s(buf + off, src + off, min(kBulkPiece, ph.bytes - off), bar);
+  bulk_g2s(nw, static_cast<const T*>(norm) + (int64_t)layer * H, nbytes, bar);
+}
+
+// Paced versions of issue / issue_normed: the slice's pieces follow at pace_pump calls; the norm weight (2-4 KB)
+// goes at once.
+template <typename T>
+__device__ __forceinline__ void pace(Pending& s, const void* base, int64_t layer_elems, int layer, const Phase& ph,
+                                     unsigned char* buf, uint64_t* bar) {
+  pace_start(s, static_cast<const T*>(base) + layer * layer_elems + ph.offset, buf, ph.bytes, bar, 0);
+}
+template <typename T>
+__device__ __forceinline__ void pace_normed(Pending& s, const void* base, int64_t layer_elems, int layer,
+                                            const Phase& ph, unsigned char* buf, uint64_t* bar, const void* norm,
+                                            int H, unsigned char* nw) {
+  const unsigned nbytes = unsigned(H) * sizeof(T);
+  pace_start(s, static_cast<const T*>(base) + layer * layer_elems + ph.offset, buf, ph.bytes, bar, nbytes);
+  bulk_g2s(nw, static_cast<const T*>(norm) + (int64_t)layer * H, nbytes, bar);
 }
 
 // Epilogue of QKV: bias (Qwen2), one rounding, row-major qkv buffer.
 template <typename T>
-__device__ void qkv_epilogue(const MegakernelParams& p, const Dims& d, int layer, Range gr, const float4* red) {
-  const int n_gran = gr.end - gr.begin;
+__device__ void qkv_epilogue(const MegakernelParams& p, const Dims& d, int layer, const Phase& ph, const float4* red) {
+  const int n_gran = ph.gran.end - ph.gran.begin;
   const T* bias = p.b_qkv ? static_cast<const T*>(p.b_qkv) + (int64_t)layer * d.Nqkv : nullptr;
   for (int t = threadIdx.x; t < n_gran * 32; t += kMegaThreads) {
     const int g = t / 32, lane = t % 32;
     const float4 c = gemv_sum(red, n_gran, g, lane);
-    const int r = (gr.begin + g) * 8 + 2 * (lane % 4), m0 = lane / 4;
+    const int r = (ph.gran.begin + g) * 8 + 2 * (lane % 4), m0 = lane / 4;
     const float b0 = bias ? ld_plain(bias + r) : 0.f, b1 = bias ? ld_plain(bias + r + 1) : 0.f;
     if (m0 < p.batch)
       *reinterpret_cast<uint32_t*>(static_cast<T*>(p.qkv) + (int64_t)m0 * d.Nqkv + r) = pack2<T>(c.x + b0, c.y + b1);
@@ -659,17 +619,18 @@ __device__ void qkv_epilogue(const MegakernelParams& p, const Dims& d, int layer
 }
 
 // O and DOWN add their output to the residual stream rows they own (the same rows in both phases). Thread t
-// (< granules x 32) handles C fragment t % 32 of granule t / 32 of a group: rows m0 = lane / 4 and m0 + 8 of the
-// batch, two adjacent columns. Its old residual values are loaded at the start of the group's first pass, so that
-// round trip overlaps the A-fragment loads instead of following the GEMV.
+// (< granules x 32) handles C fragment t % 32 of granule t / 32: rows m0 = lane / 4 and m0 + 8 of the batch, two
+// adjacent columns. Its old residual values are loaded at the start of the phase, so that round trip overlaps the
+// A-fragment loads instead of following the GEMV.
 static_assert(kMaxGran * 32 <= kMegaThreads, "one epilogue fragment per thread");
 
 template <typename T>
-__device__ __forceinline__ void resid_prefetch(const MegakernelParams& p, const Dims& d, Range gr, uint32_t (&old)[2]) {
+__device__ __forceinline__ void resid_prefetch(const MegakernelParams& p, const Dims& d, const Phase& ph,
+                                               uint32_t (&old)[2]) {
   const int t = threadIdx.x, lane = t % 32, m0 = lane / 4;
   old[0] = old[1] = 0;
-  if (t >= (gr.end - gr.begin) * 32) return;
-  const int r = (gr.begin + t / 32) * 8 + 2 * (lane % 4);
+  if (t >= (ph.gran.end - ph.gran.begin) * 32) return;
+  const int r = (ph.gran.begin + t / 32) * 8 + 2 * (lane % 4);
   const uint32_t* base = reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.resid) + r);
   if (m0 < p.batch) old[0] = __ldcg(base + (int64_t)m0 * d.H / 2);
   if (m0 + 8 < p.batch) old[1] = __ldcg(base + (int64_t)(m0 + 8) * d.H / 2);
@@ -677,12 +638,12 @@ __device__ __forceinline__ void resid_prefetch(const MegakernelParams& p, const 
 
 // y rounded, then residual row += y, rounded (as the torch path's x + residual), in place.
 template <typename T>
-__device__ void residual_epilogue(const MegakernelParams& p, const Dims& d, Range gr, const float4* red,
+__device__ void residual_epilogue(const MegakernelParams& p, const Dims& d, const Phase& ph, const float4* red,
                                   const uint32_t (&old)[2]) {
-  const int n_gran = gr.end - gr.begin, t = threadIdx.x, lane = t % 32;
+  const int n_gran = ph.gran.end - ph.gran.begin, t = threadIdx.x, lane = t % 32;
   if (t >= n_gran * 32) return;
   const float4 c = gemv_sum(red, n_gran, t / 32, lane);
-  const int r = (gr.begin + t / 32) * 8 + 2 * (lane % 4), m0 = lane / 4;
+  const int r = (ph.gran.begin + t / 32) * 8 + 2 * (lane % 4), m0 = lane / 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int m = m0 + 8 * h;
@@ -694,10 +655,9 @@ __device__ void residual_epilogue(const MegakernelParams& p, const Dims& d, Rang
 }
 
 // Epilogue of GU: gate and up rounded, silu(gate) rounded, times up, rounded (as silu_and_mul) -> h fragments.
-// `gr`: granules of the interleaved matrix (whole pairs).
 template <typename T>
-__device__ void swiglu_epilogue(const MegakernelParams& p, Range gr, const float4* red) {
-  const int n_pairs = (gr.end - gr.begin) / 2, n_gran = 2 * n_pairs;
+__device__ void swiglu_epilogue(const MegakernelParams& p, const Phase& ph, const float4* red) {
+  const int n_pairs = ph.gran.end - ph.gran.begin, n_gran = 2 * n_pairs;
   uint32_t* h = static_cast<uint32_t*>(p.h_frag);
   for (int t = threadIdx.x; t < n_pairs * 32; t += kMegaThreads) {
     const int j = t / 32, lane = t % 32;
@@ -709,7 +669,7 @@ __device__ void swiglu_epilogue(const MegakernelParams& p, Range gr, const float
       const float g = round_t<T>(g4[e]), u = round_t<T>(u4[e]);
       y[e] = __fmul_rn(round_t<T>(g / (1.f + expf(-g))), u);
     }
-    const int i = (gr.begin / 2 + j) * 8 + 2 * (lane % 4), m0 = lane / 4;
+    const int i = (ph.gran.begin + j) * 8 + 2 * (lane % 4), m0 = lane / 4;
     if (m0 < p.batch) h[rowfrag_u32(m0, i, p.inter)] = pack2<T>(y[0], y[1]);
     if (m0 + 8 < p.batch) h[rowfrag_u32(m0 + 8, i, p.inter)] = pack2<T>(y[2], y[3]);
   }
@@ -1099,173 +1059,163 @@ __device__ void final_norm(const MegakernelParams& p) {
   }
 }
 
-// One GEMV phase of a layer: its passes in order, each waiting for its slot (pumping that copy's rest first), then
-// the GEMV on it; once every warp is done with the slot, the slot takes the pass `slots` ahead (start_pass), and
-// after a group's last k-pass comes its epilogue. QKV and GU first normalise the residual stream into the A tile.
-// `pt`: the phase's first timeline point (weights landed; then norm done for QKV / GU; then GEMV done).
-// Where the consumer is in the ring: the slot of its next pass and each slot's mbarrier parity (bit s), kept by
-// increments (the slot count is a launch parameter, and divisions by it cost ~20 instructions).
-struct RingPos {
-  int slot;
-  unsigned parity;
-};
-
-// The whole-slice plan (kStream false): one pass a phase; QKV and GU use slot 0, O and DOWN slot 1, each twice a
-// layer, so every phase's slot and mbarrier parity are constants.
-template <typename T, int kPh, bool kStamps, bool kStream>
-__device__ __forceinline__ void gemv_phase(const MegakernelParams& p, const Dims& d, const Smem& sm,
-                                           const MegakernelSmemPlan& plan, int layer, RingPos& rp, bool serial,
-                                           bool burst, const NormIn& nin, T* act, float4* red, int pt) {
-  constexpr bool kSmemA = kPh == kPhaseQkv || kPh == kPhaseGu;
-  const PhasePlan& pp = sm.ph->ph[kPh];
-  const bool issuer = threadIdx.x == kIssuer;
-  uint32_t old_resid[2];
-  if constexpr (!kStream) {
-    constexpr int s = kSmemA ? 0 : 1;
-    constexpr unsigned parity = kPh == kPhaseGu || kPh == kPhaseDown;
-    const Range gr = pp.gran;
-    if (!kSmemA) resid_prefetch<T>(p, d, gr, old_resid);
-    if (issuer) {
-      if (serial) start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, true);
-      pump_all(sm.pend, 2, s, ~0u);  // whatever is left of this pass (none at the default pace)
-    }
-    mbar_wait(&sm.bars[s], parity, kPh);
-    stamp<kStamps>(p, layer, pt);
-    if (kSmemA) {
-      norm_to_act<T>(nin, kPh == kPhaseQkv && layer == 0, reinterpret_cast<const T*>(sm.nw + (kPh == kPhaseGu) * (plan.nw / 2)),
-                     act);
-      __syncthreads();
-      stamp<kStamps>(p, layer, pt + 1);
-    }
-    const uint4* w = reinterpret_cast<const uint4*>(s == 0 ? sm.w : sm.w + plan.slot[0]);
-    if (kSmemA)
-      gemv_smem_a<T>(w, gr.end - gr.begin, 0, pp.kpairs, true, act, act_stride(d.H), red);
-    else
-      gemv_global_a<T>(w, gr.end - gr.begin, 0, pp.kpairs, true,
-                       static_cast<const uint4*>(kPh == kPhaseO ? p.attn_frag : p.h_frag), pp.kpairs, p.batch, red);
-    __syncthreads();  // every warp is done with slot s and has staged its sums
-    stamp<kStamps>(p, layer, pt + (kSmemA ? 2 : 1));
-    if (issuer && !serial) {
-      start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, burst);
-      pump_all(sm.pend, 2, s, kPaceBytes);
-    }
-    if (kPh == kPhaseQkv) qkv_epilogue<T>(p, d, layer, gr, red);
-    if (kPh == kPhaseGu) swiglu_epilogue<T>(p, gr, red);
-    if (!kSmemA) residual_epilogue<T>(p, d, gr, red, old_resid);
-  } else {
-  // Groups of the CTA's granules (one empty group when it has none), each in nk k-passes: pass_of's order.
-  for (int g0 = pp.gran.begin; g0 < pp.gran.end || g0 == pp.gran.begin; g0 += pp.group) {
-    const Range gr{g0, min(g0 + pp.group, pp.gran.end)};
-    const bool last_group = gr.end >= pp.gran.end;
-    if (!kSmemA) resid_prefetch<T>(p, d, gr, old_resid);
-    for (int k0 = 0; k0 < pp.kpairs; k0 += pp.kstep) {
-      const int s = rp.slot;
-      const bool first = g0 == pp.gran.begin && k0 == 0, last = last_group && k0 + pp.kstep >= pp.kpairs;
-      if (issuer) {
-        if (serial) start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, true);
-        pump_all(sm.pend, plan.slots, s, ~0u);  // whatever is left of this pass (none at the default pace)
-      }
-      mbar_wait(&sm.bars[s], (rp.parity >> s) & 1u, kPh);
-      if (first) {
-        stamp<kStamps>(p, layer, pt);
-        if (kSmemA) {
-          norm_to_act<T>(nin, kPh == kPhaseQkv && layer == 0,
-                         reinterpret_cast<const T*>(sm.nw + (kPh == kPhaseGu) * (plan.nw / 2)), act);
-          __syncthreads();
-          stamp<kStamps>(p, layer, pt + 1);
-        }
-      }
-      const uint4* w = reinterpret_cast<const uint4*>(slot_at(sm, plan, s));
-      const int n = gr.end - gr.begin, kp = min(pp.kstep, pp.kpairs - k0);
-      if (kSmemA)
-        gemv_smem_a<T>(w, n, k0, kp, k0 == 0, act, act_stride(d.H), red);
-      else
-        gemv_global_a<T>(w, n, k0, kp, k0 == 0, static_cast<const uint4*>(kPh == kPhaseO ? p.attn_frag : p.h_frag),
-                         pp.kpairs, p.batch, red);
-      __syncthreads();  // every warp is done with slot s and has staged its sums
-      rp.parity ^= 1u << s;
-      rp.slot = s + 1 == plan.slots ? 0 : s + 1;
-      if (last) stamp<kStamps>(p, layer, pt + (kSmemA ? 2 : 1));
-      if (issuer && !serial) {
-        start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, burst);
-        pump_all(sm.pend, plan.slots, s, kPaceBytes);
-      }
-    }
-    if (kPh == kPhaseQkv) qkv_epilogue<T>(p, d, layer, gr, red);
-    if (kPh == kPhaseGu) swiglu_epilogue<T>(p, gr, red);
-    if (!kSmemA) residual_epilogue<T>(p, d, gr, red, old_resid);
-    if (last_group) break;
-    __syncthreads();  // the next group stages into `red`
-  }
-  }
-}
-
-template <typename T, int D, bool kStamps, bool kStream>
+template <typename T, int D, bool kStamps>
 __global__ void __launch_bounds__(kMegaThreads, 1)
-    decode_megakernel(const __grid_constant__ MegakernelParams p, const __grid_constant__ MegakernelSmemPlan plan) {
+    decode_megakernel(const __grid_constant__ MegakernelParams p, const MegakernelSmemPlan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem sm;
-  sm.w = smem_raw;
-  sm.uni = sm.w + plan.slot[0] + plan.slot[1] + plan.slot[2];
+  sm.w0 = smem_raw;
+  sm.w1 = sm.w0 + plan.w0;
+  sm.uni = sm.w1 + plan.w1;
   sm.qtile = sm.uni + plan.uni;
   sm.nw = sm.qtile + plan.qtile;
   sm.bars = reinterpret_cast<uint64_t*>(sm.nw + plan.nw);
-  sm.pend = reinterpret_cast<Pending*>(sm.bars + kMegaMaxSlots);
-  sm.ph = reinterpret_cast<Phases*>(sm.pend + kMegaMaxSlots);
-  sm.cur = reinterpret_cast<Cursor*>(sm.ph + 1);
-  sm.plan = reinterpret_cast<AttnPlan*>(sm.cur + 1);
+  sm.pend = reinterpret_cast<Pending*>(sm.bars + 2);
+  sm.ph = reinterpret_cast<Phases*>(sm.pend + 2);
+  sm.plan = reinterpret_cast<AttnPlan*>(sm.ph + 1);
   const Dims d(p);
+  const Phases& ph = *sm.ph;
+  const int64_t qkv_layer = (int64_t)d.Nqkv * d.H, o_layer = (int64_t)d.H * d.Kq, gu_layer = 2LL * d.I * d.H,
+                down_layer = (int64_t)d.H * d.I;
   unsigned* counter = p.sync;
   unsigned epoch = 0;
-  RingPos rp{0, 0u};  // pass j of the launch waits on slot j % slots
-  // Stamped variant only: each pass copied right before its wait (kMegaProfSerialWeights), or unpaced.
+  unsigned parity[2] = {0, 0};
+  // Stamped variant only: each slice issued right before its wait (kMegaProfSerialWeights), a diagnosis.
   const bool serial = kStamps && (p.prof_flags & kMegaProfSerialWeights);
-  const bool burst = kStamps && (p.prof_flags & kMegaProfBurstWeights);  // the stamped variant only, a diagnosis
+  const bool issuer = threadIdx.x == kIssuer;
   const NormIn nin{p.resid, p.embed, p.input_ids, p.vocab_size, p.hidden, p.batch, p.eps};
 
   if (threadIdx.x == kIssuer) {
-    *sm.ph = make_phases(d, plan);
-    *sm.cur = Cursor{{static_cast<const char*>(p.w_qkv), static_cast<const char*>(p.w_o), static_cast<const char*>(p.w_gu),
-                      static_cast<const char*>(p.w_down)},
-                     {static_cast<const char*>(p.ln1), static_cast<const char*>(p.ln2)},
-                     {slot_at(sm, plan, 0), slot_at(sm, plan, 1), slot_at(sm, plan, 2)},
-                     p.num_layers, p.hidden, plan.slots, plan.nw / 2, 0, 0, 0, 0u};
-    for (int s = 0; s < plan.slots; ++s) {
-      mbar_init(&sm.bars[s]);
-      sm.pend[s] = Pending{nullptr, nullptr, nullptr, 0u, 0u, 0u, 0u, 0u};
-    }
+    *sm.ph = Phases{d.qkv(), d.o(), d.gu(), d.down()};
+    mbar_init(&sm.bars[0]);
+    mbar_init(&sm.bars[1]);
+    sm.pend[0] = sm.pend[1] = Pending{nullptr, nullptr, nullptr, 0, 0};
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    if (!serial)
-      for (int s = 0; s < plan.slots; ++s) start_pass(sm.cur, sm.ph, sm.pend, sm.bars, sm.nw, true);
+    if (!serial) {
+      issue_normed<T>(p.w_qkv, qkv_layer, 0, sm.ph->qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
+      issue<T>(p.w_o, o_layer, 0, sm.ph->o, sm.w1, &sm.bars[1]);
+    }
   }
   if (threadIdx.x == 0) make_plan(p, sm.plan);
   __syncthreads();
   T* act = reinterpret_cast<T*>(sm.uni);
+  const int AS = act_stride(d.H);
   // The GEMV sums sit after the A tile, so a warp stages its sums while others may still read the tile.
   float4* red = reinterpret_cast<float4*>(sm.uni + red_offset(d.H));
 
   for (int layer = 0; layer < p.num_layers; ++layer) {
+    const bool more = layer + 1 < p.num_layers;
     if (layer == 0) stamp<kStamps>(p, 0, 0);  // later layers: stamped as the previous layer's last barrier is passed
-    gemv_phase<T, kPhaseQkv, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 1);
+    // QKV: wait for the slice (and ln1 with it: copied a phase ago, it has landed); norm -> A tile in shared
+    // memory; GEMV on buffer 0; then buffer 0 takes GU's slice.
+    if (serial && issuer) issue_normed<T>(p.w_qkv, qkv_layer, layer, ph.qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
+    if (issuer) {
+      pace_pump(&sm.pend[0], ~0u);  // whatever is left of the QKV slice (none at the default pace)
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
+    mbar_wait(&sm.bars[0], parity[0], 0);
+    parity[0] ^= 1;
+    stamp<kStamps>(p, layer, 1);
+    norm_to_act<T>(nin, layer == 0, reinterpret_cast<const T*>(sm.nw), act);
+    __syncthreads();
+    stamp<kStamps>(p, layer, 2);
+    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), ph.qkv.gran.end - ph.qkv.gran.begin, d.H / 32, act, AS,
+                   red);
+    __syncthreads();  // every warp is done with buffer 0 and has staged its sums
+    stamp<kStamps>(p, layer, 3);
+    if (issuer && !serial) {
+      pace_normed<T>(sm.pend[0], p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
+      pace_pump(&sm.pend[0], kPacePieces);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
+    qkv_epilogue<T>(p, d, layer, ph.qkv, red);
     // The first attention item's K/V chunks start streaming while the CTA waits at the barrier (the ring aliases
     // `red`, which grid_arrive's __syncthreads retires; issued after the arrival so the release cannot wait on them).
     grid_arrive<kStamps>(counter, p, layer, 4);
     if ((int)blockIdx.x < sm.plan->items) attn_prologue<T, D>(p, d, layer, locate_item(p, *sm.plan, blockIdx.x), sm);
     grid_wait(counter, ++epoch);
     stamp<kStamps>(p, layer, 5);
-    if (threadIdx.x == kIssuer) pump_all(sm.pend, plan.slots, rp.slot, kPaceBytes);
+    if (issuer) {
+      pace_pump(&sm.pend[0], kPacePieces);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
 
+    // Attention.
     for (int item = blockIdx.x; item < sm.plan->items; item += gridDim.x) {
       attention_item<T, D>(p, d, layer, sm, item, item == (int)blockIdx.x);
       __syncthreads();
     }
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 6);
-    gemv_phase<T, kPhaseO, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 8);
+
+    // O: A from the global row fragments; then buffer 1 takes DOWN's slice.
+    uint32_t old_resid[2];
+    resid_prefetch<T>(p, d, ph.o, old_resid);
+    if (serial && issuer) issue<T>(p.w_o, o_layer, layer, ph.o, sm.w1, &sm.bars[1]);
+    if (issuer) {
+      pace_pump(&sm.pend[1], ~0u);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
+    mbar_wait(&sm.bars[1], parity[1], 1);
+    parity[1] ^= 1;
+    stamp<kStamps>(p, layer, 8);
+    gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.o.gran.end - ph.o.gran.begin, d.Kq / 32,
+                     static_cast<const uint4*>(p.attn_frag), p.batch, red);
+    __syncthreads();
+    stamp<kStamps>(p, layer, 9);
+    if (issuer && !serial) {
+      pace<T>(sm.pend[1], p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+      pace_pump(&sm.pend[1], kPacePieces);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
+    residual_epilogue<T>(p, d, ph.o, red, old_resid);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 10);
-    gemv_phase<T, kPhaseGu, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 12);
+
+    // GU: wait for the slice (and ln2 with it); norm -> A tile; gate/up pairs on buffer 0; then buffer 0 takes the
+    // next layer's QKV slice.
+    if (serial && issuer) issue_normed<T>(p.w_gu, gu_layer, layer, ph.gu, sm.w0, &sm.bars[0], p.ln2, d.H, sm.nw);
+    if (issuer) {
+      pace_pump(&sm.pend[0], ~0u);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
+    mbar_wait(&sm.bars[0], parity[0], 2);
+    parity[0] ^= 1;
+    stamp<kStamps>(p, layer, 12);
+    norm_to_act<T>(nin, false, reinterpret_cast<const T*>(sm.nw), act);
+    __syncthreads();
+    stamp<kStamps>(p, layer, 13);
+    const int gu_gran = 2 * (ph.gu.gran.end - ph.gu.gran.begin);
+    gemv_smem_a<T>(reinterpret_cast<const uint4*>(sm.w0), gu_gran, d.H / 32, act, AS, red);
+    __syncthreads();
+    stamp<kStamps>(p, layer, 14);
+    if (issuer && !serial) {
+      if (more) pace_normed<T>(sm.pend[0], p.w_qkv, qkv_layer, layer + 1, ph.qkv, sm.w0, &sm.bars[0], p.ln1, d.H, sm.nw);
+      pace_pump(&sm.pend[0], kPacePieces);
+      pace_pump(&sm.pend[1], kPacePieces);
+    }
+    swiglu_epilogue<T>(p, ph.gu, red);
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 15);
-    gemv_phase<T, kPhaseDown, kStamps, kStream>(p, d, sm, plan, layer, rp, serial, burst, nin, act, red, 17);
+
+    // DOWN: A from the global row fragments; then buffer 1 takes the next layer's O slice.
+    resid_prefetch<T>(p, d, ph.down, old_resid);
+    if (serial && issuer) issue<T>(p.w_down, down_layer, layer, ph.down, sm.w1, &sm.bars[1]);
+    if (issuer) {
+      pace_pump(&sm.pend[1], ~0u);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
+    mbar_wait(&sm.bars[1], parity[1], 3);
+    parity[1] ^= 1;
+    stamp<kStamps>(p, layer, 17);
+    gemv_global_a<T>(reinterpret_cast<const uint4*>(sm.w1), ph.down.gran.end - ph.down.gran.begin, d.I / 32,
+                     static_cast<const uint4*>(p.h_frag), p.batch, red);
+    __syncthreads();
+    stamp<kStamps>(p, layer, 18);
+    if (issuer && !serial) {
+      if (more) pace<T>(sm.pend[1], p.w_o, o_layer, layer + 1, ph.o, sm.w1, &sm.bars[1]);
+      pace_pump(&sm.pend[1], kPacePieces);
+      pace_pump(&sm.pend[0], kPacePieces);
+    }
+    residual_epilogue<T>(p, d, ph.down, red, old_resid);
     // Its second stamp (point 20) is the next layer's point 0 (after the last layer: overwritten by the final one).
     grid_barrier<kStamps>(counter, ++epoch, p, layer, 19);
   }
@@ -1283,93 +1233,37 @@ int round_up(int64_t a, int64_t b) { return (int)((a + b - 1) / b * b); }
 }  // namespace mk
 }  // namespace
 
-namespace {
-// One phase as the planner sees it: a CTA's most granules (a multiple of unit: 2 for gate/up pairs), K in k-pairs.
-struct PhaseShape {
-  int granules, unit, kpairs;
-};
-
-// The pass shape of one phase for slots of `slot` bytes: the fewest passes, then the fewest k-splits; groups and
-// k-steps balanced. False when not even one k-pair of one unit fits.
-bool pass_shape(const PhaseShape& ph, int64_t slot, int* group, int* kstep) {
-  using namespace mk;
-  int best_passes = 1 << 30, best_nk = 0, best_g = 0;
-  for (int g = ph.unit; g <= std::min(std::max(ph.granules, ph.unit), kMaxGran); g += ph.unit) {
-    const int64_t ks_max = std::min<int64_t>(slot / (g * 512LL), ph.kpairs);
-    if (ks_max < 1) break;
-    const int nk = ceil_div(ph.kpairs, ks_max), passes = ceil_div(ph.granules, g) * nk;
-    if (passes < best_passes || (passes == best_passes && nk < best_nk)) best_passes = passes, best_nk = nk, best_g = g;
-  }
-  if (best_g == 0) return false;
-  const int groups = ceil_div(ph.granules, best_g);
-  *group = ceil_div(ceil_div(ph.granules, ph.unit), groups) * ph.unit;
-  *kstep = ceil_div(ph.kpairs, best_nk);
-  return true;
-}
-}  // namespace
-
-cudaError_t megakernel_smem_plan(const MegakernelParams& p, int smem_limit, MegakernelSmemPlan* plan) {
+cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* plan) {
   using namespace mk;
   const int H = p.hidden, I = p.inter, D = p.head_dim, Hq = p.num_heads, Hkv = p.num_kv_heads, N = p.num_ctas;
   const bool pow2_bs = p.block_size >= kChunk && (p.block_size & (p.block_size - 1)) == 0;
   if (N < 1 || p.batch < 1 || p.batch > kMegaMaxBatch || p.num_layers < 1 || p.num_layers > kMegaMaxLayers ||
       (D != 64 && D != 128) || Hkv < 1 || Hq % Hkv != 0 || Hq / Hkv > 16 || H < 32 || H % 32 != 0 ||
-      H > kMegaMaxHidden || I < 32 || I % 32 != 0 || !pow2_bs || p.slot_limit < 0)
+      H > kMegaMaxHidden || I < 32 || I % 32 != 0 || !pow2_bs)
     return cudaErrorInvalidValue;
   const int G = Hq / Hkv, Nqkv = (Hq + 2 * Hkv) * D, Kq = Hq * D;
-  const PhaseShape shape[4] = {{ceil_div(Nqkv / 8, N), 1, H / 32}, {ceil_div(H / 8, N), 1, Kq / 32},
-                               {2 * ceil_div(I / 8, N), 2, H / 32}, {ceil_div(H / 8, N), 1, I / 32}};
-  // The regions beside the weight slots; the GEMV sums hold `groups` granules' fragments per warp.
-  auto place_rest = [&](int groups) {
-    const int64_t act = 16LL * act_stride(H) * 2;
-    const int64_t red = red_offset(H) + (int64_t)kWarps * groups * 32 * 16;
-    const int64_t ring = (int64_t)kWarps * (128 / D) * 2 * kChunk * D * 2;
-    const int64_t warp_merge = (int64_t)kWarps * G * D * 4 + 2LL * kWarps * G * 4;
-    const int64_t part_merge = 2LL * G * kMegaMaxPartitions * 4 + G * 4;
-    plan->uni = round_up(std::max(std::max(act, red), std::max(ring, std::max(warp_merge, part_merge))), 128);
-    plan->qtile = round_up(2LL * (kMegaMaxBatch * (D + 8) + 2 * D), 128);
-    plan->misc = round_up(8LL * kMegaMaxSlots + kMegaMaxSlots * (int64_t)sizeof(Pending) + (int64_t)sizeof(Phases) +
-                              (int64_t)sizeof(Cursor) + (int64_t)sizeof(AttnPlan), 128);
-    plan->nw = 2 * round_up(2LL * H, 128);
-    return plan->uni + plan->qtile + plan->misc + plan->nw;
-  };
-  for (int s = 0; s < kMegaMaxSlots; ++s) plan->slot[s] = 0;
-  // Whole slices (one pass a phase): QKV and GU take slot 0, O and DOWN slot 1, each sized for the larger of its two.
-  const int whole_max = std::max(std::max(shape[0].granules, shape[2].granules), shape[1].granules);
-  const int w0 = round_up(512LL * std::max(shape[0].granules * shape[0].kpairs, shape[2].granules * shape[2].kpairs), 128);
-  const int w1 = round_up(512LL * std::max(shape[1].granules * shape[1].kpairs, shape[3].granules * shape[3].kpairs), 128);
-  bool ok = whole_max <= kMaxGran && (p.slot_limit == 0 || std::max(w0, w1) <= p.slot_limit) &&
-            place_rest(whole_max) + w0 + w1 <= smem_limit;
-  if (ok) {
-    plan->slots = 2, plan->streamed = 0, plan->slot[0] = w0, plan->slot[1] = w1;
-    for (int ph = 0; ph < 4; ++ph) plan->group[ph] = shape[ph].granules, plan->kstep[ph] = shape[ph].kpairs;
-  }
-  // Otherwise passes through equal slots: three (two copies in flight while one is read), else two.
-  for (int slots = kMegaMaxSlots; !ok && slots >= 2; --slots) {
-    int64_t slot = (smem_limit - place_rest(kMaxGran)) / slots / 128 * 128;
-    if (p.slot_limit > 0) slot = std::min<int64_t>(slot, p.slot_limit);
-    ok = slot > 0;
-    int need = 0, groups = 0;
-    for (int ph = 0; ok && ph < 4; ++ph) {
-      ok = pass_shape(shape[ph], slot, &plan->group[ph], &plan->kstep[ph]);
-      need = std::max(need, 512 * plan->group[ph] * plan->kstep[ph]);
-      groups = std::max(groups, plan->group[ph]);
-    }
-    if (!ok) continue;
-    plan->slots = slots, plan->streamed = 1;
-    for (int s = 0; s < slots; ++s) plan->slot[s] = round_up(need, 128);
-    place_rest(groups);
-  }
-  if (!ok) return cudaErrorInvalidValue;
-  plan->total = plan->uni + plan->qtile + plan->misc + plan->nw;
-  for (int s = 0; s < kMegaMaxSlots; ++s) plan->total += plan->slot[s];
-  return plan->total <= smem_limit ? cudaSuccess : cudaErrorInvalidValue;
+  const int gq = ceil_div(Nqkv / 8, N), gp = ceil_div(I / 8, N), go = ceil_div(H / 8, N);
+  if (std::max(std::max(gq, 2 * gp), go) > kMaxGran) return cudaErrorInvalidValue;
+  plan->w0 = round_up(2LL * std::max(gq * 8LL * H, gp * 16LL * H), 128);
+  plan->w1 = round_up(2LL * std::max(go * 8LL * Kq, go * 8LL * I), 128);
+  const int64_t act = 16LL * act_stride(H) * 2;
+  const int64_t red = red_offset(H) + (int64_t)kWarps * std::max(std::max(gq, 2 * gp), go) * 32 * 16;
+  const int64_t ring = (int64_t)kWarps * (128 / D) * 2 * kChunk * D * 2;
+  const int64_t warp_merge = (int64_t)kWarps * G * D * 4 + 2LL * kWarps * G * 4;
+  const int64_t part_merge = 2LL * G * kMegaMaxPartitions * 4 + G * 4;
+  plan->uni = round_up(std::max(std::max(act, red), std::max(ring, std::max(warp_merge, part_merge))), 128);
+  plan->qtile = round_up(2LL * (kMegaMaxBatch * (D + 8) + 2 * D), 128);
+  plan->misc = round_up(2 * 8 + 2 * (int64_t)sizeof(Pending) + (int64_t)sizeof(Phases) + (int64_t)sizeof(AttnPlan),
+                        128);
+  plan->nw = round_up(2LL * H, 128);
+  plan->total = plan->w0 + plan->w1 + plan->uni + plan->qtile + plan->misc + plan->nw;
+  return cudaSuccess;
 }
 
 namespace {
-template <typename T, int D, bool kStamps, bool kStream>
+template <typename T, int D, bool kStamps>
 cudaError_t launch_variant(const MegakernelParams& p, const MegakernelSmemPlan& plan, cudaStream_t stream) {
-  auto kernel = mk::decode_megakernel<T, D, kStamps, kStream>;
+  auto kernel = mk::decode_megakernel<T, D, kStamps>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.total);
   if (err != cudaSuccess) return err;
   // Registers and shared memory must fit one CTA per SM. Asked once per variant and size, so that launches during
@@ -1397,15 +1291,10 @@ cudaError_t launch_variant(const MegakernelParams& p, const MegakernelSmemPlan& 
   return cudaLaunchKernelEx(&cfg, kernel, p, plan);
 }
 
-// The variant with timeline stamps only when a buffer is given: the stamps' branches are not in the fast kernel. The
-// whole-slice plan has a variant of its own, whose phases know their slot and parity at compile time.
+// The variant with timeline stamps only when a buffer is given: the stamps' branches are not in the fast kernel.
 template <typename T, int D>
 cudaError_t launch_typed(const MegakernelParams& p, const MegakernelSmemPlan& plan, cudaStream_t stream) {
-  if (plan.streamed)
-    return p.prof != nullptr ? launch_variant<T, D, true, true>(p, plan, stream)
-                             : launch_variant<T, D, false, true>(p, plan, stream);
-  return p.prof != nullptr ? launch_variant<T, D, true, false>(p, plan, stream)
-                           : launch_variant<T, D, false, false>(p, plan, stream);
+  return p.prof != nullptr ? launch_variant<T, D, true>(p, plan, stream) : launch_variant<T, D, false>(p, plan, stream);
 }
 }  // namespace
 
@@ -1418,9 +1307,9 @@ cudaError_t launch_decode_megakernel(const MegakernelParams& p, cudaStream_t str
   if (err != cudaSuccess) return err;
   if (major < 9) return cudaErrorNotSupported;
   MegakernelSmemPlan plan;
-  err = megakernel_smem_plan(p, smem_optin, &plan);
+  err = megakernel_smem_plan(p, &plan);
   if (err != cudaSuccess) return err;
-  if (p.num_ctas > sms || p.sync == nullptr || p.partials == nullptr) return cudaErrorInvalidValue;
+  if (p.num_ctas > sms || plan.total > smem_optin || p.sync == nullptr || p.partials == nullptr) return cudaErrorInvalidValue;
   if (p.dtype == ScalarType::kBFloat16) return p.head_dim == 128 ? launch_typed<__nv_bfloat16, 128>(p, plan, stream)
                                              : launch_typed<__nv_bfloat16, 64>(p, plan, stream);
   if (p.dtype == ScalarType::kFloat16) return p.head_dim == 128 ? launch_typed<__half, 128>(p, plan, stream)

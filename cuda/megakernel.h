@@ -26,8 +26,7 @@ constexpr int kMegaMaxLayers = 64;
 constexpr int kMegaMaxBatch = 16;       // batch rows are the 16 rows of one mma A tile
 constexpr int kMegaThreads = 256;       // 8 warps, one CTA per SM
 constexpr int kMegaGranuleRows = 8;
-constexpr int kMegaMaxGranules = 8;     // granules (gate and up count one each) in one pass of a phase
-constexpr int kMegaMaxSlots = 3;        // weight slots in shared memory (the ring a CTA's weight passes go through)
+constexpr int kMegaMaxGranules = 8;     // granules (gate and up count one each) a CTA may own in one phase
 constexpr int kMegaMaxHidden = 2048;    // a norm row is held in registers (8 x 16 bytes per lane)
 constexpr int kMegaMaxPartitions = 256; // attention partitions of one sequence (bounded by the grid anyway)
 // Timeline stamps (MegakernelParams::prof): per layer and CTA, thread 0 records (clock64, %globaltimer) at these
@@ -82,43 +81,27 @@ struct MegakernelParams {
   // [(num_layers * kMegaProfPoints + 1) * num_ctas * 2] timeline stamps, or null (the default: no stamps)
   unsigned long long* prof;
   // With prof: kMegaProfSerialWeights issues every weight slice just before it is waited for instead of a phase
-  // ahead (a diagnosis: the steps' costs with no weight stream in flight); kMegaProfBurstWeights (below) unpaced.
+  // ahead (a diagnosis: the steps' costs with no weight stream in flight).
   int prof_flags;
-  // Largest weight slot in bytes, 0 = whatever shared memory allows: tests set it small to force many passes.
-  int slot_limit;
 };
 
 // 64-bit words of the timeline buffer of a launch.
 constexpr int kMegaProfSerialWeights = 1;
-// With prof: kMegaProfBurstWeights issues each pass whole when its slot frees instead of paced (a diagnosis).
-constexpr int kMegaProfBurstWeights = 2;
 
 inline int64_t megakernel_prof_words(int num_layers, int num_ctas) {
   return ((int64_t)num_layers * kMegaProfPoints + 1) * num_ctas * 2;
 }
 
-// The phases' weight matrices, in the order a layer streams them.
-enum MegaPhase : int { kPhaseQkv = 0, kPhaseO = 1, kPhaseGu = 2, kPhaseDown = 3 };
-
-// Shared-memory regions (bytes) and the weight passes (see decode_megakernel.cu); minillm/ops/megakernel.py
-// mirrors this. A CTA's slice of a phase (its granules, all K) streams through the weight slots in passes of up to
-// `group` granules (gate/up: an even number) by `kstep` k-pairs (32 columns); pass j of the launch goes to slot
-// j % slots. When every slice fits one slot (the "whole-slice" plan) each phase is one pass and two slots of
-// different sizes take QKV / GU and O / DOWN.
+// Byte sizes of the shared-memory regions (see decode_megakernel.cu); minillm/ops/megakernel.py mirrors this.
 struct MegakernelSmemPlan {
-  int slot[kMegaMaxSlots];  // bytes of each weight slot (0 past `slots`)
-  int slots;
-  int streamed;             // 0: the whole-slice plan
-  int group[4], kstep[4];   // per MegaPhase
-  int uni, qtile, misc, nw, total;  // nw: the two norm weights that ride with the QKV / GU passes
+  int w0, w1, uni, qtile, misc, nw, total;  // nw: the norm weight that rides with each QKV / GU slice
 };
 
 // Words of the sync buffer: barrier counter, then one merge ticket per (row, KV head).
 inline int megakernel_sync_words(int num_kv_heads) { return 4 + kMegaMaxBatch * num_kv_heads; }
 
-// Fills *plan for `smem_limit` bytes of shared memory per CTA; returns cudaErrorInvalidValue when a shape is
-// outside the kernel's limits or no plan fits.
-cudaError_t megakernel_smem_plan(const MegakernelParams& p, int smem_limit, MegakernelSmemPlan* plan);
+// Fills *plan; returns cudaErrorInvalidValue when a shape is outside the kernel's limits.
+cudaError_t megakernel_smem_plan(const MegakernelParams& p, MegakernelSmemPlan* plan);
 
 // Zeroes the sync buffer and launches the kernel on `stream` (both capturable in a CUDA graph). Returns
 // cudaErrorNotSupported on GPUs older than sm_90, cudaErrorInvalidValue for unsupported shapes or a plan that

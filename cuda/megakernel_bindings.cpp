@@ -22,14 +22,6 @@ namespace {
 using at::Tensor;
 using minillm::bindings::msg;
 
-// Opt-in shared memory per block of `device`, the budget megakernel_smem_plan plans within.
-int smem_optin(const c10::Device& device) {
-  int bytes = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index());
-  TORCH_CHECK(err == cudaSuccess, "cudaDeviceGetAttribute: ", cudaGetErrorString(err));
-  return bytes;
-}
-
 // A contiguous CUDA tensor on `device` with `dtype` and at least `numel` elements.
 void check_buffer(const Tensor& t, const char* name, const c10::Device& device, at::ScalarType dtype, int64_t numel) {
   MINILLM_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
@@ -56,7 +48,7 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
                        Tensor& act_ws, Tensor& partials, Tensor& sync, Tensor& out, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
                        int64_t num_ctas, int64_t min_partition_chunks, bool cooperative,
-                       const std::optional<Tensor>& profile, int64_t profile_flags, int64_t slot_limit) {
+                       const std::optional<Tensor>& profile, int64_t profile_flags) {
   MINILLM_CHECK(embed.is_cuda() && embed.dim() == 2, "embed must be a CUDA tensor [vocab, hidden], got ", embed.sizes());
   const c10::Device device = embed.device();
   const at::ScalarType dt = embed.scalar_type();
@@ -160,18 +152,14 @@ void decode_megakernel(const Tensor& input_ids, const Tensor& positions, const T
     check_buffer(*profile, "profile", device, at::kLong, minillm::megakernel_prof_words(int(layers), int(num_ctas)));
     p.prof = reinterpret_cast<unsigned long long*>(profile->data_ptr<int64_t>());
   }
-  MINILLM_CHECK(profile_flags == 0 || (profile && (profile_flags == minillm::kMegaProfSerialWeights ||
-                                                   profile_flags == minillm::kMegaProfBurstWeights)),
-                "profile_flags must be 0, or ", int64_t(minillm::kMegaProfSerialWeights), " (serial weight copies) or ",
-                int64_t(minillm::kMegaProfBurstWeights), " (unpaced) with a profile buffer; got ", profile_flags);
+  MINILLM_CHECK(profile_flags == 0 || (profile && profile_flags == minillm::kMegaProfSerialWeights),
+                "profile_flags must be 0, or ", int64_t(minillm::kMegaProfSerialWeights),
+                " (serial weight copies) with a profile buffer; got ", profile_flags);
   p.prof_flags = int(profile_flags);
-  MINILLM_CHECK(slot_limit >= 0 && slot_limit <= (1 << 20), "slot_limit must be 0 (no limit) or a byte count up to ",
-                int64_t(1 << 20), ", got ", slot_limit);
-  p.slot_limit = int(slot_limit);
   p.dtype = dt == at::kBFloat16 ? minillm::ScalarType::kBFloat16 : minillm::ScalarType::kFloat16;
 
   minillm::MegakernelSmemPlan plan;
-  MINILLM_CHECK(minillm::megakernel_smem_plan(p, smem_optin(device), &plan) == cudaSuccess,
+  MINILLM_CHECK(minillm::megakernel_smem_plan(p, &plan) == cudaSuccess,
              "decode_megakernel does not cover this shape (hidden ", hidden, ", intermediate ", intermediate,
              ", heads ", num_heads, "/", num_kv_heads, ", head_dim ", head_dim, ", block_size ", int64_t(p.block_size),
              ", ", num_ctas, " CTAs); see minillm/ops/megakernel.py: DecodeMegakernel.applies");
@@ -187,28 +175,7 @@ void decode_megakernel_meta(const Tensor&, const Tensor&, const Tensor&, const T
                             const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                             const std::optional<Tensor>&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&,
                             Tensor&, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, bool,
-                            const std::optional<Tensor>&, int64_t, int64_t) {}
-
-// The plan megakernel_smem_plan makes for a shape (minillm/ops/megakernel.py: smem_plan mirrors it; the GPU tests
-// compare the two): [slots, streamed, slot bytes x kMegaMaxSlots, group x 4, kstep x 4, uni, qtile, misc, nw, total], or an
-// empty list when no plan fits.
-std::vector<int64_t> decode_megakernel_plan(int64_t hidden, int64_t intermediate, int64_t num_heads,
-                                            int64_t num_kv_heads, int64_t head_dim, int64_t num_ctas,
-                                            int64_t smem_limit, int64_t slot_limit) {
-  minillm::MegakernelParams p{};
-  p.batch = 1, p.num_layers = 1, p.block_size = 16;
-  p.hidden = int(hidden), p.inter = int(intermediate), p.num_heads = int(num_heads);
-  p.num_kv_heads = int(num_kv_heads), p.head_dim = int(head_dim), p.num_ctas = int(num_ctas);
-  p.slot_limit = int(slot_limit);
-  minillm::MegakernelSmemPlan plan;
-  if (minillm::megakernel_smem_plan(p, int(smem_limit), &plan) != cudaSuccess) return {};
-  std::vector<int64_t> out{plan.slots, plan.streamed};
-  for (int s = 0; s < minillm::kMegaMaxSlots; ++s) out.push_back(plan.slot[s]);
-  for (int ph = 0; ph < 4; ++ph) out.push_back(plan.group[ph]);
-  for (int ph = 0; ph < 4; ++ph) out.push_back(plan.kstep[ph]);
-  for (int v : {plan.uni, plan.qtile, plan.misc, plan.nw, plan.total}) out.push_back(v);
-  return out;
-}
+                            const std::optional<Tensor>&, int64_t) {}
 
 }  // namespace
 
@@ -218,11 +185,7 @@ TORCH_LIBRARY_FRAGMENT(minillm, m) {
         "Tensor w_gu, Tensor w_down, Tensor ln1, Tensor ln2, Tensor? q_norm, Tensor? k_norm, Tensor final_norm, "
         "Tensor cos_sin, Tensor(b!) act_ws, Tensor(c!) partials, Tensor(d!) sync, Tensor(e!) out, int num_heads, "
         "int num_kv_heads, int head_dim, int intermediate, float eps, float scale, int num_ctas, "
-        "int min_partition_chunks, bool cooperative, Tensor(f!)? profile=None, int profile_flags=0, "
-        "int slot_limit=0) -> ()");
-  m.def("decode_megakernel_plan(int hidden, int intermediate, int num_heads, int num_kv_heads, int head_dim, "
-        "int num_ctas, int smem_limit, int slot_limit=0) -> int[]",
-        &decode_megakernel_plan);
+        "int min_partition_chunks, bool cooperative, Tensor(f!)? profile=None, int profile_flags=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CUDA, m) { m.impl("decode_megakernel", &decode_megakernel); }

@@ -72,9 +72,6 @@ for s in "$@"; do
     schedtimeline)   # the timeline under each weight-issue schedule (DecodeMegakernel.forward(schedule=...))
       stage schedtimeline 150 python3 scripts/megakernel_bench.py --timeline --schedules ahead,serial \
         --batches 1,8 --contexts 128,512 --out "$OUT/megakernel_timeline_sched.jsonl" ;;
-    streamtimeline)   # the timeline of a streamed plan ($MK_MODEL, default qwen3-1.7b) under each copy schedule
-      stage streamtimeline 150 python3 scripts/megakernel_bench.py --timeline --model ${MK_MODEL:-qwen3-1.7b} \
-        --schedules ahead,burst,serial --batches 1,16 --contexts 128 --out "$OUT/megakernel_timeline_stream.jsonl" ;;
     profile)   # torch.profiler over engine decode steps: kernels per step by category (scripts/profile_decode.py)
       for b in 1 8 64 256; do
         stage profile_b$b 120 python3 scripts/profile_decode.py --batch $b --context 512 --steps 20 \
@@ -353,11 +350,6 @@ sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'),
       for m in ${MK_MODELS:-qwen3-1.7b qwen2.5-0.5b qwen2.5-1.5b}; do
         stage mkbench_$m 200 python3 scripts/megakernel_bench.py --model $m --batches 1,8,16 --contexts 128,2048 \
           --replays 100 --out "$OUT/megakernel_bench.jsonl"
-      done ;;
-    mkslots)   # a streamed plan ($MK_MODEL, default qwen3-1.7b) at smaller weight slots: more, smaller passes
-      for lim in 16384 24576; do
-        stage mkslots_$lim 150 python3 scripts/megakernel_bench.py --model ${MK_MODEL:-qwen3-1.7b} --batches 1,16 \
-          --contexts 128 --replays 100 --slot-limit $lim --out "$OUT/megakernel_bench.jsonl"
       done ;;
     modelsweep)   # engine decode steps at B = 1, 8, 16 of $SWEEP_MODELS (dummy weights), the megakernel on, then off
       for m in ${SWEEP_MODELS:-qwen3-1.7b qwen2.5-0.5b}; do

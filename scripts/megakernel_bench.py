@@ -124,11 +124,9 @@ def main() -> int:
                     help="no DecodeGraphs and no timing: two eager megakernel launches per batch and context (for ncu)")
     ap.add_argument("--min-chunks", type=int, default=mkops.MIN_PARTITION_CHUNKS,
                     help="smallest attention partition in 16-token chunks (kernels.megakernel_min_chunks)")
-    ap.add_argument("--slot-limit", type=int, default=0,
-                    help="the megakernel's largest weight slot in bytes (0: as shared memory allows)")
     ap.add_argument("--timeline", action="store_true", help="the megakernel's per-step timeline instead of timings")
     ap.add_argument("--schedules", default="ahead",
-                    help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial, burst; "
+                    help="with --timeline: weight-issue schedules to stamp, comma-separated (ahead, serial; "
                          "DecodeMegakernel.forward)")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
@@ -163,13 +161,11 @@ def main() -> int:
     with pdl_launches(plan.pdl.on):   # the graph path's launch mode in the engine
         dg.capture()
     mk_batches = [b for b in batches if b <= mkops.MAX_BATCH]
-    reason = mkops.unsupported_reason(arch, torch.bfloat16, bs, max(mk_batches or [1]), **mkops.device_limits(dev),
-                                      streamed=True)
+    reason = mkops.unsupported_reason(arch, torch.bfloat16, bs, max(mk_batches or [1]), **mkops.device_limits(dev))
     mg = None
     if reason is None and mk_batches:
         mk = mkops.DecodeMegakernel(model, kv_caches, max(mk_batches), bs, max_len,
-                                    min_partition_chunks=args.min_chunks, slot_limit=args.slot_limit)
-        print(f"megakernel plan: {mk.plan}", flush=True)
+                                    min_partition_chunks=args.min_chunks)
         mg = MegakernelGraphs(mk, max_blocks)
         mg.capture(mk_batches)
     else:
@@ -191,7 +187,7 @@ def main() -> int:
                     graphs.slot_mapping[b:bucket].fill_(-1)
                     graphs.seq_lens[b:bucket].fill_(1)
                 us = median_replay_us(graphs.graphs[bucket].replay, args.replays)
-                extra = {"min_chunks": args.min_chunks, "slot_limit": args.slot_limit} if name == "megakernel" else {}
+                extra = {"min_chunks": args.min_chunks} if name == "megakernel" else {}
                 rows.append(dict(kind="step", impl=name, batch=b, context=ctx, us_per_step=round(us, 2), **extra,
                                  floor_us=round(floor, 2), fraction_of_floor=round(floor / us, 3), **nbytes))
             if ctx == contexts[0] and mg is not None and b in mg.graphs:
@@ -223,8 +219,7 @@ def profile_launches(model, arch, kv_caches, batches, contexts, bs, num_blocks, 
 def timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, max_blocks, max_len) -> int:
     """One stamped launch per batch and context (after two warm-ups), analysed and appended to --out; the
     stamped variant's hidden states are checked bit-identical to the plain kernel's."""
-    mk = mkops.DecodeMegakernel(model, kv_caches, max(batches), bs, max_len, min_partition_chunks=args.min_chunks,
-                                slot_limit=args.slot_limit)
+    mk = mkops.DecodeMegakernel(model, kv_caches, max(batches), bs, max_len, min_partition_chunks=args.min_chunks)
     buf, base = mk.profile_buffer(), stamp()
     with args.out.open("a") as f:
         for b in batches:
@@ -243,8 +238,7 @@ def timelines(args, model, arch, kv_caches, batches, contexts, bs, num_blocks, m
                     print(megakernel_timeline.format_summary(s, f"{label} (hidden states as without stamps: "
                                                                 f"{same}):"), flush=True)
                     f.write(json.dumps({"kind": "timeline", "impl": "megakernel", "batch": b, "context": ctx,
-                                        "schedule": sched, "slot_limit": args.slot_limit,
-                                        "identical_to_plain": same, **s,
+                                        "schedule": sched, "identical_to_plain": same, **s,
                                         "phases_us": megakernel_timeline.phase_totals(s), "model": args.model,
                                         "block_size": bs, **base}) + "\n")
     return 0

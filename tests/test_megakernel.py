@@ -164,71 +164,10 @@ def test_partition_plan_examples():
 
 def test_smem_plan_of_qwen3_0_6b_on_an_h200():
     plan = mk.smem_plan(1024, 3072, 16, 8, 128, 132)
-    # Whole slices: slot 0 holds 3 gate/up granule pairs of 1024 columns, slot 1 one down granule of 3072; one pass
-    # a phase. uni: the 64 KB attention ring.
-    assert plan["slots"] == 2 and plan["slot"] == [3 * 16 * 1024 * 2, 8 * 3072 * 2, 0] and plan["uni"] == 65536
-    assert plan["passes"] == [1, 1, 1, 1] and plan["group"] == [4, 1, 6, 1]
-    assert plan["misc"] == 1024 and plan["nw"] == 4096 and plan["total"] == 222976 <= mk.DEFAULT_SMEM_LIMIT
-    assert plan["streamed"] == 0
+    # w0: 3 gate/up granule pairs of 1024 columns; w1: one down granule of 3072; uni: the 64 KB attention ring.
+    assert plan["w0"] == 3 * 16 * 1024 * 2 and plan["w1"] == 8 * 3072 * 2 and plan["uni"] == 65536
+    assert plan["misc"] == 768 and plan["nw"] == 2048 and plan["total"] == 220672 <= mk.DEFAULT_SMEM_LIMIT
     assert mk.unsupported_reason(_arch("qwen3-0.6b"), torch.bfloat16, 16, 16) is None
-
-
-@pytest.mark.parametrize("name", ["qwen3-1.7b", "qwen2.5-0.5b", "qwen2.5-1.5b"])
-def test_larger_slices_stream_in_passes(name):
-    """Shapes whose slices outgrow shared memory (Qwen3-1.7B: 768 KB of weights a CTA and layer) pass through
-    three equal slots: every pass fits its slot, and the whole plan fits the H200's shared memory."""
-    a = _arch(name)
-    assert mk.unsupported_reason(a, torch.bfloat16, 16, 16, streamed=True) is None
-    assert "stream" in mk.unsupported_reason(a, torch.bfloat16, 16, 16)      # not measured faster (STREAMED_WINS)
-    plan = mk.smem_plan(a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
-                        a.head_dim, 132)
-    assert plan["slots"] == 3 and plan["total"] <= mk.DEFAULT_SMEM_LIMIT
-    assert all(512 * g * k <= plan["slot"][0] for g, k in zip(plan["group"], plan["kstep"]))
-    assert plan["group"][2] % 2 == 0 and max(plan["group"]) <= mk.MAX_GRANULES
-    assert sum(plan["passes"]) >= 4
-
-
-def _phase_shapes(a, n):
-    nqkv, kq = a.q_size + 2 * a.kv_size, a.q_size
-    h, i = a.hidden_size, a.intermediate_size
-    return [(nqkv // 8, 1, h // 32), (h // 8, 1, kq // 32), (i // 4, 2, h // 32), (h // 8, 1, i // 32)]
-
-
-@pytest.mark.parametrize("name,slot_limit", [("qwen3-0.6b", 0), ("qwen3-1.7b", 0), ("qwen2.5-0.5b", 0),
-                                             ("qwen3-0.6b", 4096), ("qwen2.5-0.5b", 12288)])
-def test_passes_cover_every_weight_once(name, slot_limit):
-    """The passes of every CTA (the device's enumeration, mirrored) cover each granule's k-pairs exactly once, in
-    groups that start at k-pair 0 and end with one last k-pass; whole gate/up pairs only; every pass fits a slot."""
-    a, n = _arch(name), 132
-    plan = mk.smem_plan(a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
-                        a.head_dim, n, slot_limit=slot_limit)
-    for ph, (total, unit, kpairs) in enumerate(_phase_shapes(a, n)):
-        seen = torch.zeros(total, kpairs, dtype=torch.int32)
-        for cta in range(n):
-            passes = mk.cta_passes(total, unit, kpairs, plan["group"][ph], plan["kstep"][ph], n, cta)
-            assert len(passes) >= 1
-            for g0, g1, k0, kp, last in passes:
-                assert g1 - g0 <= plan["group"][ph] <= mk.MAX_GRANULES and g0 % unit == 0 and (g1 - g0) % unit == 0
-                # whole slices: QKV / gate_up in slot 0, o / down in slot 1; passes: equal slots
-                assert 512 * (g1 - g0) * kp <= plan["slot"][ph % 2 if plan["passes"] == [1] * 4 else 0]
-                assert last == (k0 + kp == kpairs)
-                seen[g0:g1, k0:k0 + kp] += 1
-        assert bool((seen == 1).all()), (mk.PHASES[ph], int(seen.min()), int(seen.max()))
-
-
-def test_pass_shape_takes_the_fewest_passes():
-    """Against every (group, kstep) that fits: no shape with fewer passes exists; groups and k-steps balanced."""
-    import math
-
-    for granules, unit, kpairs, slot in [(4, 1, 64, 40960), (12, 2, 64, 40960), (2, 1, 192, 40960), (3, 1, 28, 4096),
-                                         (10, 2, 28, 49152), (1, 1, 152, 1024), (8, 2, 32, 65536)]:
-        group, kstep = mk.pass_shape(granules, unit, kpairs, slot)
-        assert group % unit == 0 and group <= mk.MAX_GRANULES and 512 * group * kstep <= slot
-        passes = math.ceil(granules / group) * math.ceil(kpairs / kstep)
-        best = min(math.ceil(granules / g) * math.ceil(kpairs / min(slot // (512 * g), kpairs))
-                   for g in range(unit, min(max(granules, unit), mk.MAX_GRANULES) + 1, unit) if slot >= 512 * g)
-        assert passes == best, (granules, unit, kpairs, slot)
-    assert mk.pass_shape(2, 2, 32, 512) is None   # one k-pair of a gate/up pair is 1 KB
 
 
 def test_unsupported_shapes_name_the_reason():
@@ -238,9 +177,8 @@ def test_unsupported_shapes_name_the_reason():
     assert "dtype" in reason(a, torch.float32, 16, 1)
     assert "decode rows" in reason(a, torch.bfloat16, 16, 17)
     assert "block_size" in reason(a, torch.bfloat16, 8, 1)
-    assert "hidden" in reason(_arch("qwen3-8b"), torch.bfloat16, 16, 1)
-    assert "shared-memory plan" in reason(a, torch.bfloat16, 16, 1, smem_limit=72_000)
-    assert reason(a, torch.bfloat16, 16, 1, smem_limit=200_000, streamed=True) is None   # passes, not whole slices
+    assert "granules" in reason(_arch("qwen2.5-0.5b"), torch.bfloat16, 16, 1)
+    assert "shared memory" in reason(a, torch.bfloat16, 16, 1, smem_limit=200_000)
     assert not mk.applies(a, torch.bfloat16, 16, 1, torch.device("cpu"))
     assert mk.applies(a, torch.bfloat16, 32, 16)
 
@@ -394,7 +332,7 @@ def test_wrapper_call_matches_the_op_schema(monkeypatch):
         wrapper = mk.DecodeMegakernel.__new__(mk.DecodeMegakernel)
         wrapper.arch, wrapper.max_batch, wrapper.block_size = arch, 4, 16
         wrapper.device, wrapper.dtype, wrapper.limits = torch.device("cpu"), torch.bfloat16, {"num_ctas": 132}
-        wrapper.min_partition_chunks, wrapper.cooperative, wrapper.slot_limit = 8, True, 0
+        wrapper.min_partition_chunks, wrapper.cooperative = 8, True
         wrapper._caches = [c for kv in caches for c in kv]
         wrapper._pack(model)
         wrapper._alloc_workspaces()

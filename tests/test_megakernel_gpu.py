@@ -95,65 +95,6 @@ def test_qwen3_0_6b_shape(ctx, pad):
     _check(res)
 
 
-# The many-pass plan on small shapes: weight slots of 4 KB (every pass one granule or pair, K split in 2-8 k-passes)
-# and 12 KB (groups of several granules, uneven k-passes); both ring sizes' wrap-around over layers.
-@pytest.mark.parametrize("slot_limit", [4096, 12288])
-@pytest.mark.parametrize("batch", ["B1-ctx17", "B3-long", "B16-pad"])
-@pytest.mark.parametrize("shape", ["qwen3-d128-g4-bs32", "qwen2-d64-g8-bias", "qwen3-d128-g1-fp16"])
-def test_many_passes_match_torch_path(shape, batch, slot_limit):
-    arch, dtype, bs = SHAPES[shape]
-    ctx, pad = BATCHES[batch]
-    case = chk.make_decode_case(arch, ctx, pad, bs, dtype, seed=zlib.crc32(f"{shape} {batch} passes".encode()) % 1000)
-    res = chk.compare(_model(shape, arch, dtype), case, bs, slot_limit=slot_limit)
-    print(shape, batch, slot_limit, res)
-    _check(res)
-
-
-def test_many_passes_phase_by_phase():
-    import dataclasses
-
-    arch, dtype, bs = SHAPES["qwen3-d128-g4-bs32"]
-    arch1 = dataclasses.replace(arch, num_hidden_layers=1)
-    model = _model("qwen3-d128-g4-bs32-1layer", arch1, dtype)
-    case = chk.make_decode_case(arch1, [1, 40, 700, 3000], 0, bs, dtype, seed=3)
-    errs = chk.phase_errors(model, case, bs, slot_limit=4096)
-    print(errs)
-    for phase in ("qkv", "attn", "swiglu", "resid", "out"):
-        assert errs[phase] <= chk.TOL[dtype], (phase, errs)
-
-
-@pytest.mark.parametrize("preset", ["qwen3-1.7b", "qwen2.5-0.5b"])
-@pytest.mark.parametrize("ctx,pad", [([128], 0), ([2048] * 12 + [1, 4000], 2)])
-def test_streamed_presets(preset, ctx, pad):
-    """Shapes the whole-slice plan cannot hold (Qwen3-1.7B, Qwen2.5-0.5B), on their own plan."""
-    import json
-    from pathlib import Path
-
-    from minillm.model.arch import ModelArchConfig
-
-    path = Path(chk.__file__).resolve().parents[1] / "presets" / f"{preset}.json"
-    arch = ModelArchConfig.from_hf_dict(json.loads(path.read_text()))
-    case = chk.make_decode_case(arch, ctx, pad, 16, torch.bfloat16, seed=len(ctx))
-    res = chk.compare(_model(preset, arch, torch.bfloat16), case, 16)
-    print(preset, len(ctx), res)
-    _check(res)
-
-
-def test_plan_matches_its_python_mirror():
-    """megakernel_smem_plan (C++) and minillm.ops.megakernel.smem_plan agree on every shape here: the mirror is
-    what the engine's coverage check and the CPU tests rely on."""
-    from minillm.ops import megakernel as mk
-
-    shapes = [(1024, 3072, 16, 8, 128), (2048, 6144, 16, 8, 128), (896, 4864, 14, 2, 64), (1536, 8960, 12, 2, 128),
-              (2048, 11008, 16, 2, 128), (512, 1024, 8, 2, 128), (256, 512, 4, 2, 64), (2560, 9728, 32, 8, 128)]
-    for shape in shapes:
-        for ctas, smem, slot in [(132, 232448, 0), (132, 232448, 4096), (132, 232448, 12288), (78, 232448, 0),
-                                 (132, 200000, 0), (132, 101376, 0)]:
-            want = mk.plan_list(mk.smem_plan(*shape, ctas, smem, slot))
-            got = list(torch.ops.minillm.decode_megakernel_plan(*shape, ctas, smem, slot))
-            assert got == want, (shape, ctas, smem, slot, got, want)
-
-
 def test_partition_sizes_agree():
     """One partition per sequence, or many (a merge of up to ~60 partials per head): the same answer."""
     from minillm.ops.megakernel import DecodeMegakernel

@@ -131,7 +131,7 @@ def test_torch_backend_and_cpu_run_nothing_of_ours():
 def test_qwen2_bias_and_width_are_decided_per_layer():
     p = plan("qwen2.5-0.5b")
     assert not p.skinny_gemm["qkv_proj"].on and "bias" in p.skinny_gemm["qkv_proj"].reason
-    assert p.skinny_gemm["o_proj"].on and not p.megakernel.on and "stream" in p.megakernel.reason
+    assert p.skinny_gemm["o_proj"].on and not p.megakernel.on and "granules" in p.megakernel.reason
     assert p.attention.on and p.cuda_graphs.on
 
 

@@ -149,12 +149,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def compare(model, case: DecodeCase, block_size: int, graph: bool = True, runner=None, slot_limit: int = 0) -> dict:
+def compare(model, case: DecodeCase, block_size: int, graph: bool = True, runner=None) -> dict:
     """Run the megakernel and the reference on the case; the error figures described at the top.
 
     runner(model, caches, case) -> hidden replaces the megakernel (the CPU tests pass broken runners to show that
-    these checks fail); the graph replay is then skipped. slot_limit: the kernel's largest weight slot (bytes;
-    small values force the many-pass plan)."""
+    these checks fail); the graph replay is then skipped."""
     from minillm.ops.megakernel import DecodeMegakernel, reference_decode_step
 
     ref_caches = _clone(case.caches)
@@ -163,7 +162,7 @@ def compare(model, case: DecodeCase, block_size: int, graph: bool = True, runner
     n = case.input_ids.shape[0]
     if runner is None:
         mk = DecodeMegakernel(model, mk_caches, max_batch=n, block_size=block_size,
-                              max_model_len=model.cos_sin_cache.shape[0], slot_limit=slot_limit)
+                              max_model_len=model.cos_sin_cache.shape[0])
         out = mk.forward(case.input_ids, case.positions, case.meta).clone()
         torch.cuda.synchronize()
     else:
@@ -196,8 +195,7 @@ def compare(model, case: DecodeCase, block_size: int, graph: bool = True, runner
 
 
 def check_cases(quick: bool = False):
-    """(label, arch, dtype, block_size, ctx_lens, num_pad, slot_limit) of the check-kernels sweep: the whole-slice
-    plan on each shape, and the many-pass plan (weight slots of 4 KB: granule groups and k-splits) on two."""
+    """(label, arch, dtype, block_size, ctx_lens, num_pad) of the check-kernels sweep."""
     shapes = [
         ("qwen3 D64 H4/2", tiny_arch("qwen3"), torch.bfloat16, 16),
         ("qwen3 D128 H8/2", tiny_arch("qwen3", hidden=512, inter=1024, heads=8, kv_heads=2, head_dim=128),
@@ -211,10 +209,7 @@ def check_cases(quick: bool = False):
         batches = batches[1:3]
     for label, arch, dtype, bs in shapes:
         for blabel, ctx, pad in batches:
-            yield f"megakernel {label} bs{bs} {blabel}", arch, dtype, bs, ctx, pad, 0
-    for label, arch, dtype, bs in shapes[1:3]:
-        for blabel, ctx, pad in batches[-2:]:
-            yield f"megakernel {label} bs{bs} {blabel} 4KB slots", arch, dtype, bs, ctx, pad, 4096
+            yield f"megakernel {label} bs{bs} {blabel}", arch, dtype, bs, ctx, pad
 
 
 def run_megakernel_cases(quick: bool = False) -> list[dict]:
@@ -227,12 +222,12 @@ def run_megakernel_cases(quick: bool = False) -> list[dict]:
         return []   # the megakernel needs sm_90; nothing to check here
     load_extension()
     rows, models = [], {}
-    for seed, (label, arch, dtype, bs, ctx, pad, slot_limit) in enumerate(check_cases(quick)):
+    for seed, (label, arch, dtype, bs, ctx, pad) in enumerate(check_cases(quick)):
         key = (arch, dtype)
         if key not in models:
             models[key] = random_model(arch, dtype, seed=len(models))
         case = make_decode_case(arch, ctx, pad, bs, dtype, seed=seed)
-        res = compare(models[key], case, bs, slot_limit=slot_limit)
+        res = compare(models[key], case, bs)
         err = max(res["hidden_rel_err"], res["new_kv_rel_err"])
         if not (res["untouched_slots_equal"] and res.get("graph_replay_equal", True)):
             err = float("inf")
@@ -282,7 +277,7 @@ def phase_reference(model, case: DecodeCase) -> dict:
 
 
 @torch.no_grad()
-def phase_errors(model, case: DecodeCase, block_size: int, slot_limit: int = 0) -> dict:
+def phase_errors(model, case: DecodeCase, block_size: int) -> dict:
     """For a one-layer model: the relative error of each phase's output as the kernel leaves it in its workspaces
     (qkv, attention output, SwiGLU output, residual stream, final hidden) against phase_reference. Tells which
     phase is wrong when the end-to-end check fails. Real rows only."""
@@ -293,7 +288,7 @@ def phase_errors(model, case: DecodeCase, block_size: int, slot_limit: int = 0) 
     nqkv, kq = a.q_size + 2 * a.kv_size, a.q_size
     want = phase_reference(model, case)
     mk = DecodeMegakernel(model, _clone(case.caches), max_batch=n, block_size=block_size,
-                          max_model_len=model.cos_sin_cache.shape[0], slot_limit=slot_limit)
+                          max_model_len=model.cos_sin_cache.shape[0])
     out = mk.forward(case.input_ids, case.positions, case.meta).clone()
     ws = mk.act_ws
     got = dict(qkv=ws[:16 * nqkv].view(16, nqkv)[:n],

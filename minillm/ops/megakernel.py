@@ -29,7 +29,7 @@ GRANULE = 8            # weight rows per granule (the n8 of an mma B operand)
 MAX_BATCH = 16         # decode rows: the 16 rows of the mma A operand
 MAX_LAYERS = 64
 MAX_HIDDEN = 2048      # a norm row is held in registers
-MAX_GRANULES = 8       # granules in one weight pass (gate and up count one each): the GEMVs' accumulators
+MAX_GRANULES = 8       # granules one CTA may own in a phase (gate and up count one each)
 MAX_PARTITIONS = 256
 WARPS = 8
 CHUNK = 16             # tokens per attention step of a warp
@@ -41,7 +41,7 @@ DEFAULT_SMEM_LIMIT = 232448   # bytes of opt-in shared memory per block on sm_90
 MIN_PARTITION_CHUNKS = 8   # the default of kernels.megakernel_min_chunks
 PROF_POINTS = 20       # timeline stamps per layer (megakernel.h: kMegaProfPoints)
 # Weight-issue schedules of a stamped launch, forward(schedule=...): the op's profile_flags (megakernel.h)
-PROF_SCHEDULES = {"ahead": 0, "serial": 1, "burst": 2}
+PROF_SCHEDULES = {"ahead": 0, "serial": 1}
 ACT_PAD = 8            # elements of padding per row of the shared A tile (decode_megakernel.cu: kActPad)
 
 
@@ -231,117 +231,26 @@ def partition_plan(seq_lens: list[int], num_kv_heads: int, num_ctas: int,
     return PartitionPlan(per, parts, lens, base)
 
 
-MAX_SLOTS = 3          # weight slots in shared memory (megakernel.h: kMegaMaxSlots)
-PHASES = ("qkv", "o", "gate_up", "down")
-# Bytes of the kernel's bookkeeping structs (decode_megakernel.cu static_asserts them): Pending, PhasePlan, Cursor,
-# and the attention plan (3 + 4 x 16 + 1 ints, then 2 x 16 int64).
-_PENDING, _PHASE_PLAN, _CURSOR = 48, 40, 104
-_ATTN_PLAN = 4 * (3 + 4 * MAX_BATCH + 1) + 8 * 2 * MAX_BATCH
-
-
-def _up(x: int, m: int = 128) -> int:
-    return -(-x // m) * m
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def pass_shape(granules: int, unit: int, kpairs: int, slot: int) -> tuple[int, int] | None:
-    """(group, kstep) of one phase's passes through slots of `slot` bytes, as decode_megakernel.cu's pass_shape
-    chooses them: the fewest passes (a pass: up to `group` granules, a multiple of unit, by `kstep` k-pairs of
-    512 bytes each a granule), then the fewest k-splits; balanced. None when not even one k-pair of a unit fits."""
-    best = None                                    # (passes, nk, g)
-    for g in range(unit, min(max(granules, unit), MAX_GRANULES) + 1, unit):
-        ks_max = min(slot // (g * 512), kpairs)
-        if ks_max < 1:
-            break
-        nk = _cdiv(kpairs, ks_max)
-        key = (_cdiv(granules, g) * nk, nk, g)
-        if best is None or key[:2] < best[:2]:
-            best = key
-    if best is None:
-        return None
-    groups = _cdiv(granules, best[2])
-    return _cdiv(_cdiv(granules, unit), groups) * unit, _cdiv(kpairs, best[1])
-
-
-def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int, num_ctas: int,
-              smem_limit: int = DEFAULT_SMEM_LIMIT, slot_limit: int = 0) -> dict | None:
-    """What megakernel_smem_plan (decode_megakernel.cu) plans for one CTA, or None when nothing fits: the weight
-    slots (`slot`, bytes; `slots` of them in use), each phase's pass shape (`group` granules by `kstep` k-pairs,
-    in PHASES order) and the other regions: uni (norm output, GEMV partial sums, attention ring and merges),
-    qtile, misc (mbarriers, paced-copy states, pass plans, the copy cursor, the attention plan), nw (the two norm
-    weights that ride with the QKV and gate_up passes). Whole slices (one pass a phase, QKV / gate_up in slot 0,
-    o / down in slot 1) when they fit; else passes through three equal slots (else two)."""
-    if (num_ctas < 1 or head_dim not in HEAD_DIMS or num_kv_heads < 1 or num_heads % num_kv_heads
-            or num_heads // num_kv_heads > MAX_GROUP or not 32 <= hidden <= MAX_HIDDEN or hidden % 32 or inter < 32
-            or inter % 32 or slot_limit < 0):
-        return None                                # the launcher's own limits (megakernel_smem_plan)
+def smem_plan(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int, num_ctas: int) -> dict:
+    """Shared-memory regions (bytes) of one CTA, as megakernel_smem_plan computes them: w0 (QKV / gate_up slices),
+    w1 (o_proj / down slices), uni (norm output, GEMV partial sums, attention ring and merges), qtile, misc
+    (2 mbarriers, 2 paced-copy states of 32 bytes, the CTA's 4 slices of 24 bytes, the attention plan of 3 + 4 x 16 + 1 ints and the 2 x 16
+    int64 positions and slots it copies), nw (the norm weight copied with each QKV / gate_up slice)."""
+    def up(x: int) -> int:
+        return -(-x // 128) * 128
     n, d, group = num_ctas, head_dim, num_heads // num_kv_heads
     nqkv, kq = (num_heads + 2 * num_kv_heads) * d, num_heads * d
-    shape = [(_cdiv(nqkv // 8, n), 1, hidden // 32), (_cdiv(hidden // 8, n), 1, kq // 32),
-             (2 * _cdiv(inter // 8, n), 2, hidden // 32), (_cdiv(hidden // 8, n), 1, inter // 32)]
-
-    def rest(groups: int) -> dict:
-        red = _up(16 * act_tile_stride(hidden) * 2) + WARPS * groups * 32 * 16   # the sums follow the A tile
-        uni = max(16 * act_tile_stride(hidden) * 2, red, WARPS * (128 // d) * 2 * CHUNK * d * 2,
-                  WARPS * group * d * 4 + 2 * WARPS * group * 4, 2 * group * MAX_PARTITIONS * 4 + group * 4)
-        misc = 8 * MAX_SLOTS + MAX_SLOTS * _PENDING + 4 * _PHASE_PLAN + _CURSOR + _ATTN_PLAN
-        return dict(uni=_up(uni), qtile=_up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=_up(misc), nw=2 * _up(2 * hidden))
-
-    whole_max = max(shape[0][0], shape[2][0], shape[1][0])
-    w0 = _up(512 * max(shape[0][0] * shape[0][2], shape[2][0] * shape[2][2]))
-    w1 = _up(512 * max(shape[1][0] * shape[1][2], shape[3][0] * shape[3][2]))
-    plan = None
-    regions = rest(whole_max)
-    if (whole_max <= MAX_GRANULES and (slot_limit == 0 or max(w0, w1) <= slot_limit)
-            and sum(regions.values()) + w0 + w1 <= smem_limit):
-        plan = dict(slots=2, streamed=0, slot=[w0, w1, 0], group=[s[0] for s in shape], kstep=[s[2] for s in shape], **regions)
-    for slots in range(MAX_SLOTS, 1, -1):
-        if plan is not None:
-            break
-        slot = (smem_limit - sum(rest(MAX_GRANULES).values())) // slots // 128 * 128
-        if slot_limit > 0:
-            slot = min(slot, slot_limit)
-        shapes = [pass_shape(g, u, k, slot) for g, u, k in shape] if slot > 0 else [None]
-        if any(x is None for x in shapes):
-            continue
-        need = _up(max(512 * g * k for g, k in shapes))
-        plan = dict(slots=slots, streamed=1, slot=[need] * slots + [0] * (MAX_SLOTS - slots), group=[g for g, _ in shapes],
-                    kstep=[k for _, k in shapes], **rest(max(g for g, _ in shapes)))
-    if plan is None:
-        return None
-    plan["total"] = plan["uni"] + plan["qtile"] + plan["misc"] + plan["nw"] + sum(plan["slot"])
-    if plan["total"] > smem_limit:
-        return None
-    plan["passes"] = [_cdiv(g, grp) * _cdiv(k, ks) for (g, _, k), grp, ks in zip(shape, plan["group"], plan["kstep"])]
+    gq, gp, go = -(-nqkv // 8 // n), -(-inter // 8 // n), -(-hidden // 8 // n)
+    max_gran = max(gq, 2 * gp, go)
+    plan = dict(w0=up(2 * max(gq * 8 * hidden, gp * 16 * hidden)), w1=up(2 * max(go * 8 * kq, go * 8 * inter)))
+    red_offset = up(16 * act_tile_stride(hidden) * 2)   # the GEMV sums follow the A tile (not over it)
+    uni = max(red_offset + WARPS * max_gran * 32 * 16, WARPS * (128 // d) * 2 * CHUNK * d * 2,
+              WARPS * group * d * 4 + 2 * WARPS * group * 4, 2 * group * MAX_PARTITIONS * 4 + group * 4)
+    misc = 16 + 2 * 32 + 96 + 4 * (3 + 4 * MAX_BATCH + 1) + 8 * 2 * MAX_BATCH
+    plan.update(uni=up(uni), qtile=up(2 * (MAX_BATCH * (d + 8) + 2 * d)), misc=up(misc), nw=up(2 * hidden))
+    plan["total"] = sum(plan.values())
+    plan["max_granules"] = max_gran
     return plan
-
-
-def cta_passes(total: int, unit: int, kpairs: int, group: int, kstep: int, num_ctas: int, cta: int
-               ) -> list[tuple[int, int, int, int, bool]]:
-    """The passes CTA `cta` makes over one phase of `total` granules (decode_megakernel.cu: phase_plan, pass_of):
-    (first granule, end granule, first k-pair, k-pairs, last k-pass of its group). Its granules are its share of
-    total / unit units (contiguous, sizes differing by at most one); a CTA without any makes one empty group's passes."""
-    units = total // unit
-    begin, end = cta * units // num_ctas * unit, (cta + 1) * units // num_ctas * unit
-    nk = _cdiv(kpairs, kstep)
-    n = end - begin
-    out = []
-    for i in range(max(1, _cdiv(n, group)) * nk):
-        grp, kk = divmod(i, nk)
-        g0 = min(begin + grp * group, end)
-        out.append((g0, min(g0 + group, end), kk * kstep, min(kstep, kpairs - kk * kstep), kk == nk - 1))
-    return out
-
-
-def plan_list(plan: dict | None) -> list[int]:
-    """smem_plan's result in the order of torch.ops.minillm.decode_megakernel_plan (empty: no plan)."""
-    if plan is None:
-        return []
-    return [plan["slots"], plan["streamed"], *plan["slot"], *plan["group"], *plan["kstep"],
-            *(plan[k] for k in ("uni", "qtile", "misc", "nw", "total"))]
 
 
 # The generic part of what the kernel covers (decode_megakernel.cu: megakernel_smem_plan, launch_decode_megakernel;
@@ -351,22 +260,9 @@ COVERAGE = KernelCoverage("decode_megakernel", dtypes=("bfloat16", "float16"), h
                           block_sizes=BLOCK_SIZES, max_gqa_group=MAX_GROUP, min_capability=(9, 0), graph_safe=True)
 
 
-# Shapes (hidden, intermediate, heads, KV heads, head dim) whose streamed plan measured faster than the graph decode
-# path; on other shapes that need one, the engine keeps the graph path. Empty: at f25bb0b's predecessor 4a26d7b the
-# streamed Qwen3-1.7B step took 0.54-0.66x the graph path's speed, Qwen2.5-0.5B 0.91-1.03x (docs/megakernel.md).
-STREAMED_WINS: frozenset = frozenset()
-
-
-def shape_key(arch) -> tuple[int, int, int, int, int]:
-    return (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.num_key_value_heads,
-            arch.head_dim)
-
-
 def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int, *, num_ctas: int = 132,
-                       smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0),
-                       streamed: bool | None = None) -> str | None:
-    """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig. streamed: whether
-    a plan whose weights stream in passes counts (None: where STREAMED_WINS lists the shape)."""
+                       smem_limit: int = DEFAULT_SMEM_LIMIT, capability: tuple[int, int] = (9, 0)) -> str | None:
+    """Why the megakernel cannot run this decode step, or None when it can. arch: ModelArchConfig."""
     if getattr(arch, "num_experts", 0):
         return "a mixture-of-experts MLP (the megakernel's MLP phases are dense)"
     if tuple(capability) < COVERAGE.min_capability:
@@ -383,13 +279,12 @@ def unsupported_reason(arch, dtype: torch.dtype, block_size: int, num_rows: int,
         return f"hidden={h}, intermediate={i} (both multiples of 32, hidden <= {MAX_HIDDEN})"
     if not 1 <= arch.num_hidden_layers <= MAX_LAYERS:
         return f"{arch.num_hidden_layers} layers (supported: 1..{MAX_LAYERS})"
-    plan = smem_plan(h, i, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, num_ctas, smem_limit)
-    if plan is None:
-        return (f"no shared-memory plan fits {smem_limit} bytes per CTA on {num_ctas} SMs (the norm tile, attention "
-                f"ring and at least two weight slots of one k-pair)")
-    if plan["streamed"] and not (streamed or (streamed is None and shape_key(arch) in STREAMED_WINS)):
-        return ("its weights would stream through shared memory in passes, measured slower than the graph path on "
-                "this shape (STREAMED_WINS, docs/megakernel.md)")
+    plan = smem_plan(h, i, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, num_ctas)
+    if plan["max_granules"] > MAX_GRANULES:
+        return (f"a CTA would own {plan['max_granules']} weight granules in one phase on {num_ctas} SMs "
+                f"(at most {MAX_GRANULES})")
+    if plan["total"] > smem_limit:
+        return f"needs {plan['total']} bytes of shared memory per CTA on {num_ctas} SMs, the GPU has {smem_limit}"
     return None
 
 
@@ -423,22 +318,16 @@ class DecodeMegakernel:
     """
 
     def __init__(self, model, kv_caches, max_batch: int, block_size: int, max_model_len: int, *,
-                 min_partition_chunks: int = MIN_PARTITION_CHUNKS, cooperative: bool = True, slot_limit: int = 0):
+                 min_partition_chunks: int = MIN_PARTITION_CHUNKS, cooperative: bool = True):
         arch = model.arch
         embed = model.model.embed_tokens.weight
         self.device, self.dtype = embed.device, embed.dtype
         if self.device.type != "cuda":
             raise ValueError("DecodeMegakernel needs the model on a CUDA device")
         self.limits = device_limits(self.device)
-        reason = unsupported_reason(arch, self.dtype, block_size, max_batch, **self.limits, streamed=True)
-        if reason is None and slot_limit and self._plan(arch, slot_limit) is None:
-            reason = f"no plan with weight slots of at most {slot_limit} bytes"
+        reason = unsupported_reason(arch, self.dtype, block_size, max_batch, **self.limits)
         if reason is not None:
             raise ValueError(f"the decode megakernel does not cover this model: {reason}")
-        # slot_limit: the largest weight slot in bytes (0: as shared memory allows); tests make it small to run the
-        # many-pass plan on small shapes.
-        self.slot_limit = slot_limit
-        self.plan = self._plan(arch, slot_limit)
         if max_model_len > model.cos_sin_cache.shape[0]:
             raise ValueError(f"max_model_len={max_model_len} exceeds the RoPE table ({model.cos_sin_cache.shape[0]})")
         self.arch, self.max_batch, self.block_size = arch, max_batch, block_size
@@ -450,10 +339,6 @@ class DecodeMegakernel:
         self._alloc_workspaces()
         if kv_caches is not None:
             self.bind_caches(kv_caches)
-
-    def _plan(self, arch, slot_limit: int) -> dict | None:
-        return smem_plan(arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.num_key_value_heads,
-                         arch.head_dim, self.limits["num_ctas"], self.limits["smem_limit"], slot_limit)
 
     def bind_caches(self, kv_caches) -> None:
         arch, block_size = self.arch, self.block_size
@@ -519,8 +404,7 @@ class DecodeMegakernel:
                 profile: torch.Tensor | None = None, schedule: str = "ahead") -> torch.Tensor:
         """The step's hidden rows. `profile`: a profile_buffer() to stamp (a separate, slower variant).
         `schedule` (with profile only, a diagnosis): "ahead" copies each weight slice a phase ahead (the plain
-        kernel's schedule), "serial" just before it is waited for (no weight stream in flight), "burst" whole
-        as soon as its slot frees (no pacing)."""
+        kernel's schedule), "serial" just before it is waited for (no weight stream in flight)."""
         b = input_ids.shape[0]
         if self._caches is None:
             raise RuntimeError("DecodeMegakernel.forward before bind_caches()")
@@ -532,7 +416,7 @@ class DecodeMegakernel:
             self.w_qkv, self.b_qkv, self.w_o, self.w_gu, self.w_down, self.ln1, self.ln2, self.q_norm, self.k_norm,
             self.final_norm, self.cos_sin, self.act_ws, self.partials, self.sync, self.out, a.num_attention_heads,
             a.num_key_value_heads, a.head_dim, a.intermediate_size, self.eps, self.scale, self.num_ctas,
-            self.min_partition_chunks, self.cooperative, profile, PROF_SCHEDULES[schedule], self.slot_limit)
+            self.min_partition_chunks, self.cooperative, profile, PROF_SCHEDULES[schedule])
         return self.out[:b]
 
     __call__ = forward
@@ -564,6 +448,6 @@ def floor_us(total_bytes: int, bandwidth: float = 4.2e12) -> float:
     return total_bytes / bandwidth * 1e6
 
 
-__all__ = ["DecodeMegakernel", "applies", "unsupported_reason", "partition_plan", "smem_plan", "pass_shape", "plan_list", "cta_passes",
+__all__ = ["DecodeMegakernel", "applies", "unsupported_reason", "partition_plan", "smem_plan",
            "pack_granules", "unpack_granules", "pack_gate_up", "pack_act_fragments", "act_fragment_index",
            "emulate_gemv", "reference_decode_step", "step_bytes", "floor_us"]
