@@ -346,7 +346,7 @@ sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'),
     moevariants)   # moebench at 1-32 tokens with each small-step variant pair forced (sets moe_ops' two constants)
       stage moevariants 150 python3 scripts/moe_bench.py --tokens 1,2,4,8,12,16,24,32 --variants \
         --out "$OUT/moe_kernels.jsonl" ;;
-    mkshapes)   # the persistent kernel against the graph path on shapes whose weights stream in passes ($MK_MODELS)
+    mkshapes)   # megakernel_bench on other shapes ($MK_MODELS); where the megakernel refuses one, the graph path alone
       for m in ${MK_MODELS:-qwen3-1.7b qwen2.5-0.5b qwen2.5-1.5b}; do
         stage mkbench_$m 200 python3 scripts/megakernel_bench.py --model $m --batches 1,8,16 --contexts 128,2048 \
           --replays 100 --out "$OUT/megakernel_bench.jsonl"
