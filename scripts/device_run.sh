@@ -44,6 +44,12 @@ stage() {   # name, time limit (s), command...
   tail -n 6 "$LOG/$name.log" | sed 's/^/   | /' | tee -a "$SUMMARY"
 }
 
+sweep_model() {   # stage name, preset, batch sizes (python tuple), extra LLM keywords: decode steps with dummy weights
+  stage "$1" 200 python3 -c "from minillm.config import EngineConfig; \
+from minillm.bench.decode_sweep import sweep_and_record; \
+sweep_and_record(EngineConfig.from_kwargs('$2', load_format='dummy'$4), '$OUT/decode_steps.jsonl', $3)"
+}
+
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
   | tee -a "$SUMMARY"
@@ -57,7 +63,7 @@ for s in "$@"; do
   case "$s" in
     build) ;;
     mk)
-      stage mk_tests 240 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
+      stage mk_tests 150 python3 -m pytest -m gpu tests/test_megakernel_gpu.py -x -q -rA --tb=short -p no:cacheprovider
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
     mkbench)
       stage mk_bench 150 python3 scripts/megakernel_bench.py --out "$OUT/megakernel_bench.jsonl" ;;
@@ -340,9 +346,7 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
     moechain)   # moebench at 1-16 tokens with the launch chain the one-launch variants replace (--chain)
       stage moechain 120 python3 scripts/moe_bench.py --tokens 1,2,4,8,16 --chain --out "$OUT/moe_kernels.jsonl" ;;
     moesweep1)   # the Qwen3-30B-A3B preset's decode step at B = 1 and 8 (dummy weights)
-      stage moesweep1 200 python3 -c "from minillm.config import EngineConfig; \
-from minillm.bench.decode_sweep import sweep_and_record; \
-sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'), '$OUT/decode_steps.jsonl', (1, 8))" ;;
+      sweep_model moesweep1 qwen3-30b-a3b "(1, 8)" ;;
     moevariants)   # moebench at 1-32 tokens with each small-step variant pair forced (sets moe_ops' two constants)
       stage moevariants 150 python3 scripts/moe_bench.py --tokens 1,2,4,8,12,16,24,32 --variants \
         --out "$OUT/moe_kernels.jsonl" ;;
@@ -353,11 +357,7 @@ sweep_and_record(EngineConfig.from_kwargs('qwen3-30b-a3b', load_format='dummy'),
       done ;;
     modelsweep)   # engine decode steps at B = 1, 8, 16 of $SWEEP_MODELS (dummy weights), the megakernel on, then off
       for m in ${SWEEP_MODELS:-qwen3-1.7b qwen2.5-0.5b}; do
-        for on in True False; do
-          stage sweep_${m}_mk$on 200 python3 -c "from minillm.config import EngineConfig; \
-from minillm.bench.decode_sweep import sweep_and_record; \
-sweep_and_record(EngineConfig.from_kwargs('$m', load_format='dummy', megakernel=$on), '$OUT/decode_steps.jsonl', (1, 8, 16))"
-        done
+        for on in True False; do sweep_model "sweep_${m}_mk$on" "$m" "(1, 8, 16)" ", megakernel=$on"; done
       done ;;
     moebench1)   # moebench at 1 and 8 tokens only
       stage moebench1 90 python3 scripts/moe_bench.py --tokens 1,8 --out "$OUT/moe_kernels.jsonl" ;;
