@@ -336,8 +336,14 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
             --model $model --output "$OUT/bench.jsonl"
         done
       done ;;
-    ncumoe)   # Nsight Compute, basic set: each kernel of one Qwen3-30B-A3B MoE layer at 1 and 8 tokens, run alone
-      for t in 1 8; do
+    moeab)   # moebench at 1-256 tokens, this tree against the one in .old/, then this tree again (same run)
+      wait
+      stage moeab_new 150 python3 scripts/moe_bench.py --tokens 1,2,4,8,16,32,64,128,256 --out "$OUT/moe_kernels.jsonl"
+      stage moeab_old 150 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD:$PYTHONPATH \
+        python3 scripts/moe_bench.py --tokens 1,2,4,8,16,32,64,128,256 --out $OUT/moe_kernels_old.jsonl"
+      stage moeab_new2 150 python3 scripts/moe_bench.py --tokens 1,8,64,256 --out "$OUT/moe_kernels.jsonl" ;;
+    ncumoe)   # Nsight Compute, basic set: each kernel of one Qwen3-30B-A3B MoE layer at $NCU_MOE_TOKENS tokens, alone
+      for t in ${NCU_MOE_TOKENS:-1 8}; do
         stage ncumoe_t$t 120 ncu --clock-control none --set basic -k "regex:moe_route_gemv|moe_gate_up|moe_down" \
           --launch-count 6 \
           -f -o "$LOG/moe_t$t" python3 scripts/moe_bench.py --out /dev/null --tokens $t --layers 1 --replays 2
