@@ -47,7 +47,7 @@ stage() {   # name, time limit (s), command...
 sweep_model() {   # stage name, preset, batch sizes (python tuple), extra LLM keywords: decode steps with dummy weights
   stage "$1" 200 python3 -c "from minillm.config import EngineConfig; \
 from minillm.bench.decode_sweep import sweep_and_record; \
-sweep_and_record(EngineConfig.from_kwargs('$2', load_format='dummy'$4), '$OUT/decode_steps.jsonl', $3)"
+sweep_and_record(EngineConfig.from_kwargs('$2', load_format='dummy'${4:-}), '$OUT/decode_steps.jsonl', $3)"
 }
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1
@@ -365,6 +365,9 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       for m in ${SWEEP_MODELS:-qwen3-1.7b qwen2.5-0.5b}; do
         for on in True False; do sweep_model "sweep_${m}_mk$on" "$m" "(1, 8, 16)" ", megakernel=$on"; done
       done ;;
+    readprobe)   # scripts/weight_read_probe.cu: HBM read rate of the decode GEMMs' load pattern against coalesced and bulk copies
+      stage readprobe 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/weight_read_probe scripts/weight_read_probe.cu \
+        && /tmp/weight_read_probe | tee $OUT/weight_read_probe.jsonl" ;;
     moebench1)   # moebench at 1 and 8 tokens only
       stage moebench1 90 python3 scripts/moe_bench.py --tokens 1,8 --out "$OUT/moe_kernels.jsonl" ;;
     ncuprefill)   # Nsight Compute, full set: one launch of the default prefill kernel on sm_90, T=4096 causal, 16/8 heads
