@@ -6,7 +6,7 @@
 // 2.5; the dense decode GEMM on Qwen3-8B's gate_up 2.97 against cuBLAS's 3.99). This probe reads the same bytes
 // four ways, with no math, to see whether the scheme or the access pattern is the limit:
 //   frag     the GEMMs' pattern: items of 16 rows, a warp's 8 k32 blocks of both row halves in flight (frag8:
-//            half of them at a time)
+//            half of them at a time; frag_pf128 / frag_pf256: with the L2 prefetch-size hint of that many bytes)
 //   coal     plain coalesced 16-byte loads (a warp reads 512 contiguous bytes per load), same bytes in flight
 //   bulk     cp.async.bulk of contiguous chunks into a shared-memory ring (one thread issues, mbarriers), the
 //            CTA's threads then read each chunk from shared memory once
@@ -44,12 +44,27 @@ __device__ __forceinline__ uint4 ldw(const void* p, uint64_t pol) {
                : "l"(p), "l"(pol));
   return v;
 }
+// The same with an L2 prefetch-size hint: the L2 fetches the whole aligned 128 / 256 bytes around the address.
+template <int kPrefetch>
+__device__ __forceinline__ uint4 ldw_pf(const void* p, uint64_t pol) {
+  if constexpr (kPrefetch == 0) return ldw(p, pol);
+  uint4 v;
+  if constexpr (kPrefetch == 128)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(pol));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(pol));
+  return v;
+}
 __device__ __forceinline__ uint32_t fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
 // frag: item i = 16 rows x 4 KB; warp w reads bytes [512 w, 512 w + 512) of every row: lane (g, t) 16 bytes of
 // rows g and g + 8 at 64 b + 16 t for its 8 blocks b, all 16 loads in flight, then the next item.
 // kN = 8: half of the item's blocks in flight at a time (64 KB an SM), to see whether bytes in flight matter.
-template <int kN>
+template <int kN, int kPrefetch>
 __global__ void __launch_bounds__(kThreads, 2) frag(const char* w, int items, uint32_t* sink) {
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
   const uint64_t pol = evict_first();
@@ -62,8 +77,8 @@ __global__ void __launch_bounds__(kThreads, 2) frag(const char* w, int items, ui
 #pragma unroll
       for (int b = 0; b < kN / 2; ++b) {
         const int blk = h * kN / 2 + b;
-        r[2 * b] = ldw(base + (int64_t)g * kRowBytes + 64 * blk, pol);
-        r[2 * b + 1] = ldw(base + (int64_t)(g + 8) * kRowBytes + 64 * blk, pol);
+        r[2 * b] = ldw_pf<kPrefetch>(base + (int64_t)g * kRowBytes + 64 * blk, pol);
+        r[2 * b + 1] = ldw_pf<kPrefetch>(base + (int64_t)(g + 8) * kRowBytes + 64 * blk, pol);
       }
 #pragma unroll
       for (int j = 0; j < kN; ++j) acc ^= fold(r[j]);
@@ -155,15 +170,18 @@ int main() {
       const char* name;
       int chunk, stages;
     };
-    const Scheme schemes[] = {{"frag", 0, 0},         {"frag8", 0, 0},        {"coal", 0, 0},         {"bulk", 32768, 3},
+    const Scheme schemes[] = {{"frag", 0, 0},         {"frag8", 0, 0},        {"frag_pf128", 0, 0},   {"frag_pf256", 0, 0},
+                              {"coal", 0, 0},         {"bulk", 32768, 3},
                               {"bulk", 16384, 6},     {"bulk", 65536, 3},     {"bulkrow", 4096, 24}};
     for (const Scheme& sc : schemes) {
       const auto launch = [&](const char* w) -> cudaError_t {
         if (sc.chunk == 0) {
           const int grid = std::min(items, 2 * sms);
           if (sc.name[0] == 'c') coal<<<grid, kThreads>>>(w, items, sink);
-          else if (sc.name[4] == '8') frag<8><<<grid, kThreads>>>(w, items, sink);
-          else frag<16><<<grid, kThreads>>>(w, items, sink);
+          else if (sc.name[4] == '8') frag<8, 0><<<grid, kThreads>>>(w, items, sink);
+          else if (sc.name[4] == 0) frag<16, 0><<<grid, kThreads>>>(w, items, sink);
+          else if (sc.name[7] == '1') frag<16, 128><<<grid, kThreads>>>(w, items, sink);
+          else frag<16, 256><<<grid, kThreads>>>(w, items, sink);
         } else {
           const int grid = std::min(items, sms);
           const size_t smem = size_t(sc.chunk) * sc.stages;
