@@ -349,6 +349,10 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
           -f -o "$LOG/moe_t$t" python3 scripts/moe_bench.py --out /dev/null --tokens $t --layers 1 --replays 2
         ncu -i "$LOG/moe_t$t.ncu-rep" --page details > "$OUT/ncu_moe_t$t.txt" 2>&1
       done ;;
+    ncumoefull)   # Nsight Compute, full set: gate_up and down of one Qwen3-30B-A3B MoE layer at 64 tokens, one launch each
+      stage ncumoefull 150 ncu --clock-control none --set full -k "regex:moe_gate_up|moe_down_kernel" --launch-count 2 \
+        -f -o "$LOG/moe_full_t64" python3 scripts/moe_bench.py --out /dev/null --tokens 64 --layers 1 --replays 1
+      ncu -i "$LOG/moe_full_t64.ncu-rep" --page details --print-details all > "$OUT/ncu_moe_full_t64.txt" 2>&1 ;;
     moechain)   # moebench at 1-16 tokens with the launch chain the one-launch variants replace (--chain)
       stage moechain 120 python3 scripts/moe_bench.py --tokens 1,2,4,8,16 --chain --out "$OUT/moe_kernels.jsonl" ;;
     moesweep1)   # the Qwen3-30B-A3B preset's decode step at B = 1 and 8 (dummy weights)
