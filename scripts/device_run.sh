@@ -85,6 +85,10 @@ for s in "$@"; do
       done ;;
     pytest)   # GPU tests named by $PYTEST_ARGS (files and -k expressions)
       stage pytest 240 bash -c "python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider $PYTEST_ARGS" ;;
+    oldpytest)   # GPU tests named by $PYTEST_ARGS on the tree in .old/ (its own kernels)
+      wait
+      stage oldpytest 240 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD:$PYTHONPATH python3 -m \
+        pytest -m gpu -q -rf --tb=short -p no:cacheprovider $PYTEST_ARGS" ;;
     e2e)
       stage e2e 200 python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/test_engine_e2e_gpu.py \
         tests/test_engine_gpu.py ;;
@@ -357,6 +361,8 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       stage moechain 120 python3 scripts/moe_bench.py --tokens 1,2,4,8,16 --chain --out "$OUT/moe_kernels.jsonl" ;;
     moesweep1)   # the Qwen3-30B-A3B preset's decode step at B = 1 and 8 (dummy weights)
       sweep_model moesweep1 qwen3-30b-a3b "(1, 8)" ;;
+    moesweep6)   # the Qwen3-30B-A3B preset's decode step at B = 1, 8, 32, 64, 128, 256 (dummy weights)
+      sweep_model moesweep6 qwen3-30b-a3b "(1, 8, 32, 64, 128, 256)" ;;
     moevariants)   # moebench at 1-32 tokens with each small-step variant pair forced (sets moe_ops' two constants)
       stage moevariants 150 python3 scripts/moe_bench.py --tokens 1,2,4,8,12,16,24,32 --variants \
         --out "$OUT/moe_kernels.jsonl" ;;
