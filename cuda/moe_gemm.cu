@@ -2,12 +2,9 @@
 //
 // Why: at decode each touched expert sees a few rows (B = 64, k = 8, E = 128: about 4), so the layer is a read of
 // those experts' weights (Qwen3-30B-A3B: 9.4 MB each in bf16) with little math. Each expert's weights are read
-// from HBM once per step, and only the touched experts': the work items are (active expert, column tile) pairs
-// over the routing kernel's active list (read on the device), so an untouched expert costs neither a byte nor a
-// CTA's time. The grid is persistent (two CTAs per SM, each walking every gridDim-th item) and its size depends
-// only on the token count, so a CUDA graph captured for T tokens replays whatever the step's routing is. A CTA
-// issues its next unit's first weight batches as soon as it has multiplied the current one's, before the K sum
-// through shared memory and the stores, so its weight stream runs on through them.
+// from HBM once per step, and only the touched experts': the grid's y index walks the routing kernel's active
+// list (read on the device), so an untouched expert costs neither a byte nor a CTA. The grid's size depends only
+// on the token count, so a CUDA graph captured for T tokens replays whatever the step's routing is.
 //
 // Register-direct mma.sync as in decode_gemm.cu: a warp owns 16 weight rows (A fragments loaded straight from
 // global memory, 16 bytes per lane and row per k32 block, two register batches in flight) and a 1 / KW share of
@@ -98,78 +95,35 @@ __device__ __forceinline__ void compute_batch(float (&acc)[kTiles][4], const uin
   }
 }
 
-// One pass of the warp's 16 x 8 NT fp32 tile over its K range. ra and rb hold the stream's first two batches on
-// entry (issued by the caller, ahead of time) and are free on return, so the caller can issue the next pass's
-// before it reduces this one.
+// One pass: the warp's 16 x 8 NT fp32 tile over its K range, then the CTA's KW slices into shared memory as
+// red[wk][m][col] (col = 16 wr + A-fragment row). Caller syncs before reading.
 template <typename T, class C>
-__device__ __forceinline__ void pass_compute(float (&acc)[C::NT][4], uint4 (&ra)[C::U][2], uint4 (&rb)[C::U][2],
-                                             const Stream<T>& s, const T* xc, const int (&xoff)[C::NT], int tiles,
-                                             uint64_t pol) {
-  constexpr int kTiles = C::NT, kU = C::U;
+__device__ __forceinline__ void pass_tile(const Stream<T>& s, const T* xc, const int (&xoff)[C::NT], int tiles,
+                                          float* red, uint64_t pol) {
+  constexpr int kTiles = C::NT, kU = C::U, kPassRows = C::kRows, kStride = C::kStride;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wr = warp % C::RW, wk = warp / C::RW;
+  float acc[kTiles][4];
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  uint4 ra[kU][2], rb[kU][2];
   const int n_batches = (s.n_kb + kU - 1) / kU;
+  load_batch<T, kU>(ra, s, 0, pol);
+  load_batch<T, kU>(rb, s, 1, pol);
   for (int b = 0; b < n_batches; b += 2) {
     compute_batch<T, kTiles, kU>(acc, ra, xc, xoff, tiles, b, s.n_kb);
     if (b + 2 < n_batches) load_batch<T, kU>(ra, s, b + 2, pol);
     if (b + 1 < n_batches) compute_batch<T, kTiles, kU>(acc, rb, xc, xoff, tiles, b + 1, s.n_kb);
     if (b + 3 < n_batches) load_batch<T, kU>(rb, s, b + 3, pol);
   }
-}
-
-template <typename T, class C>
-__device__ __forceinline__ void load_first(uint4 (&ra)[C::U][2], uint4 (&rb)[C::U][2], const Stream<T>& s,
-                                           uint64_t pol) {
-  load_batch<T, C::U>(ra, s, 0, pol);
-  load_batch<T, C::U>(rb, s, 1, pol);
-}
-
-// The warp's tile into shared memory as red[wk][m][col] (col = 16 wr + A-fragment row), for the CTA's K sum.
-// Caller syncs before reading.
-template <class C>
-__device__ __forceinline__ void store_tile(const float (&acc)[C::NT][4], float* red) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int wr = warp % C::RW, wk = warp / C::RW;
   // d0/d1: A-row g, x rows 8j + 2t / + 1; d2/d3: A-row g + 8.
-  float* mine = red + wk * C::kRows * C::kStride;
+  float* mine = red + wk * kPassRows * kStride;
 #pragma unroll
-  for (int j = 0; j < C::NT; ++j)
+  for (int j = 0; j < kTiles; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      mine[(8 * j + 2 * t + (e & 1)) * C::kStride + wr * 16 + g + 8 * (e >> 1)] = acc[j][e];
+      mine[(8 * j + 2 * t + (e & 1)) * kStride + wr * 16 + g + 8 * (e >> 1)] = acc[j][e];
 }
-
-// Work items of the persistent grid: item i is column tile i % tiles of the expert in active slot i / tiles.
-struct Item {
-  int e, row0, rows, c0;
-};
-
-__device__ __forceinline__ Item item_at(int i, int tiles, int cols, const int32_t* offsets, const int32_t* active) {
-  const int e = active[i / tiles], row0 = offsets[e];
-  return {e, row0, offsets[e + 1] - row0, (i % tiles) * cols};
-}
-
-// A CTA's walk over its units (one pass of one item each): item blockIdx.x, then every gridDim.x-th, each in
-// passes of kRows rows. next() says whether there is a unit after the current one and moves to it; the caller
-// issues that unit's first weight batches before it reduces the current one, so the weight stream does not stop
-// at a tile's reduction, store or the start of a new item (the one-item-per-CTA grid did, 3 waves at B = 1).
-template <int kRows>
-struct Walk {
-  int i, n_items, tiles, cols, p0;
-  Item it;
-  __device__ __forceinline__ int pass_rows() const { return min(kRows, it.rows - p0); }
-  __device__ __forceinline__ bool next(const int32_t* offsets, const int32_t* active) {
-    if (p0 + kRows < it.rows) {  // the item's next pass: its weights again, from L2
-      p0 += kRows;
-      return true;
-    }
-    i += gridDim.x;
-    if (i >= n_items) return false;
-    p0 = 0;
-    it = item_at(i, tiles, cols, offsets, active);
-    return true;
-  }
-};
 
 template <class C>
 __device__ __forceinline__ float slice_sum(const float* red, int m, int col) {
@@ -187,77 +141,46 @@ __device__ __forceinline__ void k_range(int K, int& kb0, int& n_kb) {
   n_kb = (wk + 1) * total / C::KW - kb0;
 }
 
-// The CTA's units in order, from item blockIdx.x on: multiply, issue the next unit's first weight batches, sum
-// the K slices in shared memory, then epilogue(r0, n, c0, red) stores the unit's n rows (sorted rows r0..) of
-// column tile c0. stream_of(item) is the warp's weight stream of an item, x_row(r) the offset of sorted row r's
-// activations from xc.
-template <typename T, class C, class StreamOf, class XRow, class Epilogue>
-__device__ __forceinline__ void walk_units(Walk<C::kRows> walk, const int32_t* offsets, const int32_t* active,
-                                           const T* xc, float* red, StreamOf stream_of, XRow x_row,
-                                           Epilogue epilogue) {
-  constexpr int NT = C::NT;
-  const int g = (threadIdx.x % 32) / 4;
-  const uint64_t pol = evict_first_policy();
-  uint4 ra[C::U][2], rb[C::U][2];
-  Stream<T> s = stream_of(walk.it);
-  load_first<T, C>(ra, rb, s, pol);
-  for (bool more = true; more;) {
-    const int n = walk.pass_rows(), tiles = (n + 7) / 8, r0 = walk.it.row0 + walk.p0, c0 = walk.it.c0;
-    int xoff[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) xoff[j] = x_row(r0 + min(8 * j + g, n - 1));
-    Walk<C::kRows> ahead = walk;  // the next unit's routing reads, issued before the multiply that hides them
-    more = ahead.next(offsets, active);
-    float acc[NT][4];
-    pass_compute<T, C>(acc, ra, rb, s, xc, xoff, tiles, pol);
-    walk = ahead;
-    if (more) {
-      if (walk.p0 == 0) s = stream_of(walk.it);  // a new item (else the same weights again)
-      load_first<T, C>(ra, rb, s, pol);
-    }
-    store_tile<C>(acc, red);
-    __syncthreads();
-    epilogue(r0, n, c0, red);
-    __syncthreads();  // red is reused by the next unit
-  }
-}
-
 template <typename T, class C>
 __global__ void __launch_bounds__(kThreads, 2)
     moe_gate_up_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w13,
                        const int32_t* __restrict__ order, const int32_t* __restrict__ offsets,
                        const int32_t* __restrict__ active, int k, int E, int H, int I, T* __restrict__ act) {
-  constexpr int kCols = 8 * C::RW;  // gate (and up) columns of a tile
+  constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 8 * C::RW;  // gate (and up) columns of the CTA
   __shared__ __align__(16) float red[C::kSmemFloats];
   pdl_enter();  // the routing (previous kernel) decides which weights to read, so nothing moves before it ends
-  Walk<C::kRows> walk{static_cast<int>(blockIdx.x), active[E] * (I / kCols), I / kCols, kCols, 0, {}};
-  if (walk.i >= walk.n_items) return;
-  walk.it = item_at(walk.i, walk.tiles, kCols, offsets, active);
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, wr = (threadIdx.x / 32) % C::RW;
+  if (static_cast<int>(blockIdx.y) >= active[E]) return;
+  const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wr = warp % C::RW, c0 = blockIdx.x * kCols;
   int kb0, n_kb;
   k_range<C>(H, kb0, n_kb);
-  const auto stream_of = [&](const Item& it) {
-    const T* we = w13 + static_cast<int64_t>(it.e) * 2 * I * H + kb0 * kBlockK + 8 * t;
-    return Stream<T>{we + static_cast<int64_t>(it.c0 + wr * 8 + g) * H,          // gate row
-                     we + static_cast<int64_t>(I + it.c0 + wr * 8 + g) * H, n_kb};  // the matching up row
-  };
-  const auto x_row = [&](int r) { return order[r] / k * static_cast<int>(ldx); };  // the pair's token
-  // (m, pair of gate columns c, c + 1): SwiGLU of the K-summed gate and up, one 4-byte store.
-  const auto swiglu = [&](int r0, int n, int c0, const float* sums) {
+  const T* we = w13 + static_cast<int64_t>(e) * 2 * I * H + kb0 * kBlockK + 8 * t;
+  const Stream<T> s{we + static_cast<int64_t>(c0 + wr * 8 + g) * H,  // gate row
+                    we + static_cast<int64_t>(I + c0 + wr * 8 + g) * H, n_kb};  // the matching up row
+  const uint64_t pol = evict_first_policy();
+  for (int p0 = 0; p0 < rows; p0 += kPassRows) {
+    const int n = min(kPassRows, rows - p0), tiles = (n + 7) / 8;
+    int xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) xoff[j] = order[row0 + p0 + min(8 * j + g, n - 1)] / k * static_cast<int>(ldx);
+    pass_tile<T, C>(s, x + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
+    __syncthreads();
+    // (m, pair of gate columns c, c + 1): SwiGLU of the K-summed gate and up, one 4-byte store.
     for (int i = threadIdx.x; i < n * (kCols / 2); i += kThreads) {
       const int m = i / (kCols / 2), c = 2 * (i % (kCols / 2));
       float out[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = (c + h) / 8 * 16 + (c + h) % 8;  // A-row (c + h) % 8 of row warp (c + h) / 8
-        const float gate = slice_sum<C>(sums, m, col), up = slice_sum<C>(sums, m, col + 8);
+        const float gate = slice_sum<C>(red, m, col), up = slice_sum<C>(red, m, col + 8);
         out[h] = gate / (1.f + expf(-gate)) * up;
       }
-      *reinterpret_cast<uint32_t*>(act + static_cast<int64_t>(r0 + m) * I + c0 + c) =
+      *reinterpret_cast<uint32_t*>(act + static_cast<int64_t>(row0 + p0 + m) * I + c0 + c) =
           DType<T>::from_float2(out[0], out[1]);
     }
-  };
-  walk_units<T, C>(walk, offsets, active, x + kb0 * kBlockK + 8 * t, red, stream_of, x_row, swiglu);
+    __syncthreads();  // red is reused by the next pass
+  }
 }
 
 template <typename T, class C>
@@ -265,36 +188,39 @@ __global__ void __launch_bounds__(kThreads, 2)
     moe_down_kernel(const T* __restrict__ act, const T* __restrict__ w2, const float* __restrict__ weights,
                     const int32_t* __restrict__ order, const int32_t* __restrict__ offsets,
                     const int32_t* __restrict__ active, int E, int H, int I, float* __restrict__ pairs) {
-  constexpr int kCols = 16 * C::RW;  // output columns of a tile
+  constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 16 * C::RW;  // output columns of the CTA
   __shared__ __align__(16) float red[C::kSmemFloats];
   pdl_enter();
-  Walk<C::kRows> walk{static_cast<int>(blockIdx.x), active[E] * (H / kCols), H / kCols, kCols, 0, {}};
-  if (walk.i >= walk.n_items) return;
-  walk.it = item_at(walk.i, walk.tiles, kCols, offsets, active);
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, wr = (threadIdx.x / 32) % C::RW;
+  if (static_cast<int>(blockIdx.y) >= active[E]) return;
+  const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wr = warp % C::RW, n0 = blockIdx.x * kCols;
   int kb0, n_kb;
   k_range<C>(I, kb0, n_kb);
-  const auto stream_of = [&](const Item& it) {
-    const T* we = w2 + static_cast<int64_t>(it.e) * H * I + kb0 * kBlockK + 8 * t;
-    return Stream<T>{we + static_cast<int64_t>(it.c0 + wr * 16 + g) * I,
-                     we + static_cast<int64_t>(it.c0 + wr * 16 + g + 8) * I, n_kb};
-  };
-  const auto x_row = [&](int r) { return r * I; };  // act rows are in sorted order
-  // the pair's weighted row, in fp32, at its (token, slot) index
-  const auto weighted = [&](int r0, int n, int n0, const float* sums) {
+  const T* we = w2 + static_cast<int64_t>(e) * H * I + kb0 * kBlockK + 8 * t;
+  const Stream<T> s{we + static_cast<int64_t>(n0 + wr * 16 + g) * I,
+                    we + static_cast<int64_t>(n0 + wr * 16 + g + 8) * I, n_kb};
+  const uint64_t pol = evict_first_policy();
+  for (int p0 = 0; p0 < rows; p0 += kPassRows) {
+    const int n = min(kPassRows, rows - p0), tiles = (n + 7) / 8;
+    int xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) xoff[j] = (row0 + p0 + min(8 * j + g, n - 1)) * I;
+    pass_tile<T, C>(s, act + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
+    __syncthreads();
     for (int i = threadIdx.x; i < n * (kCols / 4); i += kThreads) {
       const int m = i / (kCols / 4), c = 4 * (i % (kCols / 4));
-      const int q = order[r0 + m];
+      const int q = order[row0 + p0 + m];
       const float wq = weights[q];
       float4 v;
-      v.x = wq * slice_sum<C>(sums, m, c);
-      v.y = wq * slice_sum<C>(sums, m, c + 1);
-      v.z = wq * slice_sum<C>(sums, m, c + 2);
-      v.w = wq * slice_sum<C>(sums, m, c + 3);
+      v.x = wq * slice_sum<C>(red, m, c);
+      v.y = wq * slice_sum<C>(red, m, c + 1);
+      v.z = wq * slice_sum<C>(red, m, c + 2);
+      v.w = wq * slice_sum<C>(red, m, c + 3);
       *reinterpret_cast<float4*>(pairs + static_cast<int64_t>(q) * H + n0 + c) = v;
     }
-  };
-  walk_units<T, C>(walk, offsets, active, act + kb0 * kBlockK + 8 * t, red, stream_of, x_row, weighted);
+    __syncthreads();
+  }
 }
 
 template <typename T>
@@ -435,41 +361,32 @@ cudaError_t by_tiles(int nt, ScalarType dtype, Args... args) {
   return half ? Launch<__half, 4>::run(args...) : Launch<__nv_bfloat16, 4>::run(args...);
 }
 
-// gate_up with one row warp (8 gate columns per item, K over 8 warps) where a step touches few experts (T <= 8):
-// twice the items of the two-row-warp tile, so the few experts' weights spread evenly over the CTAs (Qwen3-30B-A3B
-// at B = 1: 768 items for 264 CTAs, 2.9 each, against 384 and 1.45).
+// gate_up with one row warp (8 gate columns per CTA, K over 8 warps) where a step touches few experts (T <= 8):
+// twice the CTAs of the two-row-warp tile, so the few experts' weights spread over every SM (Qwen3-30B-A3B at
+// B = 1: 768 CTAs instead of 384 for 264 resident slots, 2.9 waves instead of 1.45).
 bool gate_up_one_row_warp(int T, int H) { return T <= 8 && H / kBlockK >= 8; }
-
-// The persistent grid: two CTAs per SM (the kernels' launch bounds), fewer where there are fewer items. An item
-// count is an upper bound from T alone (graph-safe); the kernels read the real one from the routing.
-dim3 walk_grid(int64_t max_items) {
-  const int64_t resident = 2 * int64_t(current_sm_count());
-  return dim3(static_cast<unsigned>(resident > 0 ? std::min(max_items, resident) : max_items));
-}
 
 template <typename T, int NT>
 struct GateUp {
-  static cudaError_t run(int rw, int slots, cudaStream_t stream, const void* x, int64_t ldx, const void* w13,
-                         const int32_t* order, const int32_t* offsets, const int32_t* active, int k, int E, int H,
-                         int I, void* act) {
+  static cudaError_t run(int rw, int cols, int slots, cudaStream_t stream, const void* x, int64_t ldx,
+                         const void* w13, const int32_t* order, const int32_t* offsets, const int32_t* active, int k,
+                         int E, int H, int I, void* act) {
     auto kernel = moe_gate_up_kernel<T, Tile<NT, 2>>;
     if constexpr (NT == 1) {
       if (rw == 1) kernel = moe_gate_up_kernel<T, Tile<1, 1>>;
     }
-    return launch_kernel(kernel, walk_grid(int64_t(slots) * (I / (8 * rw))), dim3(kThreads), 0, stream,
-                         static_cast<const T*>(x), ldx, static_cast<const T*>(w13), order, offsets, active, k, E, H, I,
-                         static_cast<T*>(act));
+    return launch_kernel(kernel, dim3(cols / (8 * rw), slots), dim3(kThreads), 0, stream, static_cast<const T*>(x),
+                         ldx, static_cast<const T*>(w13), order, offsets, active, k, E, H, I, static_cast<T*>(act));
   }
 };
 
 template <typename T, int NT>
 struct Down {
-  static cudaError_t run(int slots, cudaStream_t stream, const void* act, const void* w2, const float* weights,
+  static cudaError_t run(dim3 grid, cudaStream_t stream, const void* act, const void* w2, const float* weights,
                          const int32_t* order, const int32_t* offsets, const int32_t* active, int E, int H, int I,
                          float* pairs) {
-    return launch_kernel(moe_down_kernel<T, Tile<NT, 2>>, walk_grid(int64_t(slots) * (H / kMoeDownCols)),
-                         dim3(kThreads), 0, stream, static_cast<const T*>(act), static_cast<const T*>(w2), weights,
-                         order, offsets, active, E, H, I, pairs);
+    return launch_kernel(moe_down_kernel<T, Tile<NT, 2>>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(act),
+                         static_cast<const T*>(w2), weights, order, offsets, active, E, H, I, pairs);
   }
 };
 
@@ -501,7 +418,7 @@ cudaError_t launch_moe_gate_up(const void* x, int64_t ldx, const void* w13, cons
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   const int rw = gate_up_one_row_warp(T, H) ? 1 : 2;
-  return by_tiles<GateUp>(pass_tiles(T, k, E), dtype, rw, expert_slots(T, k, E), stream, x, ldx, w13, order,
+  return by_tiles<GateUp>(pass_tiles(T, k, E), dtype, rw, I, expert_slots(T, k, E), stream, x, ldx, w13, order,
                           offsets, active, k, E, H, I, act);
 }
 
@@ -512,8 +429,9 @@ cudaError_t launch_moe_down(const void* act, const void* w2, const float* weight
       !aligned16(act) || !aligned16(w2) || !aligned16(pairs))
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  return by_tiles<Down>(pass_tiles(T, k, E), dtype, expert_slots(T, k, E), stream, act, w2, weights, order, offsets,
-                        active, E, H, I, pairs);
+  const dim3 grid(H / kMoeDownCols, expert_slots(T, k, E));
+  return by_tiles<Down>(pass_tiles(T, k, E), dtype, grid, stream, act, w2, weights, order, offsets, active, E, H, I,
+                        pairs);
 }
 
 cudaError_t launch_moe_combine(const float* pairs, int T, int k, int H, void* y, int64_t ldy, ScalarType dtype,
