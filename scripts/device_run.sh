@@ -377,7 +377,8 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       done ;;
     readprobe)   # scripts/weight_read_probe.cu: HBM read rate of the decode GEMMs' load pattern against coalesced and bulk copies
       stage readprobe 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/weight_read_probe scripts/weight_read_probe.cu \
-        && /tmp/weight_read_probe | tee $OUT/weight_read_probe.jsonl" ;;
+        && /tmp/weight_read_probe | python3 -c 'import json, sys; from minillm.fingerprint import stamp; \
+[print(json.dumps({**json.loads(l), **stamp()})) for l in sys.stdin if l.strip()]' | tee $OUT/weight_read_probe.jsonl" ;;
     gemmsweep)   # scripts/gemm_sweep.py --quick: cuBLAS, the skinny GEMM and the decode GEMM at decode M, 0.6B and 8B shapes
       stage gemmsweep 200 python3 scripts/gemm_sweep.py --quick --output "$OUT/gemm_sweep.jsonl" ;;
     moebench1)   # moebench at 1 and 8 tokens only
