@@ -82,6 +82,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"          # auto = the model dtype; fp8 (= e4m3fn), fp8_e5m2: docs/kv-fp8.md
+    calculate_kv_scales: bool = True      # fp8 without checkpoint scales: scales from a start-up calibration prefill
 
     def validate(self) -> None:
         check_types("cache", self)
@@ -349,7 +350,7 @@ class EngineConfig:
         "attention_mode": ("runtime", "attention_mode"), "enforce_eager": ("runtime", "enforce_eager"),
         "seed": ("runtime", "seed"), "check_integrity": ("runtime", "check_integrity"),
         "async_scheduling": ("runtime", "async_scheduling"), "host_threads": ("runtime", "host_threads"),
-        "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+        "kv_cache_dtype": ("cache", "kv_cache_dtype"), "calculate_kv_scales": ("cache", "calculate_kv_scales"),
         "kernels": ("kernels", "backend"), "skinny_gemm": ("kernels", "skinny_gemm"),
         "decode_gemm": ("kernels", "decode_gemm"), "moe_kernels": ("kernels", "moe"),
         "decode_min_partitions": ("kernels", "decode_min_partitions"),

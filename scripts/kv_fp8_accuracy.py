@@ -13,7 +13,7 @@ gpu mode (the Qwen3-0.6B shape with dummy weights, bf16): one sequence of random
   prefill chunks; kl_mean[ctx] = mean KL(bf16 || fp8) of the next-token distributions of the last --kl-rows
   positions before ctx, for ctx in 512, 4096, 16384.
 
-    python scripts/kv_fp8_accuracy.py cpu
+    python scripts/kv_fp8_accuracy.py cpu [--kv fp8|fp8_e5m2] [--kv-scales calibrated|unit]
     python scripts/kv_fp8_accuracy.py gpu
 """
 from __future__ import annotations
@@ -41,6 +41,9 @@ from minillm.sampling_params import SamplingParams  # noqa: E402
 
 HELD_OUT = ("turtle.py", "tkinter", "idlelib", "turtledemo", "venv", "ensurepip")   # skipped by the demo's training
 RESULTS = ROOT / "results" / "kv_fp8.jsonl"
+# --kv-scales: neither model has checkpoint scales, so the cache's scales are 1.0 or calibrated at start-up
+SCALES_NOTE = {"unit": "1.0 (cache.calculate_kv_scales off; the checkpoint has none)",
+               "calibrated": "calibrated at start-up (cache.calculate_kv_scales, minillm/runner/kv_calibration.py)"}
 
 
 def held_out_docstrings() -> list[str]:
@@ -135,7 +138,8 @@ def cpu_mode(args) -> dict:
     def engine(dtype: str, kv: str) -> LLM:
         if (dtype, kv) not in engines:
             engines.clear()   # one engine at a time
-            engines[(dtype, kv)] = LLM(dtype=dtype, kv_cache_dtype=kv, device="cpu", max_num_seqs=args.prompts)
+            engines[(dtype, kv)] = LLM(dtype=dtype, kv_cache_dtype=kv, device="cpu", max_num_seqs=args.prompts,
+                                       calculate_kv_scales=args.kv_scales == "calibrated")
         return engines[(dtype, kv)]
 
     tok = engine("bfloat16", "auto").tokenizer
@@ -159,7 +163,7 @@ def cpu_mode(args) -> dict:
     # the yardstick: how far bf16 itself (model and cache) is from fp32 on the same prompts
     rec["greedy_agreement_bf16_vs_fp32"], rec["greedy_identical_bf16_vs_fp32"] = agreement(base, ref)
     rec.update(prompts=len(prompts), tokens_per_prompt=args.tokens, prompt_tokens=args.prompt_tokens,
-               kv_scales="1.0 (the demo checkpoint has none)", seconds=round(time.time() - t0, 1))
+               kv_scales=SCALES_NOTE[args.kv_scales], seconds=round(time.time() - t0, 1))
     return rec
 
 
@@ -171,7 +175,8 @@ def gpu_mode(args) -> dict:
     logp = {}
     for kv in ("auto", args.kv):
         llm = LLM("qwen3-0.6b", dtype="bfloat16", kv_cache_dtype=kv, max_model_len=total + 16, max_num_seqs=4,
-                  max_num_batched_tokens=args.chunk, enforce_eager=True)
+                  max_num_batched_tokens=args.chunk, enforce_eager=True,
+                  calculate_kv_scales=args.kv_scales == "calibrated")
         logp[kv] = torch.log_softmax(chunked_logits(llm, ids, rows, args.chunk), dim=-1)
         del llm
         torch.cuda.empty_cache()
@@ -180,13 +185,14 @@ def gpu_mode(args) -> dict:
     top1 = (logp["auto"].argmax(-1) == logp[args.kv].argmax(-1)).float().mean().item()
     return {"mode": "gpu", "model": "qwen3-0.6b (dummy weights, seed 0)", "text": "random token ids, seed 0",
             "kv_cache_dtype": args.kv, "kl_mean": by_ctx, "kl_rows": args.kl_rows, "top1_agreement": top1,
-            "device": torch.cuda.get_device_name()}
+            "kv_scales": SCALES_NOTE[args.kv_scales], "device": torch.cuda.get_device_name()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("cpu", "gpu"))
     p.add_argument("--kv", default="fp8", choices=("fp8", "fp8_e5m2"))
+    p.add_argument("--kv-scales", default="calibrated", choices=sorted(SCALES_NOTE))
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--eval-tokens", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=512)

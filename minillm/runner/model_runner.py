@@ -71,12 +71,13 @@ def _timing_event():
     return event
 
 
-def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype) -> KVCacheSpec:
-    """The KV-cache spec, with an fp8 cache's scales from the checkpoint (1.0 where it has none)."""
+def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype) -> tuple[KVCacheSpec, bool]:
+    """The KV-cache spec, with an fp8 cache's scales from the checkpoint (1.0 where it has none), and whether the
+    checkpoint had any."""
     from minillm.ops.kv_quant import FP8_DTYPES
     fp8 = cfg.cache.kv_cache_dtype in FP8_DTYPES
     scales = read_kv_scales(model_dir, arch) if fp8 else None
-    return KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, dtype, scales)
+    return KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, dtype, scales), scales is not None
 
 
 class ModelRunner:
@@ -96,7 +97,7 @@ class ModelRunner:
                                                    prefill_sdpa_min_tokens=p.prefill_sdpa_min_tokens,
                                                    prefill_prefix_min_tokens=p.prefill_prefix_min_tokens)
         self.model, self.arch, self.model_dir = self._load_model()
-        self.kv_spec = _kv_spec(cfg, self.arch, self.model_dir, self.dtype)   # an fp8 cache's checkpoint scales
+        self.kv_spec, checkpoint_scales = _kv_spec(cfg, self.arch, self.model_dir, self.dtype)
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
@@ -104,6 +105,8 @@ class ModelRunner:
         # prompt runs alone in budget-sized chunks). Buffers, the KV-sizing run and the warm-up use this bound,
         # capped at what a step can hold at all: max_num_seqs sequences of at most max_model_len tokens each.
         self.max_num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
+        if self.kv_spec.quantized and cfg.cache.calculate_kv_scales and not checkpoint_scales:
+            self._calibrate_kv_scales()
         self.sampler = Sampler(seed=cfg.runtime.seed, cuda=p.fused_ops.on)
         self.sampling = SamplingBatchCache(self.device, self.vocab_size)
         tp = cfg.parallel.tensor_parallel_size
@@ -145,6 +148,17 @@ class ModelRunner:
         for notice in plan.notices:
             log.warning("minillm: %s", notice)
         return spec, plan
+
+    def _calibrate_kv_scales(self) -> None:
+        """An fp8 cache's scales from a calibration prefill (minillm/runner/kv_calibration.py), bound in place of
+        the checkpoint's defaults of 1.0."""
+        from minillm.runner.kv_calibration import calibrate_kv_scales
+
+        cfg = self.cfg
+        scales = calibrate_kv_scales(self, self.kv_spec.dtype)
+        self.kv_spec = KVCacheSpec.for_model(self.arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, self.dtype,
+                                             scales)
+        self.attn_backend.bind_kv_cache(self.kv_spec)
 
     # NOTE: _load_model and _choose_num_blocks are the hooks a tensor-parallel rank overrides
     # (minillm/parallel/tp_runner.py: its shard of the weights; the smallest pool of all ranks).
