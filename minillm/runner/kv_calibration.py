@@ -1,7 +1,9 @@
 """KV-cache scales for an fp8 cache from a calibration prefill at start-up (cache.calculate_kv_scales).
 
 Where the checkpoint has no k_scale / v_scale tensors, the runner prefills CALIBRATION_TOKENS tokens of a fixed
-text through the model into a scratch cache in the model dtype (what an fp8 cache would quantize), then sets each
+text, as sequences of CALIBRATION_SEQ_LEN (max_model_len if shorter), through the model into a scratch cache in
+the model dtype (what an fp8 cache would quantize), in one step whatever the token budget (so the scales do not
+depend on it, nor does anything chunked prefill, prefix hits or preemption change). It then sets each
 (layer, K/V, KV head) scale to HEADROOM * amax / fp8_max: the largest calibration value lands at half the format's
 range, so values up to twice it stay exact to the format's precision and larger ones saturate. A head whose amax
 is 0 or not finite keeps 1.0. The prefill runs once, before the KV pool is sized, and frees its scratch cache.
@@ -18,6 +20,7 @@ from minillm.ops.kv_quant import fp8_max
 log = logging.getLogger("minillm.engine")
 
 CALIBRATION_TOKENS = 1024
+CALIBRATION_SEQ_LEN = 256
 HEADROOM = 2.0
 
 # Mixed content (prose, lists, code, numbers) so that K and V see more than one kind of token. Original text.
@@ -71,8 +74,8 @@ def calibrate_kv_scales(runner, fp8_dtype: torch.dtype) -> torch.Tensor:
     fp8 spec, which is bound again on return)."""
     from minillm.runner.kv_sizing import prefill_batch
 
-    n = min(CALIBRATION_TOKENS, runner.max_num_tokens)
-    _, positions, meta, blocks = prefill_batch(runner, n)
+    n = CALIBRATION_TOKENS
+    _, positions, meta, blocks = prefill_batch(runner, n, seq_len=CALIBRATION_SEQ_LEN)
     scratch_spec = KVCacheSpec.for_model(runner.arch, runner.cfg.cache.block_size, "auto", runner.dtype)
     engine_spec = runner.kv_spec
     runner.attn_backend.bind_kv_cache(scratch_spec)

@@ -90,12 +90,14 @@ def _gpu_blocks(runner, cache: CacheConfig, per_block: int) -> int:
     return num
 
 
-def prefill_batch(runner, total: int, write: bool = True):
-    """A prefill step of `total` tokens split into max_model_len-long sequences: (input_ids, positions, metadata,
-    blocks it uses). write=True: the sequences own blocks 1.. and their K/V are written there; write=False: every
-    table entry is block 0 and nothing is written (slot -1), so the step leaves the cache as it was."""
+def prefill_batch(runner, total: int, write: bool = True, seq_len: int | None = None):
+    """A prefill step of `total` tokens split into sequences of seq_len (default and at most max_model_len):
+    (input_ids, positions, metadata, blocks it uses). write=True: the sequences own blocks 1.. and their K/V are
+    written there; write=False: every table entry is block 0 and nothing is written (slot -1), so the step leaves
+    the cache as it was."""
     bs, dev = runner.cfg.cache.block_size, runner.device
-    lens = [min(runner.max_model_len, total - i) for i in range(0, total, runner.max_model_len)]
+    step = min(seq_len or runner.max_model_len, runner.max_model_len)
+    lens = [min(step, total - i) for i in range(0, total, step)]
     blocks_per = [runner.blocks_for(n) for n in lens]
     tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
     first = 1
