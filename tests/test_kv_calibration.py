@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from minillm import LLM, SamplingParams
 from minillm.config import ConfigError, EngineConfig
 from minillm.runner import kv_calibration as kc
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, make_tiny_moe_checkpoint, with_demo_tokenizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -33,9 +33,20 @@ def test_the_rule_puts_the_largest_value_at_half_the_range_and_keeps_1_where_ama
     assert kc.scales_from_amax(torch.tensor([57344.0 / 2]), E5M2).item() == 1.0
 
 
-def test_calibrated_scales_are_2_amax_over_448_of_the_kv_the_backend_was_given(ckpt, monkeypatch):
+def _kind(kind, root):
+    if kind == "moe":
+        return make_tiny_moe_checkpoint(root / kind, seed=3)
+    path = make_tiny_checkpoint(root / kind, arch=kind.split("+")[0], vocab=4096 if "+" in kind else 256, seed=4,
+                                **({"hidden": 64, "heads": 4, "head_dim": 16} if kind == "qwen2" else {}))
+    return with_demo_tokenizer(path) if "+" in kind else path
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "moe", "qwen3+tokenizer"])
+def test_calibrated_scales_are_2_amax_over_448_of_the_kv_the_backend_was_given(kind, tmp_path, monkeypatch):
     """The amax the calibration reads back from its scratch cache is that of the k/v each layer handed the
-    attention backend during the calibration prefill (recorded here by wrapping the backend's forward)."""
+    attention backend during the calibration prefill (recorded here by wrapping the backend's forward); for
+    Qwen3, Qwen2, Qwen3-MoE, and with a tokenizer (the calibration text) or without (seeded ids)."""
+    ckpt = _kind(kind, tmp_path)
     seen = []
     from minillm.attention.torch_backend import TorchAttentionBackend
     forward = TorchAttentionBackend.forward
