@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,6 +22,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minillm.bench.decode_sweep import line_model  # noqa: E402
 
 
 def newest(path: Path, kind: str) -> list[dict]:
@@ -74,7 +78,7 @@ def newest_per_model(path: Path) -> dict[str, dict[int, dict]]:
     rows = sorted((r for r in rows if r.get("kind") == "decode_step"), key=lambda r: r.get("date", ""))
     by_model: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
-        by_model[r["config"]["model"]["model"]].append(r)
+        by_model[line_model(r)].append(r)
     out = {}
     for model, lines in by_model.items():
         commit = lines[-1]["commit"]

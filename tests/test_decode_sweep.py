@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from minillm.bench.decode_sweep import plot_decode_steps, run_decode_sweep, step_floor_ms
+from minillm.bench.decode_sweep import line_model, plot_decode_steps, run_decode_sweep, step_floor_ms
 from minillm.bench.floor import DeviceRates, ModelShape
 from minillm.config import EngineConfig
 
@@ -29,9 +29,20 @@ def test_sweep_runs_end_to_end_and_plots(tmp_path):
     assert [ln["batch_size"] for ln in lines] == [1, 3]
     for ln in lines:
         assert ln["kind"] == "decode_step" and len(ln["ms_per_step_runs"]) == 2 and ln["floor_ms"] is None
+        assert ln["model"] == "demo" == line_model(ln)
         assert ln["kernels"]["cuda_ops"] is False and ln["config"]["cache"]["enable_prefix_caching"] is False
         json.dumps(ln)
     stamped = [{**ln, "commit": c, "date": d} for c, d in (("aaa", "2026-01-01"), ("bbb", "2026-01-02"))
                for ln in lines]
     plot_decode_steps(stamped, tmp_path / "d.png")
     assert (tmp_path / "d.png").stat().st_size > 1000
+    other = [{**ln, "model": "qwen3-30b-a3b", "commit": "ccc", "date": "2026-01-03"} for ln in lines]
+    plot_decode_steps(stamped + other, tmp_path / "m.png", model="demo")   # the other model's are left out
+    with pytest.raises(ValueError, match="no decode_step lines"):
+        plot_decode_steps(other, tmp_path / "n.png", model="demo")
+
+
+def test_older_lines_name_their_model_in_the_config():
+    assert line_model({"config": {"model": {"model": "qwen3-8b"}}}) == "qwen3-8b"
+    assert line_model({"model": "qwen3-0.6b", "config": {"model": {"model": "x"}}}) == "qwen3-0.6b"
+    assert line_model({"config": {"model": {"model": None}}}) == "demo"

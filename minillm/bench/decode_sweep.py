@@ -77,7 +77,8 @@ def measure_batch(llm, batch: int, rates: DeviceRates, prompt_len: int = PROMPT_
     kv_dtype = llm.config.cache.kv_cache_dtype
     floor = step_floor_ms(shape, str(llm.dtype), batch, prompt_len, out_tokens, rates.copy_bytes_per_s, kv_dtype)
     model_kv_floor = step_floor_ms(shape, str(llm.dtype), batch, prompt_len, out_tokens, rates.copy_bytes_per_s)
-    return {"kind": "decode_step", "kv_cache_dtype": kv_dtype, "floor_ms_model_dtype_kv": model_kv_floor, "batch_size": batch, "ms_per_step": ms, "ms_per_step_runs": diffs,
+    return {"kind": "decode_step", "model": llm.config.model.model or DEMO, "kv_cache_dtype": kv_dtype,
+            "floor_ms_model_dtype_kv": model_kv_floor, "batch_size": batch, "ms_per_step": ms, "ms_per_step_runs": diffs,
             "floor_ms": floor, "fraction_of_floor": floor / ms if floor else None, "prompt_len": prompt_len,
             "out_tokens": out_tokens, "copy_bytes_per_s": rates.copy_bytes_per_s, "dtype": str(llm.dtype),
             "kernels": _kernels(llm), "config": dataclasses.asdict(llm.config)}
@@ -110,9 +111,19 @@ def run_decode_sweep(cfg, rates: DeviceRates, batch_sizes=BATCH_SIZES, prompt_le
     return lines
 
 
-def plot_decode_steps(lines: list[dict], path, current: str | None = None, previous: str | None = None) -> None:
+DEMO = "demo"   # model.model unset: the embedded demo model
+
+
+def line_model(line: dict) -> str:
+    """The model a decode_step line measured: its `model` field, or (older lines) the config's model.model."""
+    return line.get("model") or ((line.get("config") or {}).get("model") or {}).get("model") or DEMO
+
+
+def plot_decode_steps(lines: list[dict], path, current: str | None = None, previous: str | None = None,
+                      model: str | None = None) -> None:
     """ms per step against the batch size: the current commit's curve, the previous commit's, and the floor.
-    current/previous: commits to draw; by default the two whose newest lines are newest."""
+    current/previous: commits to draw; by default the two whose newest lines are newest. model: only that model's
+    lines (one file holds several models' sweeps; their curves are not comparable)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,7 +131,8 @@ def plot_decode_steps(lines: list[dict], path, current: str | None = None, previ
     from matplotlib.ticker import FormatStrFormatter
 
     by_commit: dict[str, list[dict]] = {}
-    for line in sorted((ln for ln in lines if ln.get("kind") == "decode_step"), key=lambda ln: ln.get("date", "")):
+    steps = (ln for ln in lines if ln.get("kind") == "decode_step" and (model is None or line_model(ln) == model))
+    for line in sorted(steps, key=lambda ln: ln.get("date", "")):
         by_commit.setdefault(line.get("commit", "?"), []).append(line)
     if not by_commit:
         raise ValueError("no decode_step lines to plot")
@@ -146,7 +158,8 @@ def plot_decode_steps(lines: list[dict], path, current: str | None = None, previ
     ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_xlabel("batch size (decode rows per step)")
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"decode step vs batch size, {gpu}, {newest.get('date', '?')[:10]}", fontsize=9)
+    ax.set_title(f"decode step vs batch size, {line_model(newest)}, {gpu}, "
+                 f"{newest.get('date', '?')[:10]}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -173,7 +186,8 @@ def sweep_and_record(cfg, output, batch_sizes=BATCH_SIZES, plot: bool = True) ->
 
     lines = run_decode_sweep(cfg, rates, batch_sizes, on_line=show)
     if plot:
-        plot_decode_steps(read_jsonl(output), Path(output).with_name("decode_steps.png"))
+        plot_decode_steps(read_jsonl(output), Path(output).with_name("decode_steps.png"),
+                          model=cfg.model.model or DEMO)
     return lines
 
 
