@@ -216,7 +216,7 @@ SHAPES = [  # tokens, experts, top_k, hidden, intermediate, routing rule
     (1, 128, 8, 2048, 768, None), (8, 128, 8, 2048, 768, None), (13, 16, 4, 256, 128, None),
     (64, 128, 8, 2048, 768, None), (200, 16, 4, 256, 128, None), (40, 16, 2, 256, 128, "one"),
     (3, 64, 1, 512, 256, None), (5, 16, 2, 128, 128, None),   # the last: gate_up with two row warps at T <= 8
-    (256, 16, 4, 1024, 512, None)]   # 512 gate_up and down tiles, each expert's 64 rows in passes
+    (256, 16, 4, 1024, 512, None)]   # 512 gate_up and down tiles, ~64 rows an expert, in passes
 
 
 def _experts(e, h, i, dt, dev, seed):
