@@ -56,14 +56,18 @@ def test_engine_with_an_fp8_cache_on_the_kernels(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=512)
     prompts = [[(7 * i + j) % 512 for j in range(n)] for i, n in enumerate((5, 40, 300, 17))]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    runs = {}
+    runs, scales = {}, {}
     for attention in ("cuda", "torch"):
         llm = LLM(str(path), dtype="bfloat16", kv_cache_dtype="fp8", attention=attention, max_model_len=512,
                   max_num_batched_tokens=64)
         assert llm.engine.runner.kv_spec.quantized
         assert llm.engine.runner.megakernel is None
+        scales[attention] = llm.engine.runner.kv_spec.scales.float().cpu()   # the start-up calibration's
         runs[attention] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         del llm
+    # the calibration prefill ran on the CUDA kernels (a bf16 scratch cache) as on the torch path
+    assert (scales["cuda"] != 1.0).all()
+    torch.testing.assert_close(scales["cuda"], scales["torch"], rtol=5e-2, atol=0)
     assert all(len(t) == 24 for t in runs["cuda"])
     # bf16 kernels and the fp32 reference may split near-ties differently; most tokens agree
     same = sum(a == b for x, y in zip(runs["cuda"], runs["torch"]) for a, b in zip(x, y))
