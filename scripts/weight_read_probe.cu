@@ -11,6 +11,8 @@
 //   bulk     cp.async.bulk of contiguous chunks into a shared-memory ring (one thread issues, mbarriers), the
 //            CTA's threads then read each chunk from shared memory once
 //   bulkrow  the same with one copy per 4 KB weight row
+//   coal_stage, bulk_frag: coalesced loads staged through shared memory, and bulk copies, each read back in the
+//            fragment layout an mma kernel needs (the two ways to feed mma.sync from weights read at full rate)
 // Usage (sm_90): nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/probe scripts/weight_read_probe.cu && /tmp/probe
 // Prints one JSON line per (scheme, bytes): microseconds per read of `bytes` and TB/s, the median of 20 reads
 // (each the mean of 10 back to back) rotating over buffers that together are 4x the L2.
@@ -105,9 +107,43 @@ __global__ void __launch_bounds__(kThreads, 2) coal(const char* w, int items, ui
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// coal_stage: coal's loads, staged through the warp's own shared memory (16 rows x 512 B, rows padded by 16 B) and
+// read back in frag's fragment layout, as an mma kernel with coalesced weight loads would: the next item's loads
+// are issued once this item's registers are in shared memory.
+constexpr int kStageRow = 512 + 16;
+__global__ void __launch_bounds__(kThreads, 2) coal_stage(const char* w, int items, uint32_t* sink) {
+  extern __shared__ __align__(16) char stage[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  char* mine = stage + warp * kItemRows * kStageRow;
+  const uint64_t pol = evict_first();
+  uint32_t acc = 0;
+  uint4 r[16];
+  const auto load = [&](int i) {
+    const char* base = w + (int64_t)i * kItemRows * kRowBytes + 512 * warp + 16 * lane;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) r[j] = ldw(base + (int64_t)j * kRowBytes, pol);   // row j, 512 contiguous B
+  };
+  if (blockIdx.x < items) load(blockIdx.x);
+  for (int i = blockIdx.x; i < items; i += gridDim.x) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) *reinterpret_cast<uint4*>(mine + j * kStageRow + 16 * lane) = r[j];
+    __syncwarp();
+    if (i + gridDim.x < items) load(i + gridDim.x);
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      acc ^= fold(*reinterpret_cast<const uint4*>(mine + g * kStageRow + 64 * b + 16 * t));
+      acc ^= fold(*reinterpret_cast<const uint4*>(mine + (g + 8) * kStageRow + 64 * b + 16 * t));
+    }
+    __syncwarp();
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 // bulk: a ring of kStages chunks of `chunk` bytes (one item = 64 KB = 64 KB / chunk chunks); thread 0 keeps the
 // ring full, every thread reads its 16-byte words of each chunk from shared memory.
-template <int kStages>
+// kFragRead: each warp reads the chunk (one item, 16 rows x 4 KB) in frag's fragment layout instead of linearly:
+// the bank-conflicted pattern (rows 4 KB apart) an mma kernel on bulk-copied weights would read.
+template <int kStages, bool kFragRead = false>
 __global__ void __launch_bounds__(kThreads, 1) bulk(const char* w, int items, int chunk, uint32_t* sink) {
   extern __shared__ __align__(128) char ring[];
   __shared__ __align__(8) uint64_t full[kStages];
@@ -143,8 +179,17 @@ __global__ void __launch_bounds__(kThreads, 1) bulk(const char* w, int items, in
                    : "=r"(ok)
                    : "r"(saddr(&full[s])), "r"(parity)
                    : "memory");
-    const uint4* v = reinterpret_cast<const uint4*>(ring + s * chunk);
-    for (int j = threadIdx.x; j < chunk / 16; j += kThreads) acc ^= fold(v[j]);
+    const char* v = ring + s * chunk;
+    if constexpr (kFragRead) {
+      const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        acc ^= fold(*reinterpret_cast<const uint4*>(v + g * kRowBytes + 512 * warp + 64 * b + 16 * t));
+        acc ^= fold(*reinterpret_cast<const uint4*>(v + (g + 8) * kRowBytes + 512 * warp + 64 * b + 16 * t));
+      }
+    } else {
+      for (int j = threadIdx.x; j < chunk / 16; j += kThreads) acc ^= fold(reinterpret_cast<const uint4*>(v)[j]);
+    }
     __syncthreads();  // the stage is read: refill it
     if (threadIdx.x == 0 && c + kStages < n) issue(c + kStages);
   }
@@ -166,35 +211,48 @@ int main() {
     char* buf;
     CHECK(cudaMalloc(&buf, bytes * nbuf));
     CHECK(cudaMemset(buf, 1, bytes * nbuf));
+    enum Kind { kFrag, kFrag8, kFragPf128, kFragPf256, kCoal, kCoalStage, kBulk, kBulkFrag };
     struct Scheme {
       const char* name;
+      Kind kind;
       int chunk, stages;
     };
-    const Scheme schemes[] = {{"frag", 0, 0},         {"frag8", 0, 0},        {"frag_pf128", 0, 0},   {"frag_pf256", 0, 0},
-                              {"coal", 0, 0},         {"bulk", 32768, 3},
-                              {"bulk", 16384, 6},     {"bulk", 65536, 3},     {"bulkrow", 4096, 24}};
+    const Scheme schemes[] = {{"frag", kFrag, 0, 0},          {"frag8", kFrag8, 0, 0},
+                              {"frag_pf128", kFragPf128, 0, 0}, {"frag_pf256", kFragPf256, 0, 0},
+                              {"coal", kCoal, 0, 0},          {"coal_stage", kCoalStage, 0, 0},
+                              {"bulk", kBulk, 32768, 3},      {"bulk", kBulk, 16384, 6},
+                              {"bulk", kBulk, 65536, 3},      {"bulk_frag", kBulkFrag, 65536, 3},
+                              {"bulkrow", kBulk, 4096, 24}};
     for (const Scheme& sc : schemes) {
       const auto launch = [&](const char* w) -> cudaError_t {
-        if (sc.chunk == 0) {
-          const int grid = std::min(items, 2 * sms);
-          if (sc.name[0] == 'c') coal<<<grid, kThreads>>>(w, items, sink);
-          else if (sc.name[4] == '8') frag<8, 0><<<grid, kThreads>>>(w, items, sink);
-          else if (sc.name[4] == 0) frag<16, 0><<<grid, kThreads>>>(w, items, sink);
-          else if (sc.name[7] == '1') frag<16, 128><<<grid, kThreads>>>(w, items, sink);
-          else frag<16, 256><<<grid, kThreads>>>(w, items, sink);
-        } else {
-          const int grid = std::min(items, sms);
-          const size_t smem = size_t(sc.chunk) * sc.stages;
-          if (sc.stages == 3) {
-            cudaFuncSetAttribute(bulk<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-            bulk<3><<<grid, kThreads, smem>>>(w, items, sc.chunk, sink);
-          } else if (sc.stages == 6) {
-            cudaFuncSetAttribute(bulk<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-            bulk<6><<<grid, kThreads, smem>>>(w, items, sc.chunk, sink);
-          } else {
-            cudaFuncSetAttribute(bulk<24>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-            bulk<24><<<grid, kThreads, smem>>>(w, items, sc.chunk, sink);
-          }
+        const int grid2 = std::min(items, 2 * sms), grid1 = std::min(items, sms);
+        const size_t ring = size_t(sc.chunk) * sc.stages, staged = size_t(8) * kItemRows * kStageRow;
+        switch (sc.kind) {
+          case kFrag: frag<16, 0><<<grid2, kThreads>>>(w, items, sink); break;
+          case kFrag8: frag<8, 0><<<grid2, kThreads>>>(w, items, sink); break;
+          case kFragPf128: frag<16, 128><<<grid2, kThreads>>>(w, items, sink); break;
+          case kFragPf256: frag<16, 256><<<grid2, kThreads>>>(w, items, sink); break;
+          case kCoal: coal<<<grid2, kThreads>>>(w, items, sink); break;
+          case kCoalStage:
+            cudaFuncSetAttribute(coal_stage, cudaFuncAttributeMaxDynamicSharedMemorySize, int(staged));
+            coal_stage<<<grid2, kThreads, staged>>>(w, items, sink);
+            break;
+          case kBulkFrag:
+            cudaFuncSetAttribute(bulk<3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
+            bulk<3, true><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
+            break;
+          case kBulk:
+            if (sc.stages == 3) {
+              cudaFuncSetAttribute(bulk<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
+              bulk<3><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
+            } else if (sc.stages == 6) {
+              cudaFuncSetAttribute(bulk<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
+              bulk<6><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
+            } else {
+              cudaFuncSetAttribute(bulk<24>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
+              bulk<24><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
+            }
+            break;
         }
         return cudaGetLastError();
       };
