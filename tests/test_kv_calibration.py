@@ -3,12 +3,11 @@ the amax it reads against the k/v the attention backend was handed, its place be
 config switch, and what it buys on a model whose values the fp8 range cannot hold at scale 1.0."""
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from minillm import LLM, SamplingParams
 from minillm.config import ConfigError, EngineConfig
 from minillm.runner import kv_calibration as kc
-from tiny_models import make_tiny_checkpoint, make_tiny_moe_checkpoint, with_demo_tokenizer
+from tiny_models import make_tiny_checkpoint, make_tiny_moe_checkpoint, with_demo_tokenizer, with_tensors
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -67,12 +66,7 @@ def test_calibrated_scales_are_2_amax_over_448_of_the_kv_the_backend_was_given(k
 
 
 def test_checkpoint_scales_win_and_the_switch_turns_calibration_off(ckpt, tmp_path):
-    import shutil
-    d = tmp_path / "scaled"
-    shutil.copytree(ckpt, d)
-    w = load_file(d / "model.safetensors")
-    w["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
-    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    d = with_tensors(ckpt, tmp_path / "scaled", {"model.layers.0.self_attn.k_scale": torch.tensor(0.5)})
     s = _llm(d, kv_cache_dtype="fp8").engine.runner.kv_spec.scales.cpu()
     assert s[0, 0].tolist() == [0.5, 0.5] and (s.flatten()[2:] == 1.0).all()   # the checkpoint's, 1.0 elsewhere
     off = _llm(ckpt, kv_cache_dtype="fp8", calculate_kv_scales=False).engine.runner.kv_spec.scales
@@ -87,14 +81,7 @@ def test_the_switch_must_be_a_bool():
 
 def _loud(src, dst, factor):
     """src with every v_proj multiplied by `factor`: values far past e4m3's 448 at scale 1.0."""
-    import shutil
-    shutil.copytree(src, dst)
-    w = load_file(dst / "model.safetensors")
-    for name in list(w):
-        if name.endswith("v_proj.weight"):
-            w[name] = w[name] * factor
-    save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
+    return with_tensors(src, dst, lambda w: {n: t * factor for n, t in w.items() if n.endswith("v_proj.weight")})
 
 
 def test_calibration_keeps_values_the_unit_scale_saturates(ckpt, tmp_path):

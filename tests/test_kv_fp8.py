@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from minillm.diagnostics import paged_meta
 from minillm import LLM, SamplingParams
@@ -16,7 +15,7 @@ from minillm.model.arch import ModelArchConfig
 from minillm.model.loader import read_kv_scales
 from minillm.ops.kv_quant import FP8_KERNEL_COVERAGE, dequantize, quantize
 from minillm.ops.reference import kv_write_ref, make_paged_batch, paged_attention_ref
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, with_tensors
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -138,17 +137,8 @@ def test_chunking_prefix_hits_and_preemption_are_token_exact_under_fp8(ckpt):
 
 # ---------------------------------------------------------------- checkpoint scales and configuration errors
 
-def _with_scales(src, dst, tensors):
-    import shutil
-    shutil.copytree(src, dst)
-    weights = load_file(dst / "model.safetensors")
-    weights.update(tensors)
-    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def test_checkpoint_scales_are_read_per_tensor_and_per_head(ckpt, tmp_path):
-    d = _with_scales(ckpt, tmp_path / "s", {
+    d = with_tensors(ckpt, tmp_path / "s", {
         "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
         "model.layers.0.self_attn.v_scale": torch.tensor([0.25, 0.125]),
         "model.layers.1.self_attn.k_proj.output_scale": torch.tensor([2.0])})
@@ -166,7 +156,7 @@ def test_checkpoint_scales_are_read_per_tensor_and_per_head(ckpt, tmp_path):
 ])
 def test_bad_checkpoint_scales_exit_2(ckpt, tmp_path, tensor, words):
     from test_cli import run_cli
-    d = _with_scales(ckpt, tmp_path / "bad", {"model.layers.1.self_attn.k_scale": tensor})
+    d = with_tensors(ckpt, tmp_path / "bad", {"model.layers.1.self_attn.k_scale": tensor})
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 2}\n')
     result = run_cli("generate", prompts, "--model", d, "--kv-cache-dtype", "fp8", "--device", "cpu")

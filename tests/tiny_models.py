@@ -146,6 +146,20 @@ def with_demo_tokenizer(path: Path, files=("tokenizer.json", "tokenizer_config.j
 
 
 
+def with_tensors(src: str | Path, dst: str | Path, tensors) -> Path:
+    """A copy of checkpoint `src` at `dst` whose model.safetensors has `tensors` added or replaced; `tensors` is a
+    dict, or a function of the checkpoint's weights that returns one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    weights.update(tensors(weights) if callable(tensors) else tensors)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def make_tiny_moe_checkpoint(path: str | Path, *, experts: int = 8, top_k: int = 2, norm_topk_prob: bool = True,
                              mlp_only_layers: list[int] | None = None, decoder_sparse_step: int = 1,
                              hidden: int = 64, layers: int = 3, heads: int = 4, kv_heads: int = 2,
