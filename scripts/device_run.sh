@@ -361,8 +361,6 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       stage moechain 120 python3 scripts/moe_bench.py --tokens 1,2,4,8,16 --chain --out "$OUT/moe_kernels.jsonl" ;;
     moesweep1)   # the Qwen3-30B-A3B preset's decode step at B = 1 and 8 (dummy weights)
       sweep_model moesweep1 qwen3-30b-a3b "(1, 8)" ;;
-    moesweep6)   # the Qwen3-30B-A3B preset's decode step at B = 1, 8, 32, 64, 128, 256 (dummy weights)
-      sweep_model moesweep6 qwen3-30b-a3b "(1, 8, 32, 64, 128, 256)" ;;
     moevariants)   # moebench at 1-32 tokens with each small-step variant pair forced (sets moe_ops' two constants)
       stage moevariants 150 python3 scripts/moe_bench.py --tokens 1,2,4,8,12,16,24,32 --variants \
         --out "$OUT/moe_kernels.jsonl" ;;

@@ -196,6 +196,13 @@ __global__ void __launch_bounds__(kThreads, 1) bulk(const char* w, int items, in
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+template <int kStages, bool kFragRead = false>
+cudaError_t launch_bulk(int grid, size_t smem, const char* w, int items, int chunk, uint32_t* sink) {
+  cudaFuncSetAttribute(bulk<kStages, kFragRead>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  bulk<kStages, kFragRead><<<grid, kThreads, smem>>>(w, items, chunk, sink);
+  return cudaGetLastError();
+}
+
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -237,22 +244,11 @@ int main() {
             cudaFuncSetAttribute(coal_stage, cudaFuncAttributeMaxDynamicSharedMemorySize, int(staged));
             coal_stage<<<grid2, kThreads, staged>>>(w, items, sink);
             break;
-          case kBulkFrag:
-            cudaFuncSetAttribute(bulk<3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
-            bulk<3, true><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
-            break;
+          case kBulkFrag: return launch_bulk<3, true>(grid1, ring, w, items, sc.chunk, sink);
           case kBulk:
-            if (sc.stages == 3) {
-              cudaFuncSetAttribute(bulk<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
-              bulk<3><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
-            } else if (sc.stages == 6) {
-              cudaFuncSetAttribute(bulk<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
-              bulk<6><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
-            } else {
-              cudaFuncSetAttribute(bulk<24>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ring));
-              bulk<24><<<grid1, kThreads, ring>>>(w, items, sc.chunk, sink);
-            }
-            break;
+            return sc.stages == 3   ? launch_bulk<3>(grid1, ring, w, items, sc.chunk, sink)
+                   : sc.stages == 6 ? launch_bulk<6>(grid1, ring, w, items, sc.chunk, sink)
+                                    : launch_bulk<24>(grid1, ring, w, items, sc.chunk, sink);
         }
         return cudaGetLastError();
       };
