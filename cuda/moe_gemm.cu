@@ -19,7 +19,7 @@
 // pair's (token, slot) index; combine sums each token's k rows in slot order: no atomics, so the result does not
 // depend on the order in which CTAs finish.
 //
-// down_combine (a few tokens): a CTA per (token, 16 output columns); its warps take jobs of 8 weight rows of one
+// down_combine (a few tokens): a CTA per (token, 16 or 8 output columns); its warps take jobs of 8 weight rows of one
 // of the token's k slots, with plain 16-byte loads and fp32 FMAs (one act row: an mma's n side would use 1 of 8),
 // and the CTA sums the weighted slots in slot order in shared memory: the combine without its launch or the fp32
 // pairs buffer, at the price of reading an expert once per token that picked it instead of once per step.
@@ -247,7 +247,7 @@ __global__ void moe_combine_kernel(const float* __restrict__ pairs, int k, int H
 
 // ---- down with the combine in, for a few tokens ---------------------------------------------------------------
 
-constexpr int kDcCols = kMoeDownCombineCols;  // output columns per CTA
+constexpr int kDcCols = kMoeDownCombineCols;  // output columns per CTA (hidden is a multiple), or half of them
 constexpr int kDcRows = 8;                    // weight rows per warp job: 8 16-byte loads per lane per batch
 
 template <typename T, int R>
@@ -290,19 +290,19 @@ __device__ __forceinline__ void warp_dot_rows(float (&acc)[R], const T* w, const
   for (int j = 0; j < R; ++j) acc[j] = warp_sum_xor(acc[j], 1, 32);
 }
 
-// CTA (token t = blockIdx.x, columns n0 + [0, kDcCols)): warp jobs of kDcRows columns of one slot, slot-major;
+// CTA (token t = blockIdx.x, columns n0 + [0, kCols)): warp jobs of kDcRows columns of one slot, slot-major;
 // each writes weight * dot per (slot, column) to shared memory, then the slots are summed in order. Tokens are
 // the grid's fast index, so the CTAs of tokens that share an expert read its rows close in time (from L2).
-template <typename T>
+template <typename T, int kCols>
 __global__ void __launch_bounds__(kThreads, 2)
     moe_down_combine_kernel(const T* __restrict__ act, const T* __restrict__ w2, const int32_t* __restrict__ ids,
                             const float* __restrict__ weights, const int32_t* __restrict__ order, int k, int H,
                             int I, T* __restrict__ y, int64_t ldy) {
-  constexpr int kGroups = kDcCols / kDcRows;
+  constexpr int kGroups = kCols / kDcRows;
   __shared__ int act_row[kMoeMaxTopK];           // the row of act that holds pair (t, s)
-  __shared__ float part[kMoeMaxTopK][kDcCols];
+  __shared__ float part[kMoeMaxTopK][kCols];
   pdl_enter();
-  const int t = blockIdx.x, n0 = blockIdx.y * kDcCols, warp = threadIdx.x / 32;
+  const int t = blockIdx.x, n0 = blockIdx.y * kCols, warp = threadIdx.x / 32;
   for (int p = threadIdx.x; p < static_cast<int>(gridDim.x) * k; p += kThreads) {  // invert order for token t
     const int q = order[p];
     if (q / k == t) act_row[q - t * k] = p;
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   __syncthreads();
-  if (threadIdx.x < kDcCols / 2) {  // slot order, every time: deterministic
+  if (threadIdx.x < kCols / 2) {  // slot order, every time: deterministic
     const int c = 2 * threadIdx.x;
     float v0 = part[0][c], v1 = part[0][c + 1];
     for (int s = 1; s < k; ++s) {
@@ -390,6 +390,23 @@ struct Down {
   }
 };
 
+template <typename T, int kCols>
+struct DownCombine {
+  static cudaError_t run(cudaStream_t stream, const void* act, const void* w2, const int32_t* ids, const float* weights,
+                         const int32_t* order, int tokens, int k, int H, int I, void* y, int64_t ldy) {
+    return launch_kernel(moe_down_combine_kernel<T, kCols>, dim3(tokens, H / kCols), dim3(kThreads), 0, stream,
+                         static_cast<const T*>(act), static_cast<const T*>(w2), ids, weights, order, k, H, I,
+                         static_cast<T*>(y), ldy);
+  }
+};
+
+template <template <typename, int> class Launch, int N, typename... Args>
+cudaError_t by_dtype(ScalarType dtype, Args... args) {
+  if (dtype == ScalarType::kBFloat16) return Launch<__nv_bfloat16, N>::run(args...);
+  if (dtype == ScalarType::kFloat16) return Launch<__half, N>::run(args...);
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t launch_moe_gate_up(const void* x, int64_t ldx, const void* w13, const int32_t* order,
@@ -441,16 +458,12 @@ cudaError_t launch_moe_down_combine(const void* act, const void* w2, const int32
       !aligned16(act) || !aligned16(w2) || reinterpret_cast<uintptr_t>(y) % 4)
     return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const dim3 grid(T, H / kDcCols);
-  if (dtype == ScalarType::kBFloat16)
-    return launch_kernel(moe_down_combine_kernel<__nv_bfloat16>, grid, dim3(kThreads), 0, stream,
-                         static_cast<const __nv_bfloat16*>(act), static_cast<const __nv_bfloat16*>(w2), ids, weights,
-                         order, k, H, I, static_cast<__nv_bfloat16*>(y), ldy);
-  if (dtype == ScalarType::kFloat16)
-    return launch_kernel(moe_down_combine_kernel<__half>, grid, dim3(kThreads), 0, stream,
-                         static_cast<const __half*>(act), static_cast<const __half*>(w2), ids, weights, order, k, H,
-                         I, static_cast<__half*>(y), ldy);
-  return cudaErrorInvalidValue;
+  // Half-width CTAs where full-width ones would leave SMs with one CTA (Qwen3-30B-A3B at B = 1: 128 CTAs of two
+  // jobs a warp, against 256 of one): every warp's loads are then in flight from its start.
+  const int sms = current_sm_count();
+  return int64_t(T) * (H / kDcCols) <= sms
+             ? by_dtype<DownCombine, kDcCols / 2>(dtype, stream, act, w2, ids, weights, order, T, k, H, I, y, ldy)
+             : by_dtype<DownCombine, kDcCols>(dtype, stream, act, w2, ids, weights, order, T, k, H, I, y, ldy);
 }
 
 }  // namespace minillm
