@@ -117,6 +117,9 @@ cudaError_t launch_seeded_exponential(float* noise, int64_t row_stride, int64_t 
 // query fails.
 int current_sm_count();
 int current_cc_major();
+// Shared memory of an SM, and the most one CTA may opt in to, in bytes (0 if the query fails).
+int current_smem_per_sm();
+int current_smem_optin();
 
 // Truncation threshold per row (sampling_topp.cu): out[r] = the logit below which top-k / top-p / min-p mask
 // row r of fp32 logits (after temperature), with the semantics of the torch reference

@@ -40,9 +40,12 @@ constexpr int kWarps = 8, kThreads = 32 * kWarps, kBlockK = kMoeTileK;
 constexpr int batch_blocks(int nt) { return nt >= 4 ? 2 : 4; }
 
 // A CTA's shape: NT x tiles (8 NT rows) per pass; RW row warps (16 RW weight rows) x KW = 8 / RW warps along K.
-template <int NT_, int RW_>
+// kSmemX: the pass's x rows are copied to shared memory first (XRows below), so the weight loads of the next
+// batch never wait behind an x load from L2.
+template <int NT_, int RW_, bool kSmemX_ = false>
 struct Tile {
   static constexpr int NT = NT_, RW = RW_, KW = kWarps / RW, U = batch_blocks(NT), kRows = 8 * NT;
+  static constexpr bool kSmemX = kSmemX_;
   static constexpr int kStride = 16 * RW + 4;  // floats per row of a K-slice tile (+4: conflict-free stores)
   static constexpr int kSmemFloats = KW * kRows * kStride;
 };
@@ -73,9 +76,16 @@ __device__ __forceinline__ void load_batch(uint4 (&r)[kU][2], const Stream<T>& s
   }
 }
 
+// 16 x bytes: from the pass's rows in shared memory (kShared), else from global memory through L1.
+template <bool kShared>
+__device__ __forceinline__ uint4 ld_xrow(const void* p) {
+  if constexpr (kShared) return *reinterpret_cast<const uint4*>(p);
+  return ld_x(p);
+}
+
 // acc[j] += batch b against x tiles j < tiles (warp-uniform). x row of tile j: xc + xoff[j], at column 8t of
 // the warp's K start (offsets kept 32-bit: the registers go to the weights).
-template <typename T, int kTiles, int kU>
+template <typename T, int kTiles, int kU, bool kShared>
 __device__ __forceinline__ void compute_batch(float (&acc)[kTiles][4], const uint4 (&r)[kU][2], const T* xc,
                                               const int (&xoff)[kTiles], int tiles, int b, int n_kb) {
 #pragma unroll
@@ -87,7 +97,7 @@ __device__ __forceinline__ void compute_batch(float (&acc)[kTiles][4], const uin
 #pragma unroll
     for (int j = 0; j < kTiles; ++j) {
       if (j < tiles) {
-        const uint4 xv = ld_x(xc + xoff[j] + kb * kBlockK);
+        const uint4 xv = ld_xrow<kShared>(xc + xoff[j] + kb * kBlockK);
         mma16816<T>(acc[j], a0, xv.x, xv.y);
         mma16816<T>(acc[j], a1, xv.z, xv.w);
       }
@@ -95,11 +105,33 @@ __device__ __forceinline__ void compute_batch(float (&acc)[kTiles][4], const uin
   }
 }
 
+// x rows of a pass in shared memory: row m of K elements at m * (K + kXPad); the pad (64 bytes) puts the two
+// rows that one phase of a 16-byte shared load reads (lanes g, g + 1) in different banks.
+constexpr int kXPad = 32;
+
+template <typename T>
+__host__ __device__ constexpr int64_t x_rows_bytes(int rows, int K) {
+  return int64_t(rows) * (K + kXPad) * sizeof(T);
+}
+
+// Issues the copies of the n rows src(m) of K elements into xs (cp.async, all threads, one commit group); the
+// caller waits for them (cp_async_wait<0>, then __syncthreads for every thread's).
+template <typename T, class Src>
+__device__ __forceinline__ void stage_x(T* xs, const Src& src, int n, int K) {
+  const int chunks = K / 8;
+  for (int c = threadIdx.x; c < n * chunks; c += kThreads) {
+    const int m = c / chunks, q = c % chunks;
+    cp_async16(xs + m * (K + kXPad) + 8 * q, src(m) + 8 * q, 16);
+  }
+  cp_async_commit();
+}
+
 // One pass: the warp's 16 x 8 NT fp32 tile over its K range, then the CTA's KW slices into shared memory as
-// red[wk][m][col] (col = 16 wr + A-fragment row). Caller syncs before reading.
-template <typename T, class C>
+// red[wk][m][col] (col = 16 wr + A-fragment row). Caller syncs before reading. C::kSmemX: `stage` issues the
+// copies of the pass's x rows to shared memory, and they complete while the first two weight batches load.
+template <typename T, class C, class Stage>
 __device__ __forceinline__ void pass_tile(const Stream<T>& s, const T* xc, const int (&xoff)[C::NT], int tiles,
-                                          float* red, uint64_t pol) {
+                                          float* red, uint64_t pol, const Stage& stage) {
   constexpr int kTiles = C::NT, kU = C::U, kPassRows = C::kRows, kStride = C::kStride;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int wr = warp % C::RW, wk = warp / C::RW;
@@ -108,12 +140,17 @@ __device__ __forceinline__ void pass_tile(const Stream<T>& s, const T* xc, const
   for (int j = 0; j < kTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   uint4 ra[kU][2], rb[kU][2];
   const int n_batches = (s.n_kb + kU - 1) / kU;
+  if constexpr (C::kSmemX) stage();
   load_batch<T, kU>(ra, s, 0, pol);
   load_batch<T, kU>(rb, s, 1, pol);
+  if constexpr (C::kSmemX) {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
   for (int b = 0; b < n_batches; b += 2) {
-    compute_batch<T, kTiles, kU>(acc, ra, xc, xoff, tiles, b, s.n_kb);
+    compute_batch<T, kTiles, kU, C::kSmemX>(acc, ra, xc, xoff, tiles, b, s.n_kb);
     if (b + 2 < n_batches) load_batch<T, kU>(ra, s, b + 2, pol);
-    if (b + 1 < n_batches) compute_batch<T, kTiles, kU>(acc, rb, xc, xoff, tiles, b + 1, s.n_kb);
+    if (b + 1 < n_batches) compute_batch<T, kTiles, kU, C::kSmemX>(acc, rb, xc, xoff, tiles, b + 1, s.n_kb);
     if (b + 3 < n_batches) load_batch<T, kU>(rb, s, b + 3, pol);
   }
   // d0/d1: A-row g, x rows 8j + 2t / + 1; d2/d3: A-row g + 8.
@@ -148,6 +185,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                        const int32_t* __restrict__ active, int k, int E, int H, int I, T* __restrict__ act) {
   constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 8 * C::RW;  // gate (and up) columns of the CTA
   __shared__ __align__(16) float red[C::kSmemFloats];
+  extern __shared__ __align__(16) unsigned char dyn[];  // C::kSmemX: the pass's x rows
+  T* xs = reinterpret_cast<T*>(dyn);
   pdl_enter();  // the routing (previous kernel) decides which weights to read, so nothing moves before it ends
   if (static_cast<int>(blockIdx.y) >= active[E]) return;
   const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
@@ -162,9 +201,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int p0 = 0; p0 < rows; p0 += kPassRows) {
     const int n = min(kPassRows, rows - p0), tiles = (n + 7) / 8;
     int xoff[NT];
+    const T* xc;
+    if constexpr (C::kSmemX) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) xoff[j] = order[row0 + p0 + min(8 * j + g, n - 1)] / k * static_cast<int>(ldx);
-    pass_tile<T, C>(s, x + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
+      for (int j = 0; j < NT; ++j) xoff[j] = min(8 * j + g, n - 1) * (H + kXPad);
+      xc = xs + kb0 * kBlockK + 8 * t;
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xoff[j] = order[row0 + p0 + min(8 * j + g, n - 1)] / k * static_cast<int>(ldx);
+      xc = x + kb0 * kBlockK + 8 * t;
+    }
+    const auto row_of = [&](int m) { return x + static_cast<int64_t>(order[row0 + p0 + m] / k) * ldx; };
+    pass_tile<T, C>(s, xc, xoff, tiles, red, pol, [&] { stage_x(xs, row_of, n, H); });
     __syncthreads();
     // (m, pair of gate columns c, c + 1): SwiGLU of the K-summed gate and up, one 4-byte store.
     for (int i = threadIdx.x; i < n * (kCols / 2); i += kThreads) {
@@ -190,6 +238,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                     const int32_t* __restrict__ active, int E, int H, int I, float* __restrict__ pairs) {
   constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 16 * C::RW;  // output columns of the CTA
   __shared__ __align__(16) float red[C::kSmemFloats];
+  extern __shared__ __align__(16) unsigned char dyn[];  // C::kSmemX: the pass's act rows
+  T* xs = reinterpret_cast<T*>(dyn);
   pdl_enter();
   if (static_cast<int>(blockIdx.y) >= active[E]) return;
   const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
@@ -204,9 +254,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int p0 = 0; p0 < rows; p0 += kPassRows) {
     const int n = min(kPassRows, rows - p0), tiles = (n + 7) / 8;
     int xoff[NT];
+    const int ld = C::kSmemX ? I + kXPad : I, first = C::kSmemX ? 0 : row0 + p0;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) xoff[j] = (row0 + p0 + min(8 * j + g, n - 1)) * I;
-    pass_tile<T, C>(s, act + kb0 * kBlockK + 8 * t, xoff, tiles, red, pol);
+    for (int j = 0; j < NT; ++j) xoff[j] = (first + min(8 * j + g, n - 1)) * ld;
+    const T* xc = (C::kSmemX ? xs : act) + kb0 * kBlockK + 8 * t;
+    const auto row_of = [&](int m) { return act + static_cast<int64_t>(row0 + p0 + m) * I; };
+    pass_tile<T, C>(s, xc, xoff, tiles, red, pol, [&] { stage_x(xs, row_of, n, I); });
     __syncthreads();
     for (int i = threadIdx.x; i < n * (kCols / 4); i += kThreads) {
       const int m = i / (kCols / 4), c = 4 * (i % (kCols / 4));
@@ -366,17 +419,54 @@ cudaError_t by_tiles(int nt, ScalarType dtype, Args... args) {
 // B = 1: 768 CTAs instead of 384 for 264 resident slots, 2.9 waves instead of 1.45).
 bool gate_up_one_row_warp(int T, int H) { return T <= 8 && H / kBlockK >= 8; }
 
+// Whether tile C's CTAs can hold their pass's x rows (K elements each) in shared memory and still fit two an SM
+// (the launch bounds' occupancy, which keeps enough weight bytes in flight). Gate_up at four x tiles (Qwen3-30B-A3B:
+// 135 KB) does not.
+template <typename T, class C>
+bool smem_x_fits(int K) {
+  constexpr int64_t kReserved = 1024;  // per CTA, the driver's
+  const int64_t per_cta = x_rows_bytes<T>(C::kRows, K) + int64_t(C::kSmemFloats) * 4 + kReserved;
+  return 2 * per_cta <= current_smem_per_sm() && x_rows_bytes<T>(C::kRows, K) <= current_smem_optin();
+}
+
+// kernel<Tile<NT, RW, true>> with the pass's x rows in dynamic shared memory where they fit, else
+// kernel<Tile<NT, RW>> reading x from global memory.
+template <template <typename, class> class Kernel, typename T, int NT, int RW, typename... Args>
+cudaError_t launch_tile(int K, dim3 grid, cudaStream_t stream, Args... args) {
+  using Staged = Tile<NT, RW, true>;
+  if (smem_x_fits<T, Staged>(K)) {
+    static const cudaError_t attr = cudaFuncSetAttribute(
+        Kernel<T, Staged>::fn, cudaFuncAttributeMaxDynamicSharedMemorySize, current_smem_optin());
+    if (attr != cudaSuccess) return attr;
+    return launch_kernel(Kernel<T, Staged>::fn, grid, dim3(kThreads), x_rows_bytes<T>(Staged::kRows, K), stream,
+                         args...);
+  }
+  return launch_kernel(Kernel<T, Tile<NT, RW>>::fn, grid, dim3(kThreads), 0, stream, args...);
+}
+
+template <typename T, class C>
+struct GateUpKernel {
+  static constexpr auto fn = moe_gate_up_kernel<T, C>;
+};
+template <typename T, class C>
+struct DownKernel {
+  static constexpr auto fn = moe_down_kernel<T, C>;
+};
+
 template <typename T, int NT>
 struct GateUp {
   static cudaError_t run(int rw, int cols, int slots, cudaStream_t stream, const void* x, int64_t ldx,
                          const void* w13, const int32_t* order, const int32_t* offsets, const int32_t* active, int k,
                          int E, int H, int I, void* act) {
-    auto kernel = moe_gate_up_kernel<T, Tile<NT, 2>>;
+    auto tile = launch_tile<GateUpKernel, T, NT, 2, const T*, int64_t, const T*, const int32_t*, const int32_t*,
+                            const int32_t*, int, int, int, int, T*>;
     if constexpr (NT == 1) {
-      if (rw == 1) kernel = moe_gate_up_kernel<T, Tile<1, 1>>;
+      if (rw == 1)
+        tile = launch_tile<GateUpKernel, T, 1, 1, const T*, int64_t, const T*, const int32_t*, const int32_t*,
+                           const int32_t*, int, int, int, int, T*>;
     }
-    return launch_kernel(kernel, dim3(cols / (8 * rw), slots), dim3(kThreads), 0, stream, static_cast<const T*>(x),
-                         ldx, static_cast<const T*>(w13), order, offsets, active, k, E, H, I, static_cast<T*>(act));
+    return tile(H, dim3(cols / (8 * rw), slots), stream, static_cast<const T*>(x), ldx, static_cast<const T*>(w13),
+                order, offsets, active, k, E, H, I, static_cast<T*>(act));
   }
 };
 
@@ -385,8 +475,8 @@ struct Down {
   static cudaError_t run(dim3 grid, cudaStream_t stream, const void* act, const void* w2, const float* weights,
                          const int32_t* order, const int32_t* offsets, const int32_t* active, int E, int H, int I,
                          float* pairs) {
-    return launch_kernel(moe_down_kernel<T, Tile<NT, 2>>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(act),
-                         static_cast<const T*>(w2), weights, order, offsets, active, E, H, I, pairs);
+    return launch_tile<DownKernel, T, NT, 2>(I, grid, stream, static_cast<const T*>(act), static_cast<const T*>(w2),
+                                             weights, order, offsets, active, E, H, I, pairs);
   }
 };
 

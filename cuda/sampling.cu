@@ -322,6 +322,8 @@ int cached_device_attribute() {
 
 int current_sm_count() { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(); }
 int current_cc_major() { return cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
+int current_smem_per_sm() { return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>(); }
+int current_smem_optin() { return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 namespace {
 

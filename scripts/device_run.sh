@@ -53,6 +53,10 @@ sweep_and_record(EngineConfig.from_kwargs('$2', load_format='dummy'${4:-}), '$OU
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
   | tee -a "$SUMMARY"
+for tree in ${EXTRA_TREES:-}; do   # more trees to compare (stage treesmoe), built meanwhile as .old is
+  (cd "$tree" && MINILLM_COMMIT=$tree PYTHONPATH=$PWD:$PYTHONPATH timeout 400 python3 -c \
+    "from minillm.ops.build import load_extension; load_extension()" > "$LOG/build_${tree//[.\/]/}.log" 2>&1) &
+done
 if [[ -d .old ]]; then   # build the previous commit's kernels meanwhile (its own cache key)
   (cd .old && MINILLM_COMMIT=old PYTHONPATH=$PWD:$PYTHONPATH timeout 400 python3 -c \
     "from minillm.ops.build import load_extension; load_extension()" > "$LOG/oldbuild.log" 2>&1) &
@@ -346,6 +350,17 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       stage moeab_old 150 bash -c "cd .old && MINILLM_COMMIT=${OLD_COMMIT:-previous} PYTHONPATH=\$PWD:$PYTHONPATH \
         python3 scripts/moe_bench.py --tokens 1,2,4,8,16,32,64,128,256 --out $OUT/moe_kernels_old.jsonl"
       stage moeab_new2 150 python3 scripts/moe_bench.py --tokens 1,8,64,256 --out "$OUT/moe_kernels.jsonl" ;;
+    treesmoe)   # moebench at 1-256 tokens on this tree, .old/ and each of $EXTRA_TREES, twice over in turn
+      wait
+      for r in 1 2; do
+        for tree in . .old ${EXTRA_TREES:-}; do
+          tag=${tree//[.\/]/}; tag=${tag:-new}
+          commit=$(cat "$tree/.commit" 2>/dev/null || echo "$MINILLM_COMMIT")   # the export's commit, written beside it
+          [[ $tree == .old ]] && commit=${OLD_COMMIT:-previous}
+          stage "treesmoe_${tag}_$r" 100 bash -c "cd $tree && MINILLM_COMMIT=$commit PYTHONPATH=\$PWD:$PYTHONPATH \
+            python3 scripts/moe_bench.py --tokens 1,8,32,64,128,256 --out $OUT/moe_trees.jsonl"
+        done
+      done ;;
     ncumoe)   # Nsight Compute, basic set: each kernel of one Qwen3-30B-A3B MoE layer at $NCU_MOE_TOKENS tokens, alone
       for t in ${NCU_MOE_TOKENS:-1 8}; do
         stage ncumoe_t$t 120 ncu --clock-control none --set basic -k "regex:moe_route_gemv|moe_gate_up|moe_down" \
