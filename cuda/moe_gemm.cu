@@ -425,8 +425,8 @@ bool gate_up_one_row_warp(int T, int H) { return T <= 8 && H / kBlockK >= 8; }
 template <typename T, class C>
 bool smem_x_fits(int K) {
   constexpr int64_t kReserved = 1024;  // per CTA, the driver's
-  const int64_t per_cta = x_rows_bytes<T>(C::kRows, K) + int64_t(C::kSmemFloats) * 4 + kReserved;
-  return 2 * per_cta <= current_smem_per_sm() && x_rows_bytes<T>(C::kRows, K) <= current_smem_optin();
+  const int64_t per_cta = x_rows_bytes<T>(C::kRows, K) + int64_t(C::kSmemFloats) * 4;  // dynamic + static
+  return 2 * (per_cta + kReserved) <= current_smem_per_sm() && per_cta <= current_smem_optin();
 }
 
 // kernel<Tile<NT, RW, true>> with the pass's x rows in dynamic shared memory where they fit, else
@@ -435,11 +435,11 @@ template <template <typename, class> class Kernel, typename T, int NT, int RW, t
 cudaError_t launch_tile(int K, dim3 grid, cudaStream_t stream, Args... args) {
   using Staged = Tile<NT, RW, true>;
   if (smem_x_fits<T, Staged>(K)) {
-    static const cudaError_t attr = cudaFuncSetAttribute(
-        Kernel<T, Staged>::fn, cudaFuncAttributeMaxDynamicSharedMemorySize, current_smem_optin());
-    if (attr != cudaSuccess) return attr;
-    return launch_kernel(Kernel<T, Staged>::fn, grid, dim3(kThreads), x_rows_bytes<T>(Staged::kRows, K), stream,
-                         args...);
+    const int64_t bytes = x_rows_bytes<T>(Staged::kRows, K);
+    const cudaError_t opt_in =
+        cudaFuncSetAttribute(Kernel<T, Staged>::fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    if (opt_in != cudaSuccess) return opt_in;
+    return launch_kernel(Kernel<T, Staged>::fn, grid, dim3(kThreads), bytes, stream, args...);
   }
   return launch_kernel(Kernel<T, Tile<NT, RW>>::fn, grid, dim3(kThreads), 0, stream, args...);
 }

@@ -361,6 +361,30 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
             python3 scripts/moe_bench.py --tokens 1,8,32,64,128,256 --out $OUT/moe_trees.jsonl"
         done
       done ;;
+    moeenginebest)   # moeengine on the tree of treesmoe's best fused layer (highest mean TB/s over its token counts)
+      best=$(python3 - "$OUT/moe_trees.jsonl" . .old ${EXTRA_TREES:-} <<'PY'
+import collections, json, os, sys
+rate = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("impl") == "fused":
+        rate[r["commit"]].append(r["tb_s"])
+best = max(rate, key=lambda c: sum(rate[c]) / len(rate[c]))
+print(best, file=sys.stderr)
+trees = sys.argv[2:]
+names = {".": os.environ["MINILLM_COMMIT"], ".old": os.environ.get("OLD_COMMIT", "previous")}
+for t in trees[2:]:
+    names[t] = open(t + "/.commit").read().strip()
+print(next(t for t in trees if names[t] == best))
+PY
+)
+      commit=$(cat "$best/.commit" 2>/dev/null || echo "$MINILLM_COMMIT")
+      [[ $best == .old ]] && commit=${OLD_COMMIT:-previous}
+      echo "   best tree $best ($commit)" | tee -a "$SUMMARY"
+      stage moesweep_best 200 bash -c "cd $best && MINILLM_COMMIT=$commit PYTHONPATH=\$PWD:$PYTHONPATH python3 -m minillm \
+        bench --decode-sweep --no-progress --model qwen3-30b-a3b -o $OUT/decode_steps.jsonl"
+      stage moeoffline_best 200 bash -c "cd $best && MINILLM_COMMIT=$commit PYTHONPATH=\$PWD:$PYTHONPATH python3 -m minillm \
+        bench --no-progress --model qwen3-30b-a3b --output $OUT/bench.jsonl" ;;
     ncumoe)   # Nsight Compute, basic set: each kernel of one Qwen3-30B-A3B MoE layer at $NCU_MOE_TOKENS tokens, alone
       for t in ${NCU_MOE_TOKENS:-1 8}; do
         stage ncumoe_t$t 120 ncu --clock-control none --set basic -k "regex:moe_route_gemv|moe_gate_up|moe_down" \
