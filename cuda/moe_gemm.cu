@@ -397,12 +397,15 @@ bool gemm_ok(int T, int k, int E, int H, int I) {
 
 // x tiles per pass (NT), fixed by the step's sizes alone (graph-safe). An expert has at most T rows (a token
 // picks an expert once): T <= 8 needs one n8 tile, T <= 16 two. Above, two while the mean rows per expert T k / E
-// is at most 6 (16 rows is then more than 4 standard deviations above it under uniform routing: Qwen3-30B-A3B at
-// B = 64 has 4 on average), else four. Two tiles keep twice the weight bytes in flight per warp (batch_blocks);
-// an expert with more rows than a pass takes more passes (correct, and rare).
+// is at most 8 (16 rows is then nearly 3 standard deviations above it under uniform routing: Qwen3-30B-A3B at
+// B = 128 has 8 on average), else four. Two tiles keep twice the weight bytes in flight per warp (batch_blocks),
+// and their x rows fit in shared memory (smem_x_fits); an expert with more rows than a pass takes more passes
+// (correct, and rare). Measured on the H200 (scripts/moe_bench.py, one Qwen3-30B-A3B layer, d355453): two tiles
+// at 128 tokens 362 us against 416 with four; at 256 tokens (16 rows on average, many experts in two passes)
+// 513-521 against 462.
 int pass_tiles(int T, int k, int E) {
   if (T <= 8) return 1;
-  return T <= 16 || int64_t(T) * k <= int64_t(6) * E ? 2 : 4;
+  return T <= 16 || int64_t(T) * k <= int64_t(8) * E ? 2 : 4;
 }
 
 template <template <typename, int> class Launch, typename... Args>
