@@ -13,6 +13,10 @@
 // pass re-reads its weights per pass, from L2 while they are still there. Rows of a pass past the expert's count
 // are loaded as its last row (in bounds) and never stored.
 //
+// x rows of a pass go to shared memory first where two CTAs an SM still fit (smem_x_fits): copied with cp.async
+// while the first weight batches load, then read with 16-byte shared loads, so a weight batch's successor is not
+// issued an L2 round trip late. Gate_up's four-tile passes (135 KB for Qwen3-30B-A3B) read x from global memory.
+//
 // gate_up: warp rows g are gate rows n0 + g and rows g + 8 the matching up rows, so each lane holds gate and up
 // of the same (row, column) after the K sum and SwiGLU is applied before the one store of act (bf16 / fp16).
 // down: each sorted pair's output row is multiplied by its routing weight in fp32 and stored, in fp32, at the
@@ -40,7 +44,7 @@ constexpr int kWarps = 8, kThreads = 32 * kWarps, kBlockK = kMoeTileK;
 constexpr int batch_blocks(int nt) { return nt >= 4 ? 2 : 4; }
 
 // A CTA's shape: NT x tiles (8 NT rows) per pass; RW row warps (16 RW weight rows) x KW = 8 / RW warps along K.
-// kSmemX: the pass's x rows are copied to shared memory first (XRows below), so the weight loads of the next
+// kSmemX: the pass's x rows are copied to shared memory first (stage_x below), so the weight loads of the next
 // batch never wait behind an x load from L2.
 template <int NT_, int RW_, bool kSmemX_ = false>
 struct Tile {
