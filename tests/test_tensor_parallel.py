@@ -1,7 +1,8 @@
 """Tensor parallelism over gloo on the CPU: greedy tokens of TP=2 and TP=4 equal HF transformers' (fp32) on tiny
 random Qwen3 and Qwen2 checkpoints, across chunked prefill, prefix-cache hits and preemption; TP=4 on a model
 with 2 KV heads replicates them; a rank's shard of each checkpoint tensor is the right slice; a worker that dies
-fails the engine with an error naming it. The engine tests spawn ranks (seconds each): marked slow."""
+fails the engine with an error naming it; an fp8 cache takes each rank's heads of per-head checkpoint scales. The
+engine tests spawn ranks (seconds each): marked slow."""
 import os
 import random
 import signal
@@ -15,8 +16,8 @@ from safetensors import safe_open
 from minillm import LLM, SamplingParams
 from minillm.config import ConfigError
 from minillm.model.arch import ModelArchConfig
-from minillm.parallel.tp_model import first_kv_head, local_arch, shard_tensor
-from tiny_models import hf_greedy
+from minillm.parallel.tp_model import first_kv_head, local_arch, shard_kv_scales, shard_tensor
+from tiny_models import hf_greedy, with_tensors
 
 MAX_LEN = 96
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -50,6 +51,14 @@ def test_shards_tile_every_split_tensor(qwen2_dir, tp):
                 assert all(torch.equal(p, full) for p in parts)
             else:
                 assert torch.equal(torch.cat(parts, 0), full), name
+
+
+@pytest.mark.parametrize("tp,heads_of_rank", [(2, [[0], [1]]), (4, [[0], [0], [1], [1]])])
+def test_a_rank_takes_its_kv_heads_of_per_head_scales(qwen2_dir, tp, heads_of_rank):
+    arch = ModelArchConfig.from_dir(qwen2_dir)   # 2 KV heads: split at tp 2, replicated at tp 4
+    scales = torch.arange(arch.num_hidden_layers * 2 * 2, dtype=torch.float32).reshape(-1, 2, 2) + 1
+    for rank, heads in enumerate(heads_of_rank):
+        assert torch.equal(shard_kv_scales(scales, arch, tp, rank), scales[:, :, heads])
 
 
 def test_a_size_the_group_cannot_split_is_a_config_error(qwen3_dir):
@@ -98,6 +107,21 @@ def test_tp2_penalties_take_the_synchronous_path_and_equal_tp1(qwen2_dir):
     ref = LLM(str(qwen2_dir), device="cpu", max_model_len=MAX_LEN).generate(prompts, params, use_tqdm=False)
     with LLM(str(qwen2_dir), device="cpu", max_model_len=MAX_LEN, tensor_parallel_size=2) as llm:
         got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+@pytest.mark.slow
+def test_tp2_fp8_cache_with_per_head_checkpoint_scales_equals_tp1(qwen3_dir, tmp_path):
+    # Each KV head its own scale, far from 1.0: a rank that read another head's scale, or that refused the
+    # per-head shape against its one local head, would not give the TP=1 tokens.
+    arch = ModelArchConfig.from_dir(qwen3_dir)
+    per_head = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor([0.02, 0.05]) * (1 + i + 3 * (kv == "v"))
+                for i in range(arch.num_hidden_layers) for kv in ("k", "v")}
+    d = with_tensors(qwen3_dir, tmp_path / "scaled", per_head)
+    prompts, kw = _prompts(3)[:4], dict(device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_cache_dtype="fp8")
+    ref = LLM(str(d), **kw).generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(str(d), tensor_parallel_size=2, **kw) as llm:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 

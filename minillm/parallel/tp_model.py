@@ -53,6 +53,13 @@ def first_kv_head(arch, tp: int, rank: int) -> int:
     return rank * kv // tp if kv >= tp else rank // (tp // kv)
 
 
+def shard_kv_scales(scales: torch.Tensor, arch, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s KV heads of fp8 KV scales [layers, 2, KV heads] read against the whole model's arch (a
+    checkpoint's per-head scales name every KV head; the rank's cache holds its own, or one replicated head)."""
+    first = first_kv_head(arch, tp, rank)
+    return scales[:, :, first:first + local_arch(arch, tp).num_key_value_heads].contiguous()
+
+
 # checkpoint name suffix -> (how it splits, dim): rows/cols of the rank's heads, of the intermediate, of the vocab.
 _SPLITS = (
     ("q_proj.weight", "q", 0), ("q_proj.bias", "q", 0),

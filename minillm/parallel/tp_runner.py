@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from minillm.parallel.tp_model import local_arch, parallelize, shard_tensor
+from minillm.parallel.tp_model import local_arch, parallelize, shard_kv_scales, shard_tensor
 from minillm.runner.model_runner import ModelRunner
 from minillm.sampling.sampler import SamplerResult
 
@@ -56,6 +56,12 @@ class TPModelRunner(ModelRunner):
             load_safetensors(net, _weight_files(path), shard=shard_tensor(arch, tp, rank))
         parallelize(net, self.group)
         return net.eval(), local, path
+
+    def _checkpoint_kv_scales(self):
+        from minillm.model.loader import read_kv_scales
+        scales = read_kv_scales(self.model_dir, self.full_arch)   # checked against every KV head, then this rank's
+        return None if scales is None else shard_kv_scales(scales, self.full_arch, self.group.world_size,
+                                                           self.group.rank)
 
     def _choose_num_blocks(self) -> int:
         return self.group.min_int(super()._choose_num_blocks())   # the smallest pool of all ranks

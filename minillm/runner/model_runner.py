@@ -71,12 +71,11 @@ def _timing_event():
     return event
 
 
-def _kv_spec(cfg: EngineConfig, arch, model_dir, dtype) -> tuple[KVCacheSpec, bool]:
-    """The KV-cache spec, with an fp8 cache's scales from the checkpoint (1.0 where it has none), and whether the
-    checkpoint had any."""
+def _kv_spec(cfg: EngineConfig, arch, dtype, checkpoint_scales) -> tuple[KVCacheSpec, bool]:
+    """The KV-cache spec, with an fp8 cache's scales from the checkpoint (checkpoint_scales(), 1.0 where it has
+    none), and whether the checkpoint had any."""
     from minillm.ops.kv_quant import FP8_DTYPES
-    fp8 = cfg.cache.kv_cache_dtype in FP8_DTYPES
-    scales = read_kv_scales(model_dir, arch) if fp8 else None
+    scales = checkpoint_scales() if cfg.cache.kv_cache_dtype in FP8_DTYPES else None
     return KVCacheSpec.for_model(arch, cfg.cache.block_size, cfg.cache.kv_cache_dtype, dtype, scales), scales is not None
 
 
@@ -97,7 +96,7 @@ class ModelRunner:
                                                    prefill_sdpa_min_tokens=p.prefill_sdpa_min_tokens,
                                                    prefill_prefix_min_tokens=p.prefill_prefix_min_tokens)
         self.model, self.arch, self.model_dir = self._load_model()
-        self.kv_spec, checkpoint_scales = _kv_spec(cfg, self.arch, self.model_dir, self.dtype)
+        self.kv_spec, checkpoint_scales = _kv_spec(cfg, self.arch, self.dtype, self._checkpoint_kv_scales)
         self.attn_backend.bind_kv_cache(self.kv_spec)
         self.max_model_len = self._max_model_len()
         sched = cfg.scheduler
@@ -160,12 +159,15 @@ class ModelRunner:
                                              scales)
         self.attn_backend.bind_kv_cache(self.kv_spec)
 
-    # NOTE: _load_model and _choose_num_blocks are the hooks a tensor-parallel rank overrides
-    # (minillm/parallel/tp_runner.py: its shard of the weights; the smallest pool of all ranks).
+    # NOTE: _load_model, _checkpoint_kv_scales and _choose_num_blocks are the hooks a tensor-parallel rank overrides
+    # (minillm/parallel/tp_runner.py: its shard of the weights and of the KV scales; the smallest pool of all ranks).
     def _load_model(self):
         cfg = self.cfg
         return load_model(cfg.model.model, cfg.model.load_format, self.dtype, self.device, self.attn_backend,
                           seed=cfg.runtime.seed, kernels=self.plan.model_kernels())
+
+    def _checkpoint_kv_scales(self) -> torch.Tensor | None:
+        return read_kv_scales(self.model_dir, self.arch)
 
     def _choose_num_blocks(self) -> int:
         return choose_num_blocks(self, self.cfg.cache)
