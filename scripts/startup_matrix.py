@@ -6,7 +6,7 @@ prompt again for a prefix-cache hit).
     python scripts/startup_matrix.py --out results/startup_matrix.jsonl [--quick] [--jobs 4] [--shard 1/2]
 
 Axes: dtype {bfloat16, float16, float32} x block_size {8, 16, 32, 64} x kernels.backend {auto, cuda, torch} x
-enforce_eager {on, off} x prefix cache {on, off} on qwen3-0.6b, plus every preset with its defaults. --quick runs a
+enforce_eager {on, off} x prefix cache {on, off} x kv_cache_dtype {auto, fp8, fp8_e5m2} on qwen3-0.6b, plus every preset with its defaults. --quick runs a
 pairwise design (every pair of values of two axes appears in some case) plus the three configurations that once
 crashed in graph capture. One JSON line per case: the config, result (ok | refused | crashed), message, the plan's
 record (minillm/runner/plan.py), the engine's warnings and errors (log), seconds. Exit status 1 when a case crashed.
@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 AXES = {"dtype": ("bfloat16", "float16", "float32"), "block_size": (8, 16, 32, 64),
-        "kernels": ("auto", "cuda", "torch"), "enforce_eager": (True, False), "enable_prefix_caching": (True, False)}
+        "kernels": ("auto", "cuda", "torch"), "enforce_eager": (True, False), "enable_prefix_caching": (True, False),
+        "kv_cache_dtype": ("auto", "fp8", "fp8_e5m2")}
 SMALL = dict(load_format="dummy", device="cuda", max_model_len=256, num_kv_blocks=128, max_num_seqs=4)
 ONCE_CRASHED = ({"dtype": "float32"}, {"block_size": 8}, {"block_size": 64})
 PROMPT = list(range(1, 71))   # more than one block at every block size: the second run hits the prefix cache

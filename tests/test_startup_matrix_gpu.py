@@ -1,5 +1,6 @@
 """The start-up matrix (scripts/startup_matrix.py): on a GPU every case of the pairwise design (dtype x block size x
-kernels.backend x eager x prefix cache, the configurations that once crashed in graph capture, and the presets)
+kernels.backend x eager x prefix cache x KV-cache dtype, the configurations that once crashed in graph capture, and
+the presets)
 serves a few tokens, each in its own process, or is refused up front with a ConfigError naming the key; none
 crashes. The full product is the script's (results/startup_matrix.jsonl)."""
 import importlib.util
