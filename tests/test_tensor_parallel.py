@@ -111,15 +111,21 @@ def test_tp2_penalties_take_the_synchronous_path_and_equal_tp1(qwen2_dir):
 
 
 @pytest.mark.slow
-def test_tp2_fp8_cache_with_per_head_checkpoint_scales_equals_tp1(qwen3_dir, tmp_path):
-    # Each KV head its own scale, far from 1.0: a rank that read another head's scale, or that refused the
-    # per-head shape against its one local head, would not give the TP=1 tokens.
-    arch = ModelArchConfig.from_dir(qwen3_dir)
-    per_head = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor([0.02, 0.05]) * (1 + i + 3 * (kv == "v"))
-                for i in range(arch.num_hidden_layers) for kv in ("k", "v")}
-    d = with_tensors(qwen3_dir, tmp_path / "scaled", per_head)
+@pytest.mark.parametrize("scales", ["checkpoint", "calibrated"])
+def test_tp2_fp8_cache_equals_tp1(qwen3_dir, tmp_path, scales):
+    # checkpoint: each KV head its own scale, far from 1.0; a rank that read another head's scale, or that refused
+    # the per-head shape against its one local head, would not give the TP=1 tokens. calibrated: no checkpoint
+    # scales, so every rank runs the start-up calibration over its own heads (the ranks prefill together).
+    d = qwen3_dir
+    if scales == "checkpoint":
+        arch = ModelArchConfig.from_dir(qwen3_dir)
+        d = with_tensors(qwen3_dir, tmp_path / "scaled", {
+            f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor([0.02, 0.05]) * (1 + i + 3 * (kv == "v"))
+            for i in range(arch.num_hidden_layers) for kv in ("k", "v")})
     prompts, kw = _prompts(3)[:4], dict(device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_cache_dtype="fp8")
-    ref = LLM(str(d), **kw).generate(prompts, GREEDY, use_tqdm=False)
+    one = LLM(str(d), **kw)
+    ref = one.generate(prompts, GREEDY, use_tqdm=False)
+    assert (one.engine.runner.kv_spec.scales != 1.0).all()
     with LLM(str(d), tensor_parallel_size=2, **kw) as llm:
         got = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

@@ -51,7 +51,7 @@ def calibration_ids(runner, n: int) -> torch.Tensor:
     seeded random ids where the model has no tokenizer (dummy-weight presets)."""
     from minillm.tokenizer import Tokenizer
 
-    vocab = runner.arch.vocab_size
+    vocab = runner.vocab_size   # the whole model's (a tensor-parallel rank's arch holds its vocabulary shard)
     ids: list[int] = []
     if runner.model_dir is not None and (runner.model_dir / "tokenizer.json").is_file():
         ids = [i for i in Tokenizer.from_dir(runner.model_dir).encode(CALIBRATION_TEXT) if i < vocab]
