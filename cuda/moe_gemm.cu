@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 8 * C::RW;  // gate (and up) columns of the CTA
   __shared__ __align__(16) float red[C::kSmemFloats];
   extern __shared__ __align__(16) unsigned char dyn[];  // C::kSmemX: the pass's x rows
-  T* xs = reinterpret_cast<T*>(dyn);
   pdl_enter();  // the routing (previous kernel) decides which weights to read, so nothing moves before it ends
+  T* xs = reinterpret_cast<T*>(dyn);
   if (static_cast<int>(blockIdx.y) >= active[E]) return;
   const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -243,8 +243,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int NT = C::NT, kPassRows = C::kRows, kCols = 16 * C::RW;  // output columns of the CTA
   __shared__ __align__(16) float red[C::kSmemFloats];
   extern __shared__ __align__(16) unsigned char dyn[];  // C::kSmemX: the pass's act rows
-  T* xs = reinterpret_cast<T*>(dyn);
   pdl_enter();
+  T* xs = reinterpret_cast<T*>(dyn);
   if (static_cast<int>(blockIdx.y) >= active[E]) return;
   const int e = active[blockIdx.y], row0 = offsets[e], rows = offsets[e + 1] - row0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

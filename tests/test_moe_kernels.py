@@ -113,7 +113,8 @@ def test_every_moe_kernel_waits_for_its_predecessor_first():
         for kernel, body in kernels:
             lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("//")]
             first = next(i for i, ln in enumerate(lines) if "pdl_enter();" in ln)
-            assert all(ln.startswith(("__shared__", "constexpr", "clear_counts(")) for ln in lines[:first]), kernel
+            assert all(ln.startswith(("__shared__", "extern __shared__", "constexpr", "clear_counts("))
+                       for ln in lines[:first]), kernel
 
 
 def test_the_build_compiles_the_moe_sources():
