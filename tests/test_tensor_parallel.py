@@ -1,8 +1,8 @@
 """Tensor parallelism over gloo on the CPU: greedy tokens of TP=2 and TP=4 equal HF transformers' (fp32) on tiny
 random Qwen3 and Qwen2 checkpoints, across chunked prefill, prefix-cache hits and preemption; TP=4 on a model
 with 2 KV heads replicates them; a rank's shard of each checkpoint tensor is the right slice; a worker that dies
-fails the engine with an error naming it; an fp8 cache takes each rank's heads of per-head checkpoint scales. The
-engine tests spawn ranks (seconds each): marked slow."""
+fails the engine with an error naming it; an fp8 cache, with per-head checkpoint scales or calibrated ones, gives
+the TP=1 tokens. The engine tests spawn ranks (seconds each): marked slow."""
 import os
 import random
 import signal
