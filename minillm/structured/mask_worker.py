@@ -222,6 +222,8 @@ def _serve(conn, k: int, n: int, model_dir, vocab_size: int, cfg: StructuredConf
                 done = _apply(matchers, shared, k, msg, conn, errors) or done
             elif ring[0] == done + 1:   # a ring past the next fill waits for that fill's message
                 memory_barrier()
+                if conn.poll(0):   # a message sent before the ring, after the poll above: it goes first
+                    continue
                 done += 1
                 _follow(matchers, shared, k, done, int(ring[1]), conn, errors, 2 * cfg.compile_timeout_s + 10.0)
             elif time.monotonic() < spin_until:
