@@ -50,17 +50,22 @@ from minillm.bench.decode_sweep import sweep_and_record; \
 sweep_and_record(EngineConfig.from_kwargs('$2', load_format='dummy'${4:-}), '$OUT/decode_steps.jsonl', $3)"
 }
 
+tree_commit() {   # the commit a tree's results lines name: this one's, .old's ($OLD_COMMIT), an export's .commit file
+  case "$1" in
+    .) echo "$MINILLM_COMMIT" ;;
+    .old) echo "${OLD_COMMIT:-previous}" ;;
+    *) cat "$1/.commit" 2>/dev/null || echo "$1" ;;
+  esac
+}
+
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
   | tee -a "$SUMMARY"
-for tree in ${EXTRA_TREES:-}; do   # more trees to compare (stage treesmoe), built meanwhile as .old is
-  (cd "$tree" && MINILLM_COMMIT=$tree PYTHONPATH=$PWD:$PYTHONPATH timeout 400 python3 -c \
+# build the kernels of .old/ (the previous commit) and of $EXTRA_TREES (stage treesmoe) meanwhile, each its own cache key
+for tree in $([[ -d .old ]] && echo .old) ${EXTRA_TREES:-}; do
+  (cd "$tree" && MINILLM_COMMIT=$(tree_commit "$tree") PYTHONPATH=$PWD:$PYTHONPATH timeout 400 python3 -c \
     "from minillm.ops.build import load_extension; load_extension()" > "$LOG/build_${tree//[.\/]/}.log" 2>&1) &
 done
-if [[ -d .old ]]; then   # build the previous commit's kernels meanwhile (its own cache key)
-  (cd .old && MINILLM_COMMIT=old PYTHONPATH=$PWD:$PYTHONPATH timeout 400 python3 -c \
-    "from minillm.ops.build import load_extension; load_extension()" > "$LOG/oldbuild.log" 2>&1) &
-fi
 stage build 240 python3 -c "from minillm.ops.build import load_extension; load_extension(); print('extension ok')"
 
 for s in "$@"; do
@@ -355,31 +360,23 @@ for name, f in (('isfinite', lambda: (~torch.isfinite(x).all())), ('exponential_
       for r in 1 2; do
         for tree in . .old ${EXTRA_TREES:-}; do
           tag=${tree//[.\/]/}; tag=${tag:-new}
-          commit=$(cat "$tree/.commit" 2>/dev/null || echo "$MINILLM_COMMIT")   # the export's commit, written beside it
-          [[ $tree == .old ]] && commit=${OLD_COMMIT:-previous}
-          stage "treesmoe_${tag}_$r" 100 bash -c "cd $tree && MINILLM_COMMIT=$commit PYTHONPATH=\$PWD:$PYTHONPATH \
+          stage "treesmoe_${tag}_$r" 100 bash -c "cd $tree && MINILLM_COMMIT=$(tree_commit "$tree") PYTHONPATH=\$PWD:$PYTHONPATH \
             python3 scripts/moe_bench.py --tokens 1,8,32,64,128,256 --out $OUT/moe_trees.jsonl"
         done
       done ;;
     moeenginebest)   # moeengine on the tree of treesmoe's best fused layer (highest mean TB/s over its token counts)
-      best=$(python3 - "$OUT/moe_trees.jsonl" . .old ${EXTRA_TREES:-} <<'PY'
-import collections, json, os, sys
+      best=$(python3 - "$OUT/moe_trees.jsonl" $(for t in . .old ${EXTRA_TREES:-}; do echo "$t=$(tree_commit $t)"; done) <<'PY'
+import collections, json, sys
 rate = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r.get("impl") == "fused":
         rate[r["commit"]].append(r["tb_s"])
 best = max(rate, key=lambda c: sum(rate[c]) / len(rate[c]))
-print(best, file=sys.stderr)
-trees = sys.argv[2:]
-names = {".": os.environ["MINILLM_COMMIT"], ".old": os.environ.get("OLD_COMMIT", "previous")}
-for t in trees[2:]:
-    names[t] = open(t + "/.commit").read().strip()
-print(next(t for t in trees if names[t] == best))
+print(next(t for t, c in (a.split("=", 1) for a in sys.argv[2:]) if c == best))
 PY
 )
-      commit=$(cat "$best/.commit" 2>/dev/null || echo "$MINILLM_COMMIT")
-      [[ $best == .old ]] && commit=${OLD_COMMIT:-previous}
+      commit=$(tree_commit "$best")
       echo "   best tree $best ($commit)" | tee -a "$SUMMARY"
       stage moesweep_best 200 bash -c "cd $best && MINILLM_COMMIT=$commit PYTHONPATH=\$PWD:$PYTHONPATH python3 -m minillm \
         bench --decode-sweep --no-progress --model qwen3-30b-a3b -o $OUT/decode_steps.jsonl"
