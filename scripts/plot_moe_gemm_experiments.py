@@ -55,11 +55,13 @@ def main() -> None:
         name = r["scheme"] + (f" {r['chunk'] // 1024}K" if r["chunk"] else "")
         if name not in names:
             names.append(name)
-    width = 0.2
-    for j, (commit, size) in enumerate(sorted({(r["commit"], r["bytes"]) for r in probe})):
+    groups = sorted({(r["commit"], r["bytes"]) for r in probe})
+    width = 0.8 / len(groups)
+    for j, (commit, size) in enumerate(groups):
         rate = {r["scheme"] + (f" {r['chunk'] // 1024}K" if r["chunk"] else ""): r["tb_s"] for r in probe
                 if (r["commit"], r["bytes"]) == (commit, size)}
-        bx.bar([i + (j - 1.5) * width for i in range(len(names))], [rate.get(n, 0) for n in names], width,
+        bx.bar([i + (j - (len(groups) - 1) / 2) * width for i in range(len(names))], [rate.get(n, 0) for n in names],
+               width,
                label=f"{size >> 20} MiB ({commit})")
     bx.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
     bx.set(ylabel="TB/s", title="weight read rate by load scheme (weight_read_probe.cu)")
